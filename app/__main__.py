@@ -1,0 +1,95 @@
+"""``python -m app``: start the EngineCore, then serve the OpenAI API with hypercorn.
+
+The listening address is bound first, so a taken port fails at once rather
+than after the model has loaded. The frontend runs on a uvloop event loop;
+the AsyncLLM (which spawns the EngineCore process) is created inside it.
+SIGINT/SIGTERM stop accepting connections, give running requests a few
+seconds (hypercorn's graceful timeout), then shut the engine down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+
+from app.cli import build_engine_config, load_chat_template, make_parser
+from core.config import EngineConfig
+
+logger = logging.getLogger("ringllm")
+
+GRACEFUL_TIMEOUT_S = 3.0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A bound (not yet listening) TCP socket for hypercorn to serve on."""
+    family, type_, proto, _, address = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, type_, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def serve(
+    config: EngineConfig, chat_template: str | None, sock: socket.socket, api_key: str | None
+) -> None:
+    from hypercorn.asyncio import serve as hypercorn_serve
+    from hypercorn.config import Config as HypercornConfig
+
+    from app.async_llm import AsyncLLM
+    from app.server import build_app
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    engine = AsyncLLM.from_config(config, chat_template)
+    try:
+        app = build_app(engine, engine.served_model_name, engine.max_model_len, api_key, chat_template)
+        host, port = sock.getsockname()[:2]
+        hypercorn_config = HypercornConfig()
+        hypercorn_config.bind = [f"fd://{sock.detach()}"]  # hypercorn owns the socket from here
+        hypercorn_config.accesslog = None
+        hypercorn_config.errorlog = logging.getLogger("hypercorn.error")  # through our handlers only
+        hypercorn_config.graceful_timeout = GRACEFUL_TIMEOUT_S
+        logger.info("ringllm serving %s on http://%s:%d", engine.served_model_name, host, port)
+        await hypercorn_serve(app, hypercorn_config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+    finally:
+        logger.info("shutting down")
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        chat_template = load_chat_template(args.chat_template)
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as exc:
+        parser.exit(1, f"cannot listen on {args.host}:{args.port}: {exc}\n")
+    config = build_engine_config(args)
+
+    import uvloop
+
+    uvloop.run(serve(config, chat_template, sock, args.api_key))
+
+
+if __name__ == "__main__":
+    main()

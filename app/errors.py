@@ -1,0 +1,69 @@
+"""Errors the HTTP layer turns into OpenAI-shaped JSON bodies.
+
+OpenAI clients decide which exception to raise from the HTTP status and read
+``error.message`` from the body, so every failure the server reports goes
+through :class:`OpenAIError` (or :func:`error_body` for a mid-stream event).
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+import msgspec
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorInfo
+
+
+class OpenAIError(Exception):
+    """A failure to report to the client with an HTTP status and OpenAI error type."""
+
+    status: HTTPStatus = HTTPStatus.INTERNAL_SERVER_ERROR
+    type: str = "InternalServerError"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def to_response(self) -> ErrorResponse:
+        return error_body(self.message, self.type, self.status, self.param)
+
+
+class BadRequestError(OpenAIError):
+    status = HTTPStatus.BAD_REQUEST
+    type = "BadRequestError"
+
+
+class AuthenticationError(OpenAIError):
+    status = HTTPStatus.UNAUTHORIZED
+    type = "AuthenticationError"
+
+
+class NotFoundError(OpenAIError):
+    status = HTTPStatus.NOT_FOUND
+    type = "NotFoundError"
+
+
+class MethodNotAllowedError(OpenAIError):
+    status = HTTPStatus.METHOD_NOT_ALLOWED
+    type = "MethodNotAllowedError"
+
+
+class InternalServerError(OpenAIError):
+    status = HTTPStatus.INTERNAL_SERVER_ERROR
+    type = "InternalServerError"
+
+
+def error_body(
+    message: str, type: str, status: HTTPStatus | int, param: str | None = None
+) -> ErrorResponse:
+    return ErrorResponse(ErrorInfo(message=message, type=type, param=param, code=int(status)))

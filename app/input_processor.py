@@ -1,0 +1,151 @@
+"""From prompt (text, token ids or chat messages) to a validated EngineCoreRequest.
+
+Everything that needs the tokenizer or can be rejected before the engine sees
+the request happens here, in the frontend: the engine only gets token ids that
+fit its context window.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jinja2
+import msgspec
+
+from core.protocol import EngineCoreRequest, SamplingParams
+
+
+def load_tokenizer(path: str) -> Any:
+    """The Hugging Face tokenizer of a local model directory (no network)."""
+    from transformers import AutoTokenizer  # heavy import: only where needed
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _generation_eos_ids(tokenizer: Any) -> list[int]:
+    """End-of-sequence ids from generation_config.json (may list several)."""
+    path = os.path.join(getattr(tokenizer, "name_or_path", "") or "", "generation_config.json")
+    try:
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, ValueError):
+        return []
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else [int(i) for i in eos]
+
+
+class InputProcessor:
+    """Tokenizes prompts and checks requests against the model's limits."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        # Token ids are checked against the model's embedding table, which is
+        # often padded beyond the tokenizer's vocabulary.
+        self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
+        eos_ids = _generation_eos_ids(tokenizer)
+        self.eos_token_id: int | None = tokenizer.eos_token_id
+        if self.eos_token_id is None and eos_ids:
+            self.eos_token_id = eos_ids[0]
+        # Models such as Llama 3 end a turn with any of several tokens: the
+        # ones besides eos_token_id become stop tokens.
+        self.extra_eos_ids = [i for i in eos_ids if i != self.eos_token_id]
+
+    # ------------------------------------------------------------- prompts
+
+    def tokenize_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a text prompt (with the tokenizer's BOS), or checked ids."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        for token_id in ids:
+            if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
+                raise ValueError(
+                    f"Token id {token_id!r} is out of vocabulary (size {self.vocab_size})."
+                )
+        return ids
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """Render the conversation with a chat template and tokenize it.
+
+        ``chat_template`` overrides the tokenizer's own. The rendered text is
+        tokenized without adding special tokens: templates write their own BOS.
+        """
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(
+                "This model has no chat template and the request gave none: pass "
+                "`chat_template` in the request or start the server with --chat-template, "
+                "or use /v1/completions."
+            )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **template_kwargs,
+            )
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"The chat template failed to render the messages: {exc}") from exc
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ------------------------------------------------------------ requests
+
+    def default_max_tokens(self, prompt_len: int) -> int:
+        """Room left in the context window after the prompt."""
+        return self.max_model_len - prompt_len
+
+    def process(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> EngineCoreRequest:
+        """Validate and build the request the engine runs; ValueError if it cannot."""
+        prompt_len = len(prompt_token_ids)
+        if prompt_len == 0:
+            raise ValueError("The prompt is empty: it must contain at least one token.")
+        if prompt_len >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, your prompt has {prompt_len} tokens, which leaves no room for "
+                "the completion. Please reduce the length of the prompt."
+            )
+        if prompt_len + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {prompt_len + params.max_tokens} tokens "
+                f"({prompt_len} in the prompt, {params.max_tokens} in the completion). "
+                "Please reduce the length of the prompt or of the completion."
+            )
+        params.validate()
+        for token_id in params.stop_token_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(f"Stop token id {token_id} is out of vocabulary.")
+        if self.extra_eos_ids and not params.ignore_eos:
+            stop_ids = params.stop_token_ids + [
+                i for i in self.extra_eos_ids if i not in params.stop_token_ids
+            ]
+            params = msgspec.structs.replace(params, stop_token_ids=stop_ids)
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=time.time(),
+            priority=priority,
+            cache_salt=cache_salt,
+        )

@@ -1,0 +1,76 @@
+"""Offline batch generation on the same engine: ``LLM(model).generate(prompts, params)``.
+
+Uses the in-process client (no IPC) and the same input/output processors as
+the server, so tokenization, detokenization and stop strings behave the same.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from app.input_processor import InputProcessor, load_tokenizer
+from app.output_processor import OutputProcessor, RequestOutputCollector
+from core.client import InprocClient
+from core.config import EngineConfig
+from core.protocol import SamplingParams
+
+
+@dataclass
+class CompletionResult:
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_cached_tokens: int
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        if model is None:
+            from core.models.default_model import ensure_default_model
+
+            model = ensure_default_model()
+        self.config = EngineConfig(model=model, **engine_args).resolve()
+        self.tokenizer = load_tokenizer(self.config.tokenizer)
+        self.engine = InprocClient(self.config)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.engine.max_model_len, self.config.hf_config()["vocab_size"]
+        )
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[CompletionResult]:
+        """Run every prompt to completion, batched by the scheduler; results in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        output_processor = OutputProcessor(self.tokenizer)
+        collectors: list[tuple[list[int], RequestOutputCollector]] = []
+        for prompt, p in zip(prompts, per_prompt):
+            ids = self.input_processor.tokenize_prompt(prompt)
+            request = self.input_processor.process(f"offline-{next(self._ids)}", ids, p)
+            collector = RequestOutputCollector()
+            output_processor.add_request(request, collector)
+            self.engine.add_request(request)
+            collectors.append((ids, collector))
+        while output_processor.has_unfinished_requests():
+            outputs = self.engine.get_output()
+            to_abort = output_processor.process_outputs(outputs.outputs)
+            if to_abort:
+                self.engine.abort_requests(to_abort)
+        results = []
+        for ids, collector in collectors:
+            out = collector.get_nowait()
+            assert out is not None and out.finished
+            results.append(
+                CompletionResult(ids, out.text, list(out.token_ids), out.finish_reason, out.num_cached_tokens)
+            )
+        return results
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

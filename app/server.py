@@ -1,0 +1,143 @@
+"""The Starlette application: routes, OpenAI-shaped errors, optional API key.
+
+Routes: GET /health, GET /v1/models, POST /v1/completions,
+POST /v1/chat/completions, and GET /engine/stats (scheduler counters, for
+operators and tests). Every error, including unknown routes, has OpenAI's
+``{"error": {...}}`` body. With an API key, every route but /health
+requires ``Authorization: Bearer <key>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from app.errors import (
+    AuthenticationError,
+    MethodNotAllowedError,
+    NotFoundError,
+    OpenAIError,
+    error_body,
+)
+from app.serving import EngineLike, EventStreamResponse, OpenAIServing, as_openai_error, json_response
+from core.protocol import SchedulerStats
+
+logger = logging.getLogger("ringllm.server")
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def error_response(exc: OpenAIError) -> Response:
+    return json_response(exc.to_response(), status=exc.status)
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Run ``work``, cancelling it if the client hangs up first.
+
+    A non-streaming completion can run for a long time; without this a
+    client that gave up would still cost its whole generation. Call only
+    after the body has been read, since this consumes ``receive``.
+    """
+    work_task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait((work_task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work_task.done():
+            work_task.cancel()
+        await asyncio.gather(work_task, watch, return_exceptions=True)
+    client_gone = watch.done() and not watch.cancelled()
+    if client_gone:
+        finished = not work_task.cancelled() and work_task.exception() is None
+        if finished and isinstance(response := work_task.result(), EventStreamResponse):
+            await response.events.aclose()  # never started: nothing reached the engine
+        return Response(status_code=499)  # nobody is listening any more
+    return work_task.result()
+
+
+def build_app(
+    engine: EngineLike,
+    served_model_name: str,
+    max_model_len: int,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+) -> Starlette:
+    serving = OpenAIServing(engine, served_model_name, max_model_len, chat_template)
+    expected_auth = f"Bearer {api_key}".encode() if api_key else None
+
+    def openai_route(handler: Endpoint) -> Endpoint:
+        """Checks the API key and turns every failure into an OpenAI error body."""
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                if expected_auth is not None:
+                    given = request.headers.get("authorization", "").encode()
+                    if not hmac.compare_digest(given, expected_auth):
+                        raise AuthenticationError("Invalid or missing API key.")
+                return await handler(request)
+            except OpenAIError as exc:
+                return error_response(exc)
+            except Exception as exc:  # noqa: BLE001 - a 500 with a body beats a dropped connection
+                return error_response(as_openai_error(exc))
+
+        return endpoint
+
+    async def health(request: Request) -> Response:
+        if engine.is_dead:
+            return json_response(error_body("The engine is dead.", "ServiceUnavailableError", 503), 503)
+        return Response(status_code=200)
+
+    async def models(request: Request) -> Response:
+        return serving.list_models()
+
+    async def completions(request: Request) -> Response:
+        body = await request.body()
+        return await _cancel_on_disconnect(request, serving.create_completion(body))
+
+    async def chat_completions(request: Request) -> Response:
+        body = await request.body()
+        return await _cancel_on_disconnect(request, serving.create_chat_completion(body))
+
+    async def engine_stats(request: Request) -> Response:
+        get_stats = getattr(engine, "get_scheduler_stats", None)
+        if get_stats is None:
+            raise NotFoundError("This engine reports no statistics.")
+        stats = await get_stats()
+        if not isinstance(stats, SchedulerStats):  # it crossed the wire as a msgpack array
+            stats = msgspec.convert(stats, SchedulerStats)
+        return json_response(msgspec.structs.asdict(stats))
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 405:
+            message = f"Method {request.method} is not allowed on {request.url.path}."
+            error: OpenAIError = MethodNotAllowedError(message)
+        elif exc.status_code == 404:
+            error = NotFoundError(f"There is no route {request.method} {request.url.path}.")
+        else:
+            return json_response(error_body(str(exc.detail), "HTTPError", exc.status_code), exc.status_code)
+        return error_response(error)
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", openai_route(models), methods=["GET"]),
+        Route("/v1/completions", openai_route(completions), methods=["POST"]),
+        Route("/v1/chat/completions", openai_route(chat_completions), methods=["POST"]),
+        Route("/engine/stats", openai_route(engine_stats), methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})

@@ -1,0 +1,348 @@
+"""The OpenAI endpoints: /v1/completions, /v1/chat/completions and /v1/models.
+
+A handler decodes and checks the request, builds the prompt's token ids,
+asks the InputProcessor for a validated EngineCoreRequest, then either
+collects the whole output or streams it as server-sent events. Everything
+that is wrong with a request is reported before generation starts, as an
+HTTP error; a failure during a stream becomes an ``error`` event (which
+OpenAI's clients raise as APIError) that ends the stream without [DONE].
+
+The engine is anything with ``input_processor``, ``is_dead``,
+``abort(request_id)`` and ``generate(request)``, an async generator of
+RequestOutput deltas that aborts the request when it is closed early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator
+from typing import Any, Protocol
+
+import msgspec
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from app.errors import BadRequestError, InternalServerError, NotFoundError, OpenAIError
+from app.input_processor import InputProcessor
+from app.output_processor import RequestOutput
+from app.protocol import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    UsageInfo,
+    now,
+    random_id,
+)
+from core.protocol import EngineCoreRequest, EngineDeadError
+
+logger = logging.getLogger("ringllm.serving")
+
+_encoder = msgspec.json.Encoder()
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+class EngineLike(Protocol):
+    input_processor: InputProcessor
+    is_dead: bool
+
+    def generate(self, request: EngineCoreRequest) -> AsyncGenerator[RequestOutput, None]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(_encoder.encode(body), status_code=status, media_type="application/json")
+
+
+def sse_event(body: Any) -> bytes:
+    return b"data: " + _encoder.encode(body) + b"\n\n"
+
+
+def as_openai_error(exc: BaseException) -> OpenAIError:
+    """The error to show the client for a failure during generation."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return InternalServerError(f"The engine is dead: {exc}")
+    logger.error("request failed", exc_info=exc)
+    return InternalServerError(f"{type(exc).__name__}: {exc}")
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events that stop as soon as the client goes away.
+
+    The body iterator runs beside a task that waits for ``http.disconnect``;
+    whichever ends first cancels the other, and the iterator is closed
+    either way, so the request is aborted in the engine promptly instead of
+    when the next send fails (or never, on a server that drops sends to
+    closed connections silently).
+    """
+
+    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
+        super().__init__(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self.events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        pump = asyncio.ensure_future(self._pump(send))
+        watch = asyncio.ensure_future(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            pump.cancel()
+            watch.cancel()
+            await asyncio.gather(pump, watch, return_exceptions=True)
+            await self.events.aclose()
+        if pump.done() and not pump.cancelled() and pump.exception() is not None:
+            raise pump.exception()  # type: ignore[misc]
+
+    async def _pump(self, send: Send) -> None:
+        async for event in self.events:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _decode(body: bytes, request_type: type) -> Any:
+    try:
+        return msgspec.json.decode(body, type=request_type)
+    except msgspec.ValidationError as exc:
+        raise BadRequestError(f"Invalid request: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise BadRequestError(f"The request body is not valid JSON: {exc}") from None
+
+
+class OpenAIServing:
+    """Implements the OpenAI routes on top of an AsyncLLM-like engine."""
+
+    def __init__(
+        self,
+        engine: EngineLike,
+        served_model_name: str,
+        max_model_len: int,
+        chat_template: str | None = None,
+    ) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.max_model_len = max_model_len
+        # The server-wide --chat-template; a request's own chat_template wins.
+        if chat_template is None:
+            chat_template = getattr(engine, "chat_template", None)
+        self.chat_template = chat_template
+        self.created = now()
+
+    @property
+    def input_processor(self) -> InputProcessor:
+        return self.engine.input_processor
+
+    # ------------------------------------------------------------------ models
+
+    def list_models(self) -> Response:
+        card = ModelCard(id=self.served_model_name, created=self.created, max_model_len=self.max_model_len)
+        return json_response(ModelList(data=[card]))
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise NotFoundError(f"The model `{model}` does not exist.", "model")
+
+    def _check_alive(self) -> None:
+        if self.engine.is_dead:
+            raise InternalServerError("The engine is dead; this server can no longer generate.")
+
+    def _engine_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        req: CompletionRequest | ChatCompletionRequest,
+        max_tokens: int | None,
+    ) -> EngineCoreRequest:
+        if max_tokens is None:
+            max_tokens = self.input_processor.default_max_tokens(len(prompt_ids))
+        try:
+            return self.input_processor.process(
+                request_id, prompt_ids, req.sampling_params(max_tokens), req.priority, req.cache_salt
+            )
+        except ValueError as exc:
+            raise BadRequestError(str(exc)) from None
+
+    # ------------------------------------------------------------- completions
+
+    async def create_completion(self, body: bytes) -> Response:
+        req: CompletionRequest = _decode(body, CompletionRequest)
+        self._check_model(req.model)
+        req.check_supported()
+        self._check_alive()
+        request_id = random_id("cmpl")
+        try:
+            prompt_ids = self.input_processor.tokenize_prompt(req.single_prompt())
+        except ValueError as exc:
+            raise BadRequestError(str(exc), "prompt") from None
+        max_tokens = req.max_tokens
+        if max_tokens is None:  # OpenAI's default, shortened to what fits
+            room = self.input_processor.default_max_tokens(len(prompt_ids))
+            max_tokens = max(min(COMPLETION_DEFAULT_MAX_TOKENS, room), 1)
+        engine_request = self._engine_request(request_id, prompt_ids, req, max_tokens)
+        if req.stream:
+            return EventStreamResponse(self._stream_completion(engine_request, req.include_usage))
+        text, last = await self._collect(engine_request)
+        choice = CompletionChoice(
+            index=0, text=text, finish_reason=last.finish_reason, stop_reason=last.stop_reason
+        )
+        return json_response(
+            CompletionResponse(
+                id=request_id,
+                created=now(),
+                model=self.served_model_name,
+                choices=[choice],
+                usage=_usage(last),
+            )
+        )
+
+    async def _stream_completion(
+        self, request: EngineCoreRequest, include_usage: bool
+    ) -> AsyncGenerator[bytes, None]:
+        created = now()
+
+        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
+            return sse_event(
+                CompletionResponse(
+                    id=request.request_id, created=created, model=self.served_model_name,
+                    choices=choices, usage=usage,
+                )
+            )
+
+        try:
+            last = None
+            async with self._outputs(request) as outputs:
+                async for out in outputs:
+                    _check_output(out)
+                    last = out
+                    if out.text or out.finished:
+                        yield chunk([CompletionChoice(0, out.text, None, out.finish_reason, out.stop_reason)])
+            if include_usage and last is not None:
+                yield chunk([], _usage(last))
+            yield DONE_EVENT
+        except Exception as exc:  # noqa: BLE001 - reported to the client as an event
+            yield sse_event(as_openai_error(exc).to_response())
+
+    # -------------------------------------------------------- chat completions
+
+    async def create_chat_completion(self, body: bytes) -> Response:
+        req: ChatCompletionRequest = _decode(body, ChatCompletionRequest)
+        self._check_model(req.model)
+        req.check_supported()
+        self._check_alive()
+        request_id = random_id("chatcmpl")
+        messages = [m.to_template_dict() for m in req.messages]
+        try:
+            prompt_ids = self.input_processor.apply_chat_template(
+                messages,
+                req.chat_template if req.chat_template is not None else self.chat_template,
+                req.add_generation_prompt,
+                **(req.chat_template_kwargs or {}),
+            )
+        except ValueError as exc:
+            raise BadRequestError(str(exc), "messages") from None
+        engine_request = self._engine_request(request_id, prompt_ids, req, req.requested_max_tokens)
+        if req.stream:
+            return EventStreamResponse(self._stream_chat(engine_request, req.include_usage))
+        text, last = await self._collect(engine_request)
+        choice = ChatChoice(
+            index=0,
+            message=AssistantMessage(content=text),
+            finish_reason=last.finish_reason,
+            stop_reason=last.stop_reason,
+        )
+        return json_response(
+            ChatCompletionResponse(
+                id=request_id,
+                created=now(),
+                model=self.served_model_name,
+                choices=[choice],
+                usage=_usage(last),
+            )
+        )
+
+    async def _stream_chat(
+        self, request: EngineCoreRequest, include_usage: bool
+    ) -> AsyncGenerator[bytes, None]:
+        created = now()
+
+        def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
+            return sse_event(
+                ChatCompletionChunk(
+                    id=request.request_id, created=created, model=self.served_model_name,
+                    choices=choices, usage=usage,
+                )
+            )
+
+        try:
+            yield chunk([ChatChunkChoice(0, DeltaMessage(role="assistant", content=""))])
+            last = None
+            async with self._outputs(request) as outputs:
+                async for out in outputs:
+                    _check_output(out)
+                    last = out
+                    if out.text or out.finished:
+                        delta = DeltaMessage(content=out.text) if out.text else DeltaMessage()
+                        yield chunk([ChatChunkChoice(0, delta, None, out.finish_reason, out.stop_reason)])
+            if include_usage and last is not None:
+                yield chunk([], _usage(last))
+            yield DONE_EVENT
+        except Exception as exc:  # noqa: BLE001 - reported to the client as an event
+            yield sse_event(as_openai_error(exc).to_response())
+
+    # ----------------------------------------------------------------- engine
+
+    def _outputs(self, request: EngineCoreRequest) -> contextlib.aclosing:
+        """The request's output deltas, to iterate in ``async with``.
+
+        Closing the engine's generator early is what aborts the request in the
+        engine; ``aclosing`` makes sure that happens even when our consumer is
+        itself closed at a ``yield`` (client gone) rather than by an exception.
+        """
+        return contextlib.aclosing(self.engine.generate(request))
+
+    async def _collect(self, request: EngineCoreRequest) -> tuple[str, RequestOutput]:
+        parts: list[str] = []
+        last: RequestOutput | None = None
+        try:
+            async with self._outputs(request) as outputs:
+                async for out in outputs:
+                    _check_output(out)
+                    parts.append(out.text)
+                    last = out
+        except Exception as exc:
+            raise as_openai_error(exc) from exc
+        if last is None:
+            raise InternalServerError("The engine finished the request without any output.")
+        return "".join(parts), last
+
+
+def _check_output(out: RequestOutput) -> None:
+    if out.finish_reason == "error":
+        raise InternalServerError("The engine failed while generating this request.")
+
+
+def _usage(out: RequestOutput) -> UsageInfo:
+    return UsageInfo.of(len(out.prompt_token_ids), out.num_output_tokens, out.num_cached_tokens)

@@ -1,0 +1,63 @@
+"""Engine configuration: one msgspec struct so it crosses the process boundary typed."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import msgspec
+
+DEFAULT_KV_CACHE_MEMORY = 256 * 1024 * 1024  # bytes of CPU memory for the KV cache
+
+
+class EngineConfig(msgspec.Struct, kw_only=True):
+    """Everything the EngineCore needs to build its model, KV cache and scheduler.
+
+    ``model`` is a local Hugging Face directory. Fields left at ``None`` are
+    resolved from the checkpoint by :meth:`resolve` (e.g. ``max_model_len``).
+    """
+
+    model: str
+    served_model_name: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    device: str = "auto"  # auto | cpu | cuda
+    load_format: str = "auto"  # auto | safetensors | dummy
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory: int | None = None  # bytes; CPU budget for the KV cache
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    transport: str = "shm"  # shm | zmq
+    scheduling_policy: str = "fcfs"
+    engine_drain_timeout: float = 5.0  # seconds the engine drains on SIGTERM
+
+    def hf_config(self) -> dict:
+        with open(os.path.join(self.model, "config.json")) as f:
+            return json.load(f)
+
+    def resolve(self) -> EngineConfig:
+        """Fill in what depends on the checkpoint and check the limits fit together."""
+        hf = self.hf_config()
+        limit = hf.get("max_position_embeddings", 2048)
+        max_model_len = self.max_model_len or limit
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                "max_num_batched_tokens must be >= max_model_len without chunked prefill"
+            )
+        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        return msgspec.structs.replace(
+            self,
+            max_model_len=max_model_len,
+            served_model_name=self.served_model_name or self.model,
+            tokenizer=self.tokenizer or self.model,
+        )

@@ -1,0 +1,371 @@
+"""EngineCore: the schedule -> execute -> update loop, and its process wrapper.
+
+``EngineCore`` is transport-free (the in-process client drives it directly).
+``EngineCoreProc`` adds what vLLM V1's engine process has: an input thread
+that reads and decodes requests into ``input_queue`` (aborts also into
+``aborts_queue`` so a step can drop them before updating), an output thread
+that encodes ``output_queue`` onto the wire, the busy loop, utility calls by
+``call_id``, and the RUNNING -> REQUESTED -> SHUTTING_DOWN state machine.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from typing import Any
+
+import msgspec
+
+from core.config import EngineConfig
+from core.protocol import (
+    ENGINE_CORE_DEAD,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    FinishReason,
+    HandshakeReady,
+    SchedulerStats,
+    UtilityOutput,
+)
+from core.sched.request import Request, RequestStatus
+from core.sched.scheduler import Scheduler
+from core.transport import EngineTransport, PeerDeadError
+from core.worker.executor import UniProcExecutor
+
+logger = logging.getLogger("ringllm.engine")
+
+# Typed decoders for the engine's input side: no pickle, malformed frames raise.
+UtilityCall = tuple[int, int, str, list[Any]]  # client_index, call_id, method, args
+_DECODERS: dict[EngineCoreRequestType, msgspec.msgpack.Decoder] = {
+    EngineCoreRequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
+    EngineCoreRequestType.ABORT: msgspec.msgpack.Decoder(list[str]),
+    EngineCoreRequestType.UTILITY: msgspec.msgpack.Decoder(UtilityCall),
+}
+
+
+class EngineCore:
+    """Owns the scheduler and executor; ``step()`` is one engine iteration."""
+
+    # Methods a client may invoke through UTILITY messages.
+    UTILITY_METHODS = frozenset(
+        {"get_scheduler_stats", "get_num_unfinished_requests", "get_kv_cache_info", "ping"}
+    )
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config.resolve()
+        self.model_executor = UniProcExecutor(self.config)
+        self.num_gpu_blocks = self.model_executor.determine_num_blocks()
+        self.model_executor.initialize_kv_cache(self.num_gpu_blocks)
+        self.scheduler = Scheduler(self.config, self.num_gpu_blocks)
+        self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
+        self.step_counter = 0
+        logger.info(
+            "EngineCore ready: %d KV blocks of %d tokens, max_model_len %d",
+            self.num_gpu_blocks, self.config.block_size, self.config.max_model_len,
+        )
+
+    # ---------------------------------------------------------------- requests
+
+    def validate_request(self, request: EngineCoreRequest) -> str | None:
+        """The frontend validates too; the engine never trusts the wire."""
+        n = len(request.prompt_token_ids)
+        if n == 0:
+            return "prompt is empty"
+        if n >= self.config.max_model_len:
+            return f"prompt has {n} tokens; max_model_len is {self.config.max_model_len}"
+        vocab = self.model_executor.runner.hf_config["vocab_size"]
+        if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab:
+            return f"prompt has token ids outside the vocabulary [0, {vocab})"
+        return None
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def _process_aborts_queue(self) -> None:
+        while not self.aborts_queue.empty():
+            try:
+                self.abort_requests(self.aborts_queue.get_nowait())
+            except queue.Empty:
+                break
+
+    def step(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
+        """Schedule, execute, update; returns per-client outputs and whether the model ran."""
+        if not self.scheduler.has_requests():
+            return {}, False
+        scheduler_output = self.scheduler.schedule()
+        future = self.model_executor.execute_model(scheduler_output, non_block=True)
+        model_output = future.result()
+        # Aborts that arrived during the forward pass: drop them before their
+        # sampled tokens would be appended and reported.
+        self._process_aborts_queue()
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        self.step_counter += 1
+        return outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    # ---------------------------------------------------------------- utilities
+
+    def get_scheduler_stats(self) -> SchedulerStats:
+        stats = self.scheduler.make_stats()
+        stats.step_counter = self.step_counter
+        return stats
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    def get_kv_cache_info(self) -> dict[str, int]:
+        return {
+            "num_gpu_blocks": self.num_gpu_blocks,
+            "block_size": self.config.block_size,
+            "max_model_len": self.config.max_model_len,
+        }
+
+    def ping(self) -> str:
+        return "pong"
+
+    def call_utility(self, method: str, args: list[Any]) -> Any:
+        if method not in self.UTILITY_METHODS:
+            raise ValueError(f"unknown utility method {method!r}")
+        return getattr(self, method)(*args)
+
+    def shutdown(self) -> None:
+        self.model_executor.shutdown()
+
+
+class EngineShutdownState(enum.Enum):
+    RUNNING = 0
+    REQUESTED = 1
+    SHUTTING_DOWN = 2
+
+
+class _PeerGone:
+    """Queued by an I/O thread when the frontend is gone: stop without draining."""
+
+
+class EngineCoreProc(EngineCore):
+    """EngineCore in its own process, talking to one client over a transport."""
+
+    def __init__(self, config: EngineConfig, transport: EngineTransport) -> None:
+        self.transport = transport
+        self.input_queue: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        self.output_queue: queue.Queue[Any] = queue.Queue()
+        self.shutdown_state = EngineShutdownState.RUNNING
+        self._drain_deadline = 0.0
+        super().__init__(config)
+        # READY goes out before the I/O threads start, so the output thread is
+        # the only user of the sending side from then on.
+        ready = HandshakeReady(
+            status="READY",
+            num_gpu_blocks=self.num_gpu_blocks,
+            max_model_len=self.config.max_model_len,
+            block_size=self.config.block_size,
+        )
+        transport.send([b"READY", msgspec.msgpack.encode(ready)])
+        self._input_thread = threading.Thread(target=self._process_input_socket, name="EngineCoreInput", daemon=True)
+        self._output_thread = threading.Thread(target=self._process_output_socket, name="EngineCoreOutput", daemon=True)
+        self._input_thread.start()
+        self._output_thread.start()
+
+    # ------------------------------------------------------------- I/O threads
+
+    def _process_input_socket(self) -> None:
+        """Input thread: read, decode and preprocess, off the busy loop's thread."""
+        while True:
+            try:
+                frames = self.transport.recv()
+            except PeerDeadError:
+                self.input_queue.put_nowait((_PeerGone, None))
+                return
+            try:
+                item = self._decode_request(frames)
+            except (ValueError, msgspec.DecodeError, IndexError) as exc:
+                logger.error("rejected a malformed message from the frontend: %s", exc)
+                continue
+            if item[0] == EngineCoreRequestType.ABORT:
+                self.aborts_queue.put_nowait(item[1])
+            self.input_queue.put_nowait(item)
+
+    def _decode_request(self, frames: list) -> tuple[EngineCoreRequestType, Any]:
+        req_type = EngineCoreRequestType(bytes(frames[0]))
+        if req_type == EngineCoreRequestType.WAKEUP:
+            return req_type, None
+        decoder = _DECODERS.get(req_type)
+        if decoder is None:
+            raise ValueError(f"unsupported request type {req_type.name}")
+        if len(frames) != 2:
+            raise ValueError(f"{req_type.name} message has {len(frames)} frames, expected 2")
+        return req_type, decoder.decode(frames[1])
+
+    def _process_output_socket(self) -> None:
+        """Output thread: encode into one reused buffer; the ring copies it out."""
+        encoder = msgspec.msgpack.Encoder()
+        buf = bytearray(64 * 1024)
+        while True:
+            item = self.output_queue.get()
+            try:
+                if isinstance(item, tuple) and item[0] is ENGINE_CORE_DEAD:
+                    self.transport.send([ENGINE_CORE_DEAD, item[1].encode()])
+                    return
+                if item is None:  # clean shutdown
+                    return
+                _client_index, outputs = item
+                encoder.encode_into(outputs, buf)
+                self.transport.send([buf])
+            except PeerDeadError:
+                self.input_queue.put_nowait((_PeerGone, None))
+                return
+
+    # --------------------------------------------------------------- busy loop
+
+    def run_busy_loop(self) -> None:
+        while self._handle_shutdown():
+            self._process_input_queue()
+            self._process_engine_step()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests()
+
+    def is_running(self) -> bool:
+        return self.shutdown_state == EngineShutdownState.RUNNING
+
+    def _process_input_queue(self) -> None:
+        """Block while idle; then drain everything queued so ADDs batch together."""
+        while not self.has_work() and self.is_running():
+            if self.input_queue.empty():
+                with self.aborts_queue.mutex:
+                    self.aborts_queue.queue.clear()
+            self._handle_client_request(*self.input_queue.get())
+        while not self.input_queue.empty():
+            self._handle_client_request(*self.input_queue.get_nowait())
+
+    def _process_engine_step(self) -> bool:
+        outputs, model_executed = self.step()
+        for item in outputs.items():
+            self.output_queue.put_nowait(item)
+        return model_executed
+
+    def _handle_client_request(self, req_type: Any, payload: Any) -> None:
+        if req_type is _PeerGone:
+            logger.warning("frontend is gone; EngineCore stops without draining")
+            self.shutdown_state = EngineShutdownState.SHUTTING_DOWN
+            self._drain_deadline = 0.0
+        elif req_type == EngineCoreRequestType.ADD:
+            self._handle_add(payload)
+        elif req_type == EngineCoreRequestType.ABORT:
+            self.abort_requests(payload)
+        elif req_type == EngineCoreRequestType.UTILITY:
+            client_index, call_id, method, args = payload
+            out = UtilityOutput(call_id)
+            try:
+                out.result = self.call_utility(method, args)
+            except Exception as exc:
+                out.failure_message = f"utility {method!r} failed: {exc}"
+            self.output_queue.put_nowait((client_index, EngineCoreOutputs(utility_output=out)))
+        # WAKEUP only unblocks input_queue.get(); nothing else to do.
+
+    def _handle_add(self, request: EngineCoreRequest) -> None:
+        error = self.validate_request(request)
+        if error is None and not self.is_running():
+            error = "the engine is shutting down"
+        if error is not None:
+            reason = FinishReason.ABORT if not self.is_running() else FinishReason.ERROR
+            rejected = EngineCoreOutput(
+                request_id=request.request_id, new_token_ids=[], finish_reason=reason, stop_reason=error
+            )
+            self.output_queue.put_nowait(
+                (request.client_index, EngineCoreOutputs(outputs=[rejected], timestamp=time.monotonic()))
+            )
+            return
+        self.add_request(Request.from_engine_core_request(request))
+
+    def _handle_shutdown(self) -> bool:
+        """True while the loop should go on; drains for a bounded time after a signal."""
+        if self.shutdown_state == EngineShutdownState.RUNNING:
+            return True
+        if self.shutdown_state == EngineShutdownState.REQUESTED:
+            self.shutdown_state = EngineShutdownState.SHUTTING_DOWN
+            self._drain_deadline = time.monotonic() + self.config.engine_drain_timeout
+            logger.info(
+                "shutdown requested: draining %d requests for up to %.1fs",
+                self.scheduler.get_num_unfinished_requests(), self.config.engine_drain_timeout,
+            )
+        if not self.scheduler.has_unfinished_requests():
+            return False
+        if time.monotonic() < self._drain_deadline:
+            return True
+        self._abort_all_and_report()
+        return False
+
+    def _abort_all_and_report(self) -> None:
+        ids = self.scheduler.unfinished_request_ids()
+        self.abort_requests(ids)
+        outputs = [EngineCoreOutput(request_id=r, new_token_ids=[], finish_reason=FinishReason.ABORT) for r in ids]
+        if outputs:
+            self.output_queue.put_nowait((0, EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())))
+
+    def request_shutdown(self) -> None:
+        """Signal-safe: flip the state and wake the main thread if it is parked."""
+        if self.shutdown_state == EngineShutdownState.RUNNING:
+            self.shutdown_state = EngineShutdownState.REQUESTED
+        self.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+    def send_engine_dead(self, message: str) -> None:
+        self.output_queue.put_nowait((ENGINE_CORE_DEAD, message))
+        self._output_thread.join(timeout=5)
+
+    def shutdown(self) -> None:
+        self.output_queue.put_nowait(None)
+        self._output_thread.join(timeout=5)
+        super().shutdown()
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the frontend dies, even by kill -9 (no orphans)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def run_engine_core(config: EngineConfig, transport_spec: Any, parent_pid: int) -> None:
+    """Entry point of the spawned EngineCore process."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [engine] %(message)s")
+    _die_with_parent()
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        return
+    engine: EngineCoreProc | None = None
+    # Until the engine exists a signal just exits; afterwards it starts a drain.
+    signal.signal(signal.SIGTERM, lambda *_: (engine.request_shutdown() if engine else os._exit(0)))
+    signal.signal(signal.SIGINT, lambda *_: (engine.request_shutdown() if engine else os._exit(0)))
+    transport = EngineTransport.attach(transport_spec, parent_pid)
+    try:
+        transport.send([b"HELLO"])
+        try:
+            engine = EngineCoreProc(config, transport)
+        except Exception as exc:
+            logger.exception("EngineCore failed to start")
+            transport.send([ENGINE_CORE_DEAD, f"EngineCore failed to start: {exc}".encode()])
+            return
+        try:
+            engine.run_busy_loop()
+        except Exception as exc:
+            logger.exception("EngineCore hit a fatal error")
+            engine.send_engine_dead(f"EngineCore hit a fatal error: {exc!r}")
+            return
+        engine.shutdown()
+    except PeerDeadError:
+        logger.warning("frontend went away; EngineCore exits")
+    finally:
+        transport.close()

@@ -1,0 +1,422 @@
+"""One decoder-only transformer covering the Llama family.
+
+Llama, Mistral, Qwen2 and Qwen3 differ only in switches: q/k/v biases
+(Qwen2 always, Llama when ``attention_bias``), a per-head RMSNorm on q and k
+(Qwen3), an explicit ``head_dim``, tied embeddings and the RoPE variant. The
+forward pass takes a flat batch of tokens (no batch dimension, no padding):
+prefill chunks and decodes of many requests side by side, their K/V going
+to and coming from the paged cache described by ``AttentionMetadata``.
+
+q/k/v and gate/up projections are fused into one matmul each (fewer kernel
+launches and one read of the activations); ``load_weights`` slices the
+Hugging Face tensors into the fused parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from kernels.metadata import AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The architecture switches, normalised from a Hugging Face config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    hidden_act: str
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf(cls, hf: Any, *, qwen2_biases: bool = False, qk_norm: bool = False) -> DecoderConfig:
+        """Read a config.json dict or a transformers ``PretrainedConfig``.
+
+        ``qwen2_biases``: q/k/v always carry biases and o_proj never does,
+        whatever ``attention_bias`` says (Qwen2's fixed layout).
+        """
+        cfg: dict[str, Any] = hf if isinstance(hf, dict) else hf.to_dict()
+        heads = cfg["num_attention_heads"]
+        attention_bias = bool(cfg.get("attention_bias", False))
+        act = cfg.get("hidden_act", "silu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {act!r}; supported: {sorted(_ACTIVATIONS)}")
+        theta, scaling = _rope_settings(cfg)
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            qkv_bias=qwen2_biases or attention_bias,
+            o_bias=attention_bias and not qwen2_biases,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=qk_norm,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            hidden_act=act,
+            sliding_window=_sliding_window(cfg),
+        )
+
+
+def _rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling dict or None) from transformers-4 or -5 style keys."""
+    params = cfg.get("rope_parameters") or {}
+    legacy = cfg.get("rope_scaling") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = {**legacy, **params}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    scaling = {**scaling, "rope_type": rope_type}
+    if rope_type == "llama3":
+        scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+    return float(theta), scaling
+
+
+def _sliding_window(cfg: dict[str, Any]) -> int | None:
+    """The attention window when the checkpoint actually uses one.
+
+    Qwen configs always carry ``sliding_window`` but only use it with
+    ``use_sliding_window``; Mistral uses it whenever it is set.
+    """
+    if "use_sliding_window" in cfg and not cfg["use_sliding_window"]:
+        return None
+    return cfg.get("sliding_window")
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] (float32, CPU), with linear or llama3 scaling."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling["rope_type"]
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        # Long wavelengths are slowed down by `factor`, short ones kept, and the
+        # band between is interpolated smoothly (Llama 3.1's context extension).
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(
+        f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3"
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin per position, computed from the positions of the step.
+
+    The inverse frequencies are a plain CPU tensor rather than a buffer so
+    building the model on the meta device (to skip weight init) leaves them
+    intact; a copy per device is cached on first use.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        self._inv_freq_cpu = rope_inv_freq(head_dim, theta, scaling)
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self._inv_freq.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq[positions.device] = self._inv_freq_cpu.to(positions.device)
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]: broadcast over heads
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] by the "half split" convention of Hugging Face checkpoints."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    """Normalise in float32, scale in the model dtype (as the reference does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k_cache, v_cache = kv_cache
+        kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    """The ``model.`` prefix of Hugging Face checkpoints: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+
+# HF name fragment -> (our fused parameter fragment, shard index within it).
+_FUSED = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-architecture causal LM over a paged KV cache.
+
+    Subclasses only flip the architecture switches that their Hugging Face
+    config does not spell out.
+    """
+
+    QWEN2_BIASES = False
+    QK_NORM = False
+
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        cfg = DecoderConfig.from_hf(hf_config, qwen2_biases=self.QWEN2_BIASES, qk_norm=self.QK_NORM)
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the head when the checkpoint says so.
+
+        Call again after ``to_empty``/``_apply``, which replace parameters one
+        module at a time and so undo the sharing.
+        """
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Flat tokens [T] at ``positions`` [T] -> final hidden states [T, hidden].
+
+        Every layer writes its new K/V into ``kv_caches[layer]`` at
+        ``attn_metadata.slot_mapping`` before attending.
+        """
+        hidden = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        cos, sin = self.model.rotary(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> float32 logits [N, vocab]."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy Hugging Face named tensors into the (partly fused) parameters.
+
+        Returns the names of our parameters that were filled; raises on a
+        tensor with no home or a shape mismatch, so a wrong checkpoint fails
+        loudly instead of serving garbage.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # recomputed from the config
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # the embedding is the head
+            for hf_part, (our_part, shard) in _FUSED.items():
+                if hf_part in name:
+                    target = name.replace(hf_part, our_part)
+                    self._param(params, target).data[self._shard_rows(target, shard)].copy_(
+                        self._checked(target, tensor, self._shard_len(target, shard))
+                    )
+                    loaded.add(f"{target}#{shard}")
+                    break
+            else:
+                param = self._param(params, name)
+                if param.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+                param.data.copy_(tensor)
+                loaded.add(name)
+        return loaded
+
+    def expected_weights(self) -> set[str]:
+        """What ``load_weights`` must have filled for the model to be complete."""
+        expected: set[str] = set()
+        for name, _ in self.named_parameters():  # tied parameters are listed once
+            if ".qkv_proj." in name:
+                expected |= {f"{name}#{i}" for i in range(3)}
+            elif ".gate_up_proj." in name:
+                expected |= {f"{name}#{i}" for i in range(2)}
+            else:
+                expected.add(name)
+        return expected
+
+    # -- helpers for fused parameters ------------------------------------------------
+
+    @staticmethod
+    def _param(params: dict[str, nn.Parameter], name: str) -> nn.Parameter:
+        try:
+            return params[name]
+        except KeyError:
+            raise ValueError(f"checkpoint tensor {name!r} matches no model parameter") from None
+
+    def _shard_sizes(self, target: str) -> list[int]:
+        cfg = self.config
+        if ".qkv_proj." in target:
+            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            return [q, kv, kv]
+        return [cfg.intermediate_size, cfg.intermediate_size]
+
+    def _shard_len(self, target: str, shard: int) -> int:
+        return self._shard_sizes(target)[shard]
+
+    def _shard_rows(self, target: str, shard: int) -> slice:
+        sizes = self._shard_sizes(target)
+        start = sum(sizes[:shard])
+        return slice(start, start + sizes[shard])
+
+    @staticmethod
+    def _checked(target: str, tensor: torch.Tensor, rows: int) -> torch.Tensor:
+        if tensor.shape[0] != rows:
+            raise ValueError(f"{target}: checkpoint shard has {tensor.shape[0]} rows, expected {rows}")
+        return tensor
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    QWEN2_BIASES = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    QK_NORM = True

@@ -1,0 +1,152 @@
+"""Build a model from a local Hugging Face directory and fill its weights.
+
+The module is built on the meta device and then materialised empty on the
+target device, so no time goes into random initialisation that the
+checkpoint overwrites anyway (that matters for multi-GB models on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from core.config import EngineConfig
+from core.models.registry import resolve_model_class
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "half": torch.float16,
+    "float": torch.float32,
+}
+
+DUMMY_STD = 0.02  # like initializer_range: keeps activations and logits finite
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: dict[str, Any], device: torch.device) -> torch.dtype:
+    """The compute dtype; ``"auto"`` is float32 on CPU, the checkpoint's dtype on a GPU.
+
+    CPUs have no fast half-precision matmuls (bf16/fp16 run slower there and
+    drift from the float32 reference), while on a GPU the checkpoint's own
+    dtype is what it was trained and published in.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        try:
+            return _DTYPES[dtype]
+        except KeyError:
+            raise ValueError(f"unknown dtype {dtype!r}; use auto, {', '.join(_DTYPES)}") from None
+    if device.type == "cpu":
+        return torch.float32
+    ckpt = hf_config.get("dtype") or hf_config.get("torch_dtype") or "bfloat16"
+    return _DTYPES.get(ckpt, torch.bfloat16)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def read_hf_config(model_dir: str | os.PathLike) -> dict[str, Any]:
+    with open(Path(model_dir) / "config.json") as f:
+        return json.load(f)
+
+
+def load_model(
+    config: EngineConfig, device: torch.device | str, dtype: torch.dtype | str = "auto"
+) -> nn.Module:
+    """Instantiate the checkpoint's architecture on ``device`` and load its weights.
+
+    ``config.load_format == "dummy"`` fills deterministic random weights
+    (seeded by ``config.seed``) instead of reading safetensors files.
+    """
+    device = torch.device(device)
+    hf_config = read_hf_config(config.model)
+    dtype = resolve_dtype(dtype, hf_config, device)
+    model_cls = resolve_model_class(hf_config)
+
+    with torch.device("meta"), _default_dtype(dtype):
+        model = model_cls(hf_config)
+    _check_sliding_window(model, config, hf_config)
+    model.to_empty(device=device)  # allocated straight in `dtype`: no float32 copy first
+    model.tie_weights()
+
+    if config.load_format == "dummy":
+        fill_dummy_weights(model, config.seed)
+    elif config.load_format in ("auto", "safetensors"):
+        loaded = model.load_weights(iter_safetensors(config.model))
+        missing = model.expected_weights() - loaded
+        if missing:
+            shown = ", ".join(sorted(missing)[:5])
+            raise ValueError(f"checkpoint {config.model} lacks {len(missing)} tensors, e.g. {shown}")
+    else:
+        raise ValueError(f"unknown load_format {config.load_format!r}; use auto, safetensors or dummy")
+    return model.eval()
+
+
+def _check_sliding_window(model: nn.Module, config: EngineConfig, hf_config: dict[str, Any]) -> None:
+    """Refuse lengths our full-context attention would get wrong."""
+    window = model.config.sliding_window
+    max_len = config.max_model_len or hf_config.get("max_position_embeddings", 2048)
+    if window is not None and window < max_len:
+        raise ValueError(
+            f"this checkpoint uses sliding-window attention (window {window}), which is not "
+            f"supported; serve it with max_model_len <= {window}"
+        )
+
+
+def iter_safetensors(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of a single-file or sharded safetensors checkpoint."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    for file in files:
+        with safe_open(str(model_dir / file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+@torch.no_grad()
+def fill_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Deterministic random weights: N(0, DUMMY_STD), norm scales 1.
+
+    Values are drawn on the CPU from one seeded generator in parameter order,
+    so the same seed gives the same model on every device.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, DUMMY_STD, generator=gen)
+            param.copy_(values)
+
+
+def kv_cache_bytes_per_block(hf_config: dict[str, Any], block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV-cache block takes over all layers (K and V)."""
+    heads = hf_config["num_attention_heads"]
+    kv_heads = hf_config.get("num_key_value_heads") or heads
+    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return 2 * hf_config["num_hidden_layers"] * block_size * kv_heads * head_dim * elem

@@ -1,0 +1,193 @@
+"""Messages exchanged between the frontend and the EngineCore process.
+
+Every body is a ``msgspec.Struct`` with ``array_like=True`` (positional msgpack
+arrays, no field names on the wire), ``omit_defaults=True`` and ``gc=False``
+(these structs hold no reference cycles, so the GC need not track them).
+Decoding is always typed: a malformed frame raises instead of producing junk.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+import msgspec
+
+# --------------------------------------------------------------------------
+# Request types: one byte in front of every frontend -> engine message.
+# --------------------------------------------------------------------------
+
+
+class EngineCoreRequestType(enum.Enum):
+    """First frame of every message sent to the engine."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    START_DP_WAVE = b"\x02"
+    UTILITY = b"\x03"
+    EXECUTOR_FAILED = b"\x04"
+    WAKEUP = b"\x05"
+
+
+# Sentinel the engine sends as the only frame of its last message when it dies.
+ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request finished; ints on the wire, OpenAI strings at the API."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+
+    def __str__(self) -> str:
+        return FINISH_REASON_STRINGS[self.value]
+
+
+FINISH_REASON_STRINGS = ("stop", "length", "abort", "error")
+
+
+class SamplingParams(
+    msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True
+):
+    """Per-request decoding parameters.
+
+    The engine uses the token-level fields; ``stop`` (strings) and
+    ``include_stop_str_in_output`` are applied by the frontend's detokenizer,
+    which aborts the request in the engine once a stop string is seen.
+    """
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5 or self.top_k == 1
+
+    def validate(self) -> None:
+        """Raise ValueError with an OpenAI-style message for bad values."""
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens], got {self.min_tokens}."
+            )
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(
+                f"temperature must be in [0, 2], got {self.temperature}."
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty.")
+
+
+class EngineCoreRequest(
+    msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True
+):
+    """A tokenized request, as the engine sees it: no text, only token ids."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    priority: int = 0
+    client_index: int = 0
+    cache_salt: str | None = None
+
+
+class EngineCoreEventType(enum.IntEnum):
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
+
+
+class EngineCoreEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A timestamped lifecycle event of one request (for metrics)."""
+
+    type: EngineCoreEventType
+    timestamp: float
+
+    @classmethod
+    def new(cls, event_type: EngineCoreEventType) -> EngineCoreEvent:
+        return cls(event_type, time.monotonic())
+
+
+class EngineCoreOutput(
+    msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True
+):
+    """New tokens of one request produced by one engine step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    events: list[EngineCoreEvent] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Reply to a UTILITY call; ``failure_message`` is set when it raised."""
+
+    call_id: int
+    failure_message: str | None = None
+    result: Any = None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A snapshot of the scheduler, attached to outputs for the frontend's metrics."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    step_counter: int = 0
+
+
+class EngineCoreOutputs(
+    msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True
+):
+    """Everything one engine step has for one client."""
+
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    utility_output: UtilityOutput | None = None
+    finished_requests: set[str] | None = None
+
+
+class HandshakeReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What the engine reports once its model is loaded and its KV cache sized."""
+
+    status: str
+    num_gpu_blocks: int
+    max_model_len: int
+    block_size: int
+
+
+class EngineDeadError(RuntimeError):
+    """The EngineCore process died or reported a fatal error; no request can finish."""
+
+    def __init__(self, message: str = "EngineCore died unexpectedly.") -> None:
+        super().__init__(message)

@@ -1,0 +1,66 @@
+"""What the scheduler hands the model runner each step, and what comes back.
+
+The runner keeps a persistent batch, so the scheduler sends deltas: full data
+for requests the runner has not seen (new or resumed after preemption), and
+only the new blocks and computed-token counts for the ones it already holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from core.protocol import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner must (re)create: new, or resumed after preemption.
+
+    ``token_ids`` is every token known so far (prompt, plus the outputs of a
+    resumed request), ``block_ids`` its whole block table.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Deltas for requests the runner already holds, index-aligned lists."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # Blocks appended to the request's table this step (empty when none).
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> number of tokens to compute this step (prefill chunk or 1 for decode).
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests that finished (or were aborted) since the last step: drop them.
+    finished_req_ids: set[str]
+    # Requests preempted this step: drop their state; they come back as new.
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens per scheduled request, in the runner's batch order.
+
+    A request whose prefill chunk did not reach the end of its known tokens
+    gets an empty list: nothing was sampled for it.
+    """
+
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

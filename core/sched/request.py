@@ -1,0 +1,141 @@
+"""The engine's mutable view of one request, owned by the scheduler.
+
+``EngineCoreRequest`` is what crossed the wire; ``Request`` adds what changes
+while the request lives in the engine: its status, the tokens generated so
+far, how many of its tokens are already in the KV cache, and the lifecycle
+events not yet reported to the frontend.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from core.protocol import (
+    EngineCoreEvent,
+    EngineCoreEventType,
+    EngineCoreRequest,
+    FinishReason,
+    SamplingParams,
+)
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle states; every value after PREEMPTED is a finished state."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: RequestStatus) -> FinishReason | None:
+        return _FINISHED_REASONS.get(status)
+
+
+_FINISHED_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Request:
+    """One request inside the engine.
+
+    ``all_token_ids`` is the prompt followed by every generated token; the
+    scheduler's only job per request is to move ``num_computed_tokens`` (the
+    tokens whose keys and values are in the KV cache) up to ``num_tokens``.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        client_index: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.client_index = client_index
+        self.cache_salt = cache_salt
+
+        self.status = RequestStatus.WAITING
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Prompt tokens found in the prefix cache when first scheduled.
+        self.num_cached_tokens = 0
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        # Lifecycle events not yet handed to the frontend.
+        self.events: list[EngineCoreEvent] = []
+
+    @classmethod
+    def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:
+        return cls(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            eos_token_id=request.eos_token_id,
+            arrival_time=request.arrival_time,
+            priority=request.priority,
+            client_index=request.client_index,
+            cache_salt=request.cache_salt,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            self.output_token_ids.append(token_ids)
+            self.all_token_ids.append(token_ids)
+        else:
+            self.output_token_ids.extend(token_ids)
+            self.all_token_ids.extend(token_ids)
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> FinishReason | None:
+        return RequestStatus.get_finished_reason(self.status)
+
+    def record_event(self, event_type: EngineCoreEventType) -> None:
+        self.events.append(EngineCoreEvent.new(event_type))
+
+    def take_events(self) -> list[EngineCoreEvent] | None:
+        """Hand over the pending events (None when there are none) and forget them."""
+        if not self.events:
+            return None
+        events, self.events = self.events, []
+        return events
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

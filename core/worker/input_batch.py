@@ -1,0 +1,99 @@
+"""The persistent batch: per-request state that lives across steps.
+
+Rebuilding every request's token list and block table each step would cost
+time proportional to all context tokens; instead rows are kept in
+preallocated numpy arrays and only the scheduler's deltas are applied (new
+rows, appended blocks, sampled tokens, removed rows). Removal swaps the last
+row into the hole so rows stay dense.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from core.protocol import SamplingParams
+from core.sched.output import NewRequestData
+
+
+@dataclass
+class RowSampling:
+    """Sampling state of one row; the generator is seeded once per request."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.req_ids: list[str] = []
+        self.req_id_to_index: dict[str, int] = {}
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.sampling: list[RowSampling] = []
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    def add_request(self, new: NewRequestData) -> None:
+        if new.req_id in self.req_id_to_index:
+            self.remove_request(new.req_id)
+        row = self.num_reqs
+        if row >= self.max_num_reqs:
+            raise RuntimeError("persistent batch is full; scheduler exceeded max_num_seqs")
+        n = len(new.token_ids)
+        self.token_ids[row, :n] = new.token_ids
+        self.num_tokens[row] = n
+        self.num_computed_tokens[row] = new.num_computed_tokens
+        nb = len(new.block_ids)
+        self.block_table[row, :nb] = new.block_ids
+        self.num_blocks[row] = nb
+        params = new.sampling_params
+        gen = None
+        if params.seed is not None and not params.greedy:
+            gen = torch.Generator().manual_seed(params.seed)
+        self.req_ids.append(new.req_id)
+        self.req_id_to_index[new.req_id] = row
+        self.sampling.append(RowSampling(params, gen))
+
+    def remove_request(self, req_id: str) -> None:
+        row = self.req_id_to_index.pop(req_id, None)
+        if row is None:
+            return
+        last = self.num_reqs - 1
+        if row != last:
+            moved = self.req_ids[last]
+            self.req_ids[row] = moved
+            self.req_id_to_index[moved] = row
+            self.sampling[row] = self.sampling[last]
+            n = self.num_tokens[last]
+            self.token_ids[row, :n] = self.token_ids[last, :n]
+            self.num_tokens[row] = n
+            self.num_computed_tokens[row] = self.num_computed_tokens[last]
+            nb = self.num_blocks[last]
+            self.block_table[row, :nb] = self.block_table[last, :nb]
+            self.num_blocks[row] = nb
+        self.req_ids.pop()
+        self.sampling.pop()
+
+    def append_blocks(self, req_id: str, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        row = self.req_id_to_index[req_id]
+        start = self.num_blocks[row]
+        self.block_table[row, start : start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def append_token(self, row: int, token_id: int) -> None:
+        n = self.num_tokens[row]
+        if n < self.max_model_len:
+            self.token_ids[row, n] = token_id
+            self.num_tokens[row] = n + 1

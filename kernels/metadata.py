@@ -1,0 +1,35 @@
+"""Per-step attention metadata shared by every layer of the model.
+
+Tokens of a step are laid out flat: request ``r`` owns rows
+``query_start_loc[r]:query_start_loc[r+1]``. Its context after this step is
+``seq_lens[r]`` tokens, so its first new token sits at position
+``seq_lens[r] - query_len[r]``; a prefill chunk attends causally to the cached
+prefix plus itself, a decode (query_len 1) to the whole context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    # [num_tokens] int64: cache slot (block_id * block_size + offset) of each new token.
+    slot_mapping: torch.Tensor
+    # [num_reqs + 1] int32: prefix sums of query lengths.
+    query_start_loc: torch.Tensor
+    # [num_reqs] int32: context length of each request including this step's tokens.
+    seq_lens: torch.Tensor
+    # [num_reqs, max_blocks_per_req] int32: physical block ids, padded with 0.
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    # Host copies for the CPU path, which loops over requests in Python.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)

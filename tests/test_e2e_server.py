@@ -1,0 +1,206 @@
+"""End to end: a real `python -m app` process, its EngineCore subprocess, real
+shared-memory rings, and the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SERVER_ARGS = ["--max-model-len", "2048", "--max-num-batched-tokens", "256", "--seed", "0"]
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    from tests.conftest import start_server, stop_server
+
+    srv = start_server(
+        ["--model", default_model_dir, "--served-model-name", "ringllm-default", *SERVER_ARGS],
+        tmp_path_factory.mktemp("e2e") / "server.log",
+    )
+    yield srv
+    stop_server(srv)
+
+
+def client_for(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def engine_stats(server) -> dict:
+    return httpx.get(server.base_url + "/engine/stats", timeout=10).json()
+
+
+def test_models_lists_served_name(server) -> None:
+    models = client_for(server).models.list()
+    assert [m.id for m in models.data] == ["ringllm-default"]
+
+
+def test_chat_completion_streams(server) -> None:
+    stream = client_for(server).chat.completions.create(
+        model="ringllm-default",
+        messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=12,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert text  # random weights: content is noise, but it is there
+    assert all(c.id == chunks[0].id for c in chunks)
+
+
+def test_completion_streams_and_reports_usage(server) -> None:
+    client = client_for(server)
+    stream = client.completions.create(
+        model="ringllm-default",
+        prompt="The quick brown fox",
+        max_tokens=10,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
+    full = client.completions.create(
+        model="ringllm-default", prompt="The quick brown fox", max_tokens=10, temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert full.usage.completion_tokens == 10
+    assert full.usage.prompt_tokens > 0
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 10
+    assert full.choices[0].finish_reason == "length"
+
+
+def test_greedy_is_deterministic_across_stream_and_non_stream(server) -> None:
+    client = client_for(server)
+    args = dict(model="ringllm-default", prompt="abc", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    a = client.completions.create(**args).choices[0].text
+    b = "".join(c.choices[0].text for c in client.completions.create(stream=True, **args))
+    assert a == b
+
+
+def test_bad_requests_get_openai_errors(server) -> None:
+    client = client_for(server)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="ringllm-default", prompt="x", max_tokens=2, temperature=-1)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="ringllm-default", prompt="x " * 3000, max_tokens=2)
+    assert "maximum context length" in str(info.value)
+
+
+def test_client_disconnect_aborts_request_in_engine(server) -> None:
+    with httpx.stream(
+        "POST",
+        server.base_url + "/v1/completions",
+        json={"model": "ringllm-default", "prompt": "hi", "max_tokens": 2000, "stream": True, "ignore_eos": True},
+        timeout=30,
+    ) as response:
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert engine_stats(server)["num_running_reqs"] == 1
+    # The response is closed: the engine must drop the request, well before
+    # it could have produced its 2000 tokens.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        stats = engine_stats(server)
+        if stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"request still in the engine after disconnect: {stats}")
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_idle_server_uses_almost_no_cpu(server) -> None:
+    time.sleep(1.0)  # let the previous test's traffic settle
+    pids = [server.proc.pid, server.engine_pid()]
+    before = sum(_cpu_seconds(p) for p in pids)
+    time.sleep(5.0)
+    used = sum(_cpu_seconds(p) for p in pids) - before
+    assert used < 0.05 * 5.0, f"idle frontend+engine used {used:.3f} CPU-s in 5 s"
+
+
+def test_engine_kill_fails_stream_and_health(default_model_dir: str, server_factory) -> None:
+    """Last: kills its own server's engine."""
+    srv = server_factory(["--model", default_model_dir, "--served-model-name", "m", *SERVER_ARGS])
+    client = client_for(srv)
+    stream = client.completions.create(
+        model="m", prompt="hello", max_tokens=2000, stream=True, extra_body={"ignore_eos": True}
+    )
+    it = iter(stream)
+    next(it)
+    os.kill(srv.engine_pid(), signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(openai.APIError):
+        for _ in it:
+            pass
+    assert time.monotonic() - started < 10
+    assert httpx.get(srv.base_url + "/health", timeout=5).status_code == 503
+    with pytest.raises(openai.APIStatusError):
+        client.completions.create(model="m", prompt="x", max_tokens=2)
+
+
+STORY_PROMPTS = ["Once upon a time", "Lily and Tom went to the", "The little dog was sad because", "One day, a café"]
+
+
+def _transformers_greedy_texts(model_dir: str, prompts: list[str], max_new: int) -> list[tuple[str, int]]:
+    """(continuation text, number of new tokens) per prompt, from transformers itself."""
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    results = []
+    for prompt in prompts:
+        ids = tok(prompt)["input_ids"]
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
+                eos_token_id=tok.eos_token_id, pad_token_id=0,
+            )[0].tolist()
+        new = out[len(ids):]
+        # What a client sees: the full decode minus the prompt's own decode.
+        full = tok.decode(out, skip_special_tokens=True)
+        results.append((full[len(tok.decode(ids, skip_special_tokens=True)):], len(new)))
+    return results
+
+
+async def test_stories260k_served_greedy_matches_transformers(stories_dir: str, server_factory) -> None:
+    """A real trained checkpoint through the whole stack, several requests batched at once."""
+    srv = server_factory(["--model", stories_dir, "--served-model-name", "stories", "--max-num-batched-tokens", "16"])
+    expected = _transformers_greedy_texts(stories_dir, STORY_PROMPTS, 40)
+    client = openai.AsyncOpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    async def complete(prompt: str):
+        return await client.completions.create(model="stories", prompt=prompt, max_tokens=40, temperature=0)
+
+    async def stream(prompt: str) -> str:
+        chunks = await client.completions.create(
+            model="stories", prompt=prompt, max_tokens=40, temperature=0, stream=True
+        )
+        return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+    responses = await asyncio.gather(*(complete(p) for p in STORY_PROMPTS))
+    streamed = await asyncio.gather(*(stream(p) for p in STORY_PROMPTS))
+    for response, text, (want_text, want_tokens) in zip(responses, streamed, expected):
+        assert response.choices[0].text == want_text
+        assert response.usage.completion_tokens == want_tokens
+        assert text == want_text
+    assert expected[0][0].startswith(", there was a little girl named Lily.")
+    await client.close()

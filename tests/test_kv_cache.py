@@ -1,0 +1,178 @@
+"""Block pool, free queue and per-request block bookkeeping (no tensors)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from core.kv.block_pool import NULL_BLOCK_ID, BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from core.kv.kv_cache_manager import KVCacheManager
+from core.protocol import SamplingParams
+from core.sched.request import Request
+
+
+def ids(blocks: list[KVCacheBlock]) -> list[int]:
+    return [b.block_id for b in blocks]
+
+
+def make_request(req_id: str, num_prompt_tokens: int) -> Request:
+    return Request(req_id, list(range(num_prompt_tokens)), SamplingParams())
+
+
+# ------------------------------------------------------------------ free queue
+
+
+def test_free_queue_pops_in_insertion_order_and_appends_at_tail() -> None:
+    blocks = [KVCacheBlock(i) for i in range(5)]
+    queue = FreeKVCacheBlockQueue(blocks)
+    assert queue.num_free_blocks == 5
+    assert queue.popleft() is blocks[0]
+    assert queue.popleft() is blocks[1]
+    queue.append(blocks[0])
+    assert ids(queue.get_all_free_blocks()) == [2, 3, 4, 0]
+    assert ids(queue.popleft_n(3)) == [2, 3, 4]
+    assert ids(queue.get_all_free_blocks()) == [0]
+
+
+def test_free_queue_removes_from_the_middle_by_relinking_neighbours() -> None:
+    blocks = [KVCacheBlock(i) for i in range(5)]
+    queue = FreeKVCacheBlockQueue(blocks)
+    queue.remove(blocks[2])
+    assert blocks[1].next_free_block is blocks[3]
+    assert blocks[3].prev_free_block is blocks[1]
+    assert blocks[2].prev_free_block is None and blocks[2].next_free_block is None
+    queue.remove(blocks[0])  # the head
+    queue.remove(blocks[4])  # the tail
+    assert ids(queue.get_all_free_blocks()) == [1, 3]
+    assert queue.num_free_blocks == 2
+    queue.append(blocks[2])
+    assert ids(queue.get_all_free_blocks()) == [1, 3, 2]
+
+
+def test_free_queue_rejects_misuse() -> None:
+    blocks = [KVCacheBlock(i) for i in range(2)]
+    queue = FreeKVCacheBlockQueue(blocks)
+    with pytest.raises(ValueError, match="already in the free queue"):
+        queue.append(blocks[0])
+    taken = queue.popleft()
+    with pytest.raises(ValueError, match="not in the free queue"):
+        queue.remove(taken)
+    with pytest.raises(ValueError):
+        queue.popleft_n(2)
+    queue.popleft()
+    with pytest.raises(ValueError, match="no free blocks"):
+        queue.popleft()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["pop", "remove", "append"]), st.integers(0, 10**6)), max_size=60))
+def test_free_queue_matches_a_list_model(ops: list[tuple[str, int]]) -> None:
+    blocks = [KVCacheBlock(i) for i in range(12)]
+    queue = FreeKVCacheBlockQueue(blocks)
+    model = list(blocks)
+    outside: list[KVCacheBlock] = []
+    for op, pick in ops:
+        if op == "pop" and model:
+            assert queue.popleft() is model[0]
+            outside.append(model.pop(0))
+        elif op == "remove" and model:
+            block = model.pop(pick % len(model))
+            queue.remove(block)
+            outside.append(block)
+        elif op == "append" and outside:
+            block = outside.pop(pick % len(outside))
+            queue.append(block)
+            model.append(block)
+        assert queue.num_free_blocks == len(model)
+    assert queue.get_all_free_blocks() == model
+
+
+# ------------------------------------------------------------------ block pool
+
+
+def test_pool_reserves_the_null_block() -> None:
+    pool = BlockPool(4)
+    assert pool.null_block.block_id == NULL_BLOCK_ID
+    assert pool.get_num_free_blocks() == 3
+    assert ids(pool.get_new_blocks(3)) == [1, 2, 3]
+    assert pool.get_usage() == 1.0
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(1)
+    with pytest.raises(ValueError, match="at least 2"):
+        BlockPool(1)
+
+
+def test_pool_ref_counts_and_free_order() -> None:
+    pool = BlockPool(6)
+    a = pool.get_new_blocks(2)
+    b = pool.get_new_blocks(2)
+    assert [blk.ref_cnt for blk in a + b] == [1, 1, 1, 1]
+    assert pool.get_usage() == pytest.approx(4 / 5)
+    pool.free_blocks(reversed(b))  # tail block first: it is evicted first
+    assert ids(pool.free_block_queue.get_all_free_blocks()) == [5, 4, 3]
+    pool.touch([a[0]])  # shared: only the count grows
+    pool.free_blocks(a)
+    assert a[0].ref_cnt == 1 and a[1].ref_cnt == 0
+    assert ids(pool.free_block_queue.get_all_free_blocks()) == [5, 4, 3, 2]
+    pool.free_blocks([a[0]])
+    assert pool.get_num_free_blocks() == 5 and pool.get_usage() == 0.0
+    with pytest.raises(ValueError, match="freed more often"):
+        pool.free_blocks([a[0]])
+
+
+def test_touch_revives_a_free_block_from_the_middle_of_the_queue() -> None:
+    pool = BlockPool(5)
+    blocks = pool.get_new_blocks(4)
+    pool.free_blocks(blocks)
+    revived = blocks[2]
+    pool.touch([revived])
+    assert revived.ref_cnt == 1
+    assert ids(pool.free_block_queue.get_all_free_blocks()) == [1, 2, 4]
+    assert ids(pool.get_new_blocks(3)) == [1, 2, 4]
+
+
+# ------------------------------------------------------------------ manager
+
+
+def test_allocate_slots_adds_blocks_only_at_block_boundaries() -> None:
+    manager = KVCacheManager(num_blocks=8, block_size=4)
+    req = make_request("a", 6)
+    assert ids(manager.allocate_slots(req, 6)) == [1, 2]
+    req.num_computed_tokens = 6
+    assert manager.allocate_slots(req, 2) == []  # positions 6, 7 fit in block 2
+    req.num_computed_tokens = 8
+    assert ids(manager.allocate_slots(req, 1)) == [3]
+    assert manager.get_block_ids("a") == [1, 2, 3]
+    with pytest.raises(ValueError):
+        manager.allocate_slots(req, 0)
+
+
+def test_allocate_slots_returns_none_and_changes_nothing_when_short() -> None:
+    manager = KVCacheManager(num_blocks=4, block_size=4)
+    a, b = make_request("a", 8), make_request("b", 8)
+    assert manager.allocate_slots(a, 8) is not None
+    assert manager.allocate_slots(b, 8) is None
+    assert manager.get_block_ids("b") == []
+    assert manager.get_num_free_blocks() == 1
+    assert ids(manager.allocate_slots(b, 4)) == [3]
+
+
+def test_free_returns_every_block_tail_first() -> None:
+    manager = KVCacheManager(num_blocks=8, block_size=2)
+    a, b = make_request("a", 5), make_request("b", 3)
+    manager.allocate_slots(a, 5)  # blocks 1, 2, 3
+    manager.allocate_slots(b, 3)  # blocks 4, 5
+    manager.free(a)
+    manager.free(a)  # a second free is a no-op
+    assert manager.get_block_ids("a") == []
+    assert ids(manager.block_pool.free_block_queue.get_all_free_blocks()) == [6, 7, 3, 2, 1]
+    manager.free(b)
+    assert manager.get_num_free_blocks() == 7 and manager.usage == 0.0
+
+
+def test_without_prefix_caching_nothing_is_computed_and_enabling_it_is_refused() -> None:
+    manager = KVCacheManager(num_blocks=4, block_size=4)
+    assert manager.get_computed_blocks(make_request("a", 9)) == ([], 0)
+    with pytest.raises(NotImplementedError, match="prefix caching"):
+        KVCacheManager(num_blocks=4, block_size=4, enable_caching=True)

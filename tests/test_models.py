@@ -1,0 +1,402 @@
+"""Our models against transformers, the oracle: same weights, same greedy tokens.
+
+Each tiny checkpoint is built and saved by transformers' own classes, loaded
+by our loader, and driven through a paged KV cache the way the engine drives
+it: requests arrive one step apart, prompts are prefilled in chunks that
+share steps with other requests' decodes, blocks are scattered at random.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from core.config import EngineConfig
+from core.models.default_model import CHAT_TEMPLATE, ensure_default_model
+from core.models.llama import DecoderConfig, rope_inv_freq
+from core.models.loader import kv_cache_bytes_per_block, load_model
+from kernels.metadata import AttentionMetadata
+
+STORIES_DIR = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+STORIES_GREEDY = (
+    ", there was a little girl named Lily. She loved to play outside in the park. "
+    "One day, she saw a big, red ball."
+)
+
+
+# ---------------------------------------------------------------- paged harness
+
+
+@dataclass
+class _Req:
+    tokens: list[int]
+    prompt_len: int
+    computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+
+class PagedHarness:
+    """A minimal engine loop: chunked prefill mixed with decodes over a paged cache."""
+
+    def __init__(self, model: torch.nn.Module, num_blocks: int = 256, block_size: int = 4, budget: int = 7):
+        cfg = model.config
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        weight = next(model.parameters())
+        self.device = weight.device
+        self.kv_caches = [
+            tuple(torch.zeros(shape, dtype=weight.dtype, device=self.device) for _ in "kv")
+            for _ in range(cfg.num_layers)
+        ]
+        # Block 0 stays unused (it pads block tables); the rest are handed out shuffled.
+        self.free = (torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(1)) + 1).tolist()
+        self.model, self.block_size, self.budget = model, block_size, budget
+        self.mixed_steps = 0  # steps holding a continued prefill chunk and a decode together
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        reqs = [_Req(list(p), len(p)) for p in prompts]
+        step = 0
+        while any(len(r.tokens) - r.prompt_len < max_new_tokens for r in reqs):
+            arrived = [r for r in reqs[: step + 1] if len(r.tokens) - r.prompt_len < max_new_tokens]
+            scheduled, budget = [], self.budget
+            for r in arrived:
+                n = min(len(r.tokens) - r.computed, budget)
+                if n == 0:
+                    break
+                scheduled.append((r, n))
+                budget -= n
+            self._step(scheduled)
+            step += 1
+        return [r.tokens[r.prompt_len :] for r in reqs]
+
+    def _step(self, scheduled: list[tuple[_Req, int]]) -> None:
+        bs = self.block_size
+        ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
+        for r, n in scheduled:
+            end = r.computed + n
+            while len(r.blocks) * bs < end:
+                r.blocks.append(self.free.pop())
+            pos = list(range(r.computed, end))
+            ids += r.tokens[r.computed : end]
+            positions += pos
+            slots += [r.blocks[p // bs] * bs + p % bs for p in pos]
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(end)
+        width = max(len(r.blocks) for r, _ in scheduled)
+        tables = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r, _ in scheduled], dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=tables.to(dev),
+            max_query_len=max(n for _, n in scheduled),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+        )
+        kinds = {("decode" if n == 1 else "chunk") for r, n in scheduled if n == 1 or r.computed > 0}
+        self.mixed_steps += kinds == {"decode", "chunk"}
+        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.kv_caches, meta)
+        last_rows = []
+        for i, (r, n) in enumerate(scheduled):
+            r.computed += n
+            if r.computed == len(r.tokens):
+                last_rows.append((r, qsl[i + 1] - 1))
+        if last_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor([row for _, row in last_rows], device=dev)])
+            for (r, _), tok in zip(last_rows, logits.argmax(-1).tolist()):
+                r.tokens.append(tok)
+
+
+# ---------------------------------------------------------------- oracle helpers
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Non-trivial values everywhere: transformers inits biases to 0 and norms to 1,
+    which would let a mis-mapped bias or q/k norm pass unnoticed."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.1 * noise if "norm" in name else 0.08 * noise)
+
+
+def _save_hf(hf_config: transformers.PretrainedConfig, model_cls: type, path: Path, **save_kw) -> torch.nn.Module:
+    torch.manual_seed(0)
+    hf = model_cls(hf_config).float().eval()
+    _randomize(hf, seed=1)
+    hf.save_pretrained(path, **save_kw)
+    hf.generation_config.eos_token_id = None  # generate exactly max_new_tokens
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+def _ours(path: Path, **kw) -> torch.nn.Module:
+    return load_model(EngineConfig(model=str(path), **kw), "cpu", torch.float32)
+
+
+def _hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    # An explicit mask: without one, prompt tokens equal to pad_token_id count as padding.
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def _single_prefill(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """Logits for every position of one prompt prefilled in one chunk."""
+    harness = PagedHarness(model)
+    n, bs, dev = len(ids), harness.block_size, harness.device
+    blocks = [harness.free.pop() for _ in range(-(-n // bs))]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([blocks[p // bs] * bs + p % bs for p in range(n)], device=dev),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+        block_tables=torch.tensor([blocks], dtype=torch.int32, device=dev),
+        max_query_len=n,
+        max_seq_len=n,
+        query_start_loc_cpu=[0, n],
+        seq_lens_cpu=[n],
+    )
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids, device=dev), torch.arange(n, device=dev), harness.kv_caches, meta)
+        return model.compute_logits(hidden).cpu()
+
+
+CONFIGS = {
+    "llama-gqa-llama3-rope": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(
+            rope_parameters={
+                "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+            },
+        ),
+        {},
+    ),
+    "llama-tied-linear-rope": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(tie_word_embeddings=True, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+        {},
+    ),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None), {}),
+    "qwen2-bias-sharded": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        dict(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        dict(max_shard_size="40KB"),
+    ),
+    "qwen3-qk-norm-head-dim": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32), {}),
+}
+TINY = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+)
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    config_cls, model_cls, extra, save_kw = CONFIGS[request.param]
+    path = tmp_path_factory.mktemp(request.param)
+    hf = _save_hf(config_cls(**TINY, **extra), model_cls, path, **save_kw)
+    return request.param, path, hf
+
+
+def test_greedy_matches_transformers_with_chunked_prefill_and_decodes(checkpoint):
+    name, path, hf = checkpoint
+    if name == "qwen2-bias-sharded":
+        assert (path / "model.safetensors.index.json").exists()
+    ours = _ours(path)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in (5, 13, 1, 22)]
+    harness = PagedHarness(ours)
+    got = harness.generate(prompts, max_new_tokens=10)
+    assert harness.mixed_steps > 0, "the schedule never mixed a prefill chunk with a decode"
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == _hf_greedy(hf, prompt, 10)
+
+
+def test_logits_match_transformers(checkpoint):
+    _, path, hf = checkpoint
+    ours = _ours(path)
+    ids = torch.randint(0, TINY["vocab_size"], (19,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    got = _single_prefill(ours, ids)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_inputs_embeds_replace_token_lookup(checkpoint):
+    _, path, _ = checkpoint
+    ours = _ours(path)
+    harness = PagedHarness(ours)
+    ids = [3, 1, 4, 1, 5]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(4, 9), query_start_loc=torch.tensor([0, 5], dtype=torch.int32),
+        seq_lens=torch.tensor([5], dtype=torch.int32), block_tables=torch.tensor([[1, 2, 3]], dtype=torch.int32),
+        max_query_len=5, max_seq_len=5, query_start_loc_cpu=[0, 5], seq_lens_cpu=[5],
+    )
+    with torch.inference_mode():
+        a = ours(torch.tensor(ids), torch.arange(5), harness.kv_caches, meta)
+        embeds = ours.get_input_embeddings()(torch.tensor(ids))
+        b = ours(torch.zeros(5, dtype=torch.long), torch.arange(5), harness.kv_caches, meta, inputs_embeds=embeds)
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------- loader
+
+
+def test_config_reading_from_dict_and_pretrained_config_agree():
+    hf = transformers.Qwen3Config(**TINY, head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 123.0})
+    from_obj = DecoderConfig.from_hf(hf, qk_norm=True)
+    from_dict = DecoderConfig.from_hf(json.loads(hf.to_json_string()), qk_norm=True)
+    assert from_obj == from_dict
+    assert from_dict.head_dim == 32 and from_dict.rope_theta == 123.0 and from_dict.sliding_window is None
+    legacy = {**TINY, "rope_theta": 77.0, "rope_scaling": {"type": "linear", "factor": 4.0}}
+    cfg = DecoderConfig.from_hf(legacy)
+    assert cfg.rope_theta == 77.0 and cfg.rope_scaling["rope_type"] == "linear"
+
+
+def test_rope_scaling_matches_transformers_and_rejects_unknown_types():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    hf_cfg = transformers.LlamaConfig(**TINY, rope_parameters=dict(params))
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    torch.testing.assert_close(rope_inv_freq(16, 500000.0, params), expected)
+    with pytest.raises(ValueError, match="unsupported rope scaling type 'dynamic'"):
+        rope_inv_freq(16, 10000.0, {"rope_type": "dynamic", "factor": 2.0})
+
+
+def _write_config(path: Path, **overrides) -> None:
+    cfg = {**TINY, "architectures": ["LlamaForCausalLM"], **overrides}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    _write_config(tmp_path, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError, match="unsupported model architecture.*LlamaForCausalLM"):
+        _ours(tmp_path, load_format="dummy")
+
+
+def test_sliding_window_longer_than_context_is_refused(tmp_path):
+    _write_config(tmp_path, architectures=["MistralForCausalLM"], sliding_window=64)
+    with pytest.raises(ValueError, match="sliding-window"):
+        _ours(tmp_path, load_format="dummy")
+    assert _ours(tmp_path, load_format="dummy", max_model_len=64) is not None
+
+
+def test_missing_tensor_is_a_clear_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _save_hf(transformers.LlamaConfig(**TINY), transformers.LlamaForCausalLM, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lacks 1 tensors.*qkv_proj"):
+        _ours(tmp_path)
+
+
+def test_dummy_weights_are_seeded_and_finite(tmp_path):
+    _write_config(tmp_path)
+
+    def state(seed: int) -> dict[str, torch.Tensor]:
+        return _ours(tmp_path, load_format="dummy", seed=seed).state_dict()
+
+    a, b, c = state(0), state(0), state(1)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
+    model = _ours(tmp_path, load_format="dummy")
+    tokens = PagedHarness(model).generate([[1, 2, 3]], max_new_tokens=3)
+    logits = _single_prefill(model, [1, 2, 3, 4])
+    assert torch.isfinite(logits).all() and len(tokens[0]) == 3
+
+
+def test_kv_cache_bytes_per_block():
+    hf = {**TINY, "num_key_value_heads": 2, "num_attention_heads": 4, "hidden_size": 64}
+    # 2 (K and V) * 2 layers * 16 tokens * 2 kv heads * 16 head_dim * 2 bytes
+    assert kv_cache_bytes_per_block(hf, 16, torch.bfloat16) == 2 * 2 * 16 * 2 * 16 * 2
+
+
+# ---------------------------------------------------------------- real checkpoint
+
+
+@pytest.mark.skipif(not (STORIES_DIR / "config.json").exists(), reason=f"{STORIES_DIR} is absent")
+def test_stories260k_greedy_matches_transformers_and_known_text():
+    tok = transformers.AutoTokenizer.from_pretrained(STORIES_DIR)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(STORIES_DIR, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    prompt = tok("Once upon a time")["input_ids"]
+    ours = _ours(STORIES_DIR)
+    got = PagedHarness(ours, budget=5).generate([prompt], max_new_tokens=40)[0]
+    assert got == _hf_greedy(hf, prompt, 40)
+    assert STORIES_GREEDY in tok.decode(got)
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(_single_prefill(ours, prompt), expected, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- default model
+
+
+@pytest.fixture(scope="module")
+def default_dir(tmp_path_factory) -> str:
+    return ensure_default_model(str(tmp_path_factory.mktemp("cache")))
+
+
+def test_default_model_is_built_once(default_dir):
+    weights = Path(default_dir) / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert ensure_default_model(str(Path(default_dir).parent)) == default_dir
+    assert weights.stat().st_mtime_ns == stamp
+    leftovers = [p for p in os.listdir(Path(default_dir).parent) if p.startswith(".")]
+    assert leftovers == []
+
+
+def test_default_model_env_cache_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("RINGLLM_CACHE", str(tmp_path))
+    path = Path(ensure_default_model())
+    assert path.parent == tmp_path and (path / "tokenizer.json").exists()
+
+
+def test_default_model_tokenizer_and_chat_template(default_dir):
+    tok = transformers.AutoTokenizer.from_pretrained(default_dir, local_files_only=True)
+    text = "héllo\n\tworld 🙂"
+    ids = tok(text)["input_ids"]
+    assert ids == list(text.encode())  # one token per byte, no BOS
+    assert tok.decode(ids) == text
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},  # OpenAI-style parts
+    ]
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert not tok.apply_chat_template(messages, tokenize=False).endswith("assistant\n")
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>") and tok.decode(ids) == rendered
+    assert tok.eos_token == "<|eos|>" and tok.chat_template == CHAT_TEMPLATE
+    gen_cfg = json.loads((Path(default_dir) / "generation_config.json").read_text())
+    assert tok.convert_tokens_to_ids("<|im_end|>") in gen_cfg["eos_token_id"]
+
+
+def test_default_model_matches_transformers(default_dir):
+    tok = transformers.AutoTokenizer.from_pretrained(default_dir, local_files_only=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(default_dir, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    n_params = sum(p.numel() for p in hf.parameters())
+    assert 1_000_000 < n_params < 10_000_000
+    messages = [{"role": "user", "content": "Hello!"}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    got = PagedHarness(_ours(Path(default_dir))).generate([prompt], max_new_tokens=8)[0]
+    assert got == _hf_greedy(hf, prompt, 8)

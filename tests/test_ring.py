@@ -1,0 +1,391 @@
+"""The shared-memory transport between real processes: ordering, chunking, backpressure,
+dead peers, cleanup, idle CPU and the asyncio ends."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import queue
+import random
+import signal
+import struct
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shm.aio import AsyncReceiver, AsyncSender
+from shm.channel import ChannelSpec, Duplex, PeerDeadError
+from shm.ring import SHM_DIR, ShmRing
+
+CAPACITY = 4096  # small on purpose: wraps and chunking happen constantly
+SPAWN = multiprocessing.get_context("spawn")
+RECV_TIMEOUT = 60.0  # only there so that a broken transport fails instead of hanging
+
+
+# ---------------------------------------------------------------- child side
+
+
+def _attach(spec: ChannelSpec) -> Duplex:
+    """Attach as the spawned peer, watch the parent, and say HELLO."""
+    duplex = Duplex.attach(spec)
+    ppid = os.getppid()
+    duplex.set_peer_alive(lambda: os.getppid() == ppid, sentinel=os.pidfd_open(ppid))
+    duplex.sender.send([b"HELLO"])
+    return duplex
+
+
+def _echo_child(spec: ChannelSpec) -> None:
+    """First frame is a command: E<frames> echo the rest, S<us> pause, Q quit."""
+    duplex = _attach(spec)
+    while True:
+        frames = duplex.receiver.recv()
+        command = frames[0][:1]
+        if command == b"E":
+            duplex.sender.send(frames[1:])
+        elif command == b"S":
+            time.sleep(int.from_bytes(frames[0][1:], "little") / 1e6)
+        else:
+            break
+    duplex.close()
+
+
+def _parked_child(spec: ChannelSpec) -> None:
+    """Attach, then never read: the parent's ring fills up."""
+    _attach(spec)
+    time.sleep(600)
+
+
+def _dying_child(spec: ChannelSpec) -> None:
+    duplex = _attach(spec)
+    duplex.sender.send([b"last", b"words"])
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _payload(i: int, size: int) -> list[bytes]:
+    return [i.to_bytes(4, "little") + random.Random(i).randbytes(size)]
+
+
+def _blast_both_ways(duplex: Duplex, count: int, size: int, drain_delay: float) -> bool:
+    """Send ``count`` messages while another thread (starting late) checks ``count`` incoming ones."""
+    ok: list[bool] = []
+
+    def drain() -> None:
+        time.sleep(drain_delay)  # let both rings fill up first
+        for i in range(count):
+            ok.append(duplex.receiver.recv(timeout=RECV_TIMEOUT) == _payload(i, size))
+
+    thread = threading.Thread(target=drain)
+    thread.start()
+    for i in range(count):
+        duplex.sender.send(_payload(i, size))
+    thread.join()
+    return len(ok) == count and all(ok)
+
+
+def _blaster_child(spec: ChannelSpec, count: int, size: int) -> None:
+    duplex = _attach(spec)
+    ok = _blast_both_ways(duplex, count, size, drain_delay=0.2)
+    duplex.sender.send([b"DONE", bytes([ok]), duplex.sender.waits_for_space.to_bytes(8, "little")])
+    duplex.receiver.recv()
+
+
+def _idle_child(spec: ChannelSpec) -> None:
+    """Block in recv() for 2 s with nothing arriving and report the CPU time it took."""
+    duplex = _attach(spec)
+    start = time.process_time()
+    got = duplex.receiver.recv(timeout=2.0)
+    cpu = time.process_time() - start
+    duplex.sender.send([b"none" if got is None else b"message", struct.pack("d", cpu)])
+    duplex.receiver.recv()
+
+
+# --------------------------------------------------------------- parent side
+
+
+def _segment_paths(spec: ChannelSpec) -> list[str]:
+    return [os.path.join(SHM_DIR, d.segment) for d in (spec.forward, spec.backward)] + [
+        path for d in (spec.forward, spec.backward) for path in (d.data_bell, d.space_bell)
+    ] + [spec.directory]
+
+
+def _start(target, *args, capacity: int = CAPACITY, sentinel: bool = True) -> tuple[Duplex, ChannelSpec, object]:
+    """Create a channel, spawn ``target(spec, *args)``, wait for HELLO, then unlink every name."""
+    duplex, spec = Duplex.create(capacity)
+    proc = SPAWN.Process(target=target, args=(spec, *args), daemon=True)
+    proc.start()
+    duplex.set_peer_alive(proc.is_alive, proc.sentinel if sentinel else None)
+    try:
+        assert duplex.receiver.recv(timeout=RECV_TIMEOUT) == [b"HELLO"]
+    except BaseException:
+        _stop(duplex, proc)
+        raise
+    duplex.unlink()
+    return duplex, spec, proc
+
+
+def _stop(duplex: Duplex, proc) -> None:
+    if proc.is_alive():
+        proc.kill()
+    proc.join()
+    duplex.close()
+
+
+class EchoPeer:
+    """A long-lived echo child plus a thread collecting its replies."""
+
+    def __init__(self) -> None:
+        self.duplex, self.spec, self.proc = _start(_echo_child)
+        self.replies: queue.Queue = queue.Queue()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                self.replies.put(self.duplex.receiver.recv())
+            except PeerDeadError as exc:
+                self.replies.put(exc)
+                return
+
+    def pause_consumer(self, microseconds: int) -> None:
+        self.duplex.sender.send([b"S" + microseconds.to_bytes(4, "little")])
+
+    def echo(self, frames: list) -> None:
+        self.duplex.sender.send([b"E", *frames])
+
+    def collect(self, count: int) -> list[list[bytes]]:
+        return [self.replies.get(timeout=RECV_TIMEOUT) for _ in range(count)]
+
+    def close(self) -> None:
+        self.duplex.sender.send([b"Q"])
+        self.proc.join(timeout=RECV_TIMEOUT)
+        assert isinstance(self.replies.get(timeout=RECV_TIMEOUT), PeerDeadError)
+        _stop(self.duplex, self.proc)
+
+
+@pytest.fixture(scope="module")
+def echo() -> Iterator[EchoPeer]:
+    peer = EchoPeer()
+    yield peer
+    peer.close()
+
+
+def _as_bytes(frames: list) -> list[bytes]:
+    return [bytes(memoryview(f).cast("B")) for f in frames]
+
+
+# --------------------------------------------------------------------- tests
+
+
+def test_record_layout_every_offset_and_exact_fit() -> None:
+    """Records ending exactly at the end need no wrap marker; one byte more needs one."""
+    ring = ShmRing.create(1024)
+    peer = ShmRing.attach(ring.name)
+    ring.unlink()
+    try:
+        assert ring.capacity == 1024 and ring.max_record == 256
+        rng = random.Random(0)
+        for start in range(0, 1024, 8):
+            # move both counters so the next record starts at `start`
+            while ring._tail % 1024 != start:
+                gap = (start - ring._tail) % 1024
+                assert ring.try_write([] if gap == 8 else [b""])  # 8- or 16-byte records
+                assert peer.try_read() is not None
+            room = 1024 - start
+            for length in (room - 12 - 1, room - 12, room - 12 + 1, 244):
+                if not 0 <= length <= 244:
+                    continue
+                record = (12 + length + 7) & ~7
+                tail = ring._tail
+                data = rng.randbytes(length)
+                assert ring.try_write([data])
+                wrapped = record > 1024 - tail % 1024
+                assert ring._tail - tail == record + (1024 - tail % 1024 if wrapped else 0)
+                assert peer.try_read() == [data]
+                assert peer.try_read() is None
+    finally:
+        peer.close()
+        ring.close()
+
+
+def test_ring_rejects_interleaving_a_half_written_message() -> None:
+    ring = ShmRing.create(1024)
+    peer = ShmRing.attach(ring.name)
+    ring.unlink()
+    try:
+        big = [bytes(range(256)) * 20]
+        assert not ring.try_write(big)  # larger than the ring: needs the consumer
+        with pytest.raises(RuntimeError, match="half written"):
+            ring.try_write([b"other"])
+        written, received = False, None
+        while received is None:
+            if not written:
+                written = ring.try_write(big)
+            received = peer.try_read()
+        assert received == big
+        assert ring.try_write([]) and peer.try_read() == []
+    finally:
+        peer.close()
+        ring.close()
+    with pytest.raises(ValueError):
+        ShmRing.attach("not-a-ring")
+
+
+def test_messages_arrive_once_in_order_byte_identical(echo: EchoPeer) -> None:
+    rng = random.Random(1)
+    messages: list[list] = [
+        [],  # a message with no frames
+        [b""],
+        [b"", b"x", b""],
+        [rng.randbytes(n) for n in (1, 7, 8, 9, 100, 300)],  # multi-frame
+        [bytearray(rng.randbytes(500)), memoryview(np.arange(200, dtype=np.float32)).cast("B")],
+    ]
+    # Lengths around every exact-fit point of a 1024-byte record, in a row.
+    messages += [[rng.randbytes(n)] for n in range(996, 1030)]
+    # Larger than a record, than the ring, than three rings; multi-frame large ones.
+    messages += [[rng.randbytes(n)] for n in (1025, 4096, 4097, 3 * CAPACITY + 5)]
+    messages += [[rng.randbytes(3000), b"", rng.randbytes(9000), b"tail"]]
+    messages += [[rng.randbytes(rng.randrange(0, 2000)) for _ in range(rng.randrange(0, 4))] for _ in range(300)]
+    for frames in messages:
+        echo.echo(frames)
+    assert echo.collect(len(messages)) == [_as_bytes(m) for m in messages]
+    assert echo.replies.empty()
+
+
+def test_slow_consumer_backpressure(echo: EchoPeer) -> None:
+    waits_before = echo.duplex.sender.waits_for_space
+    messages = [[random.Random(i).randbytes(900)] for i in range(60)]
+    for frames in messages:
+        echo.pause_consumer(2000)
+        echo.echo(frames)
+    assert echo.collect(len(messages)) == messages
+    assert echo.duplex.sender.waits_for_space > waits_before  # the producer really had to wait
+
+
+_sizes = st.one_of(st.integers(0, 64), st.integers(0, 1100), st.integers(1000, 3 * CAPACITY))
+_message = st.tuples(
+    st.lists(_sizes, max_size=4),  # frame lengths
+    st.sampled_from([0, 0, 0, 200, 1000]),  # consumer pause before it, µs
+    st.sampled_from([0, 0, 0, 100, 500]),  # producer pause after it, µs
+)
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(_message, min_size=1, max_size=40), st.integers(0, 2**32))
+def test_property_random_sizes_and_pacing(echo: EchoPeer, script: list, seed: int) -> None:
+    rng = random.Random(seed)
+    expected = []
+    for lengths, consumer_pause, producer_pause in script:
+        frames = [rng.randbytes(n) for n in lengths]
+        expected.append(frames)
+        if consumer_pause:
+            echo.pause_consumer(consumer_pause)
+        echo.echo(frames)
+        if producer_pause:
+            time.sleep(producer_pause / 1e6)
+    assert echo.collect(len(expected)) == expected
+
+
+def test_both_directions_full_do_not_deadlock() -> None:
+    count, size = 150, 3000
+    duplex, spec, proc = _start(_blaster_child, count, size)
+    try:
+        assert _blast_both_ways(duplex, count, size, drain_delay=0.2)
+        done = duplex.receiver.recv(timeout=RECV_TIMEOUT)
+        assert done[:2] == [b"DONE", b"\x01"]
+        # both senders found their ring full while the other side was not reading
+        assert int.from_bytes(done[2], "little") > 0
+        assert duplex.sender.waits_for_space > 0
+        duplex.sender.send([b"BYE"])
+    finally:
+        _stop(duplex, proc)
+
+
+def test_consumer_killed_producer_raises_and_nothing_is_left() -> None:
+    duplex, spec, proc = _start(_parked_child, sentinel=False)  # only the liveness callback
+    try:
+        assert not any(os.path.exists(p) for p in _segment_paths(spec))  # unlinked after HELLO
+        killer = threading.Timer(0.3, os.kill, (proc.pid, signal.SIGKILL))
+        killer.start()
+        with pytest.raises(PeerDeadError):
+            for _ in range(100_000):
+                duplex.sender.send([b"x" * 500], timeout=RECV_TIMEOUT)  # TimeoutError would fail
+        killer.join()
+        assert duplex.sender.waits_for_space > 0
+    finally:
+        _stop(duplex, proc)
+    assert not any(os.path.exists(p) for p in _segment_paths(spec))
+
+
+def test_producer_killed_receiver_gets_its_last_words_then_raises() -> None:
+    duplex, spec, proc = _start(_dying_child)
+    try:
+        proc.join(timeout=RECV_TIMEOUT)
+        assert proc.exitcode == -signal.SIGKILL
+        assert duplex.receiver.recv(timeout=RECV_TIMEOUT) == [b"last", b"words"]
+        with pytest.raises(PeerDeadError):
+            duplex.receiver.recv(timeout=RECV_TIMEOUT)
+    finally:
+        _stop(duplex, proc)
+    assert not any(os.path.exists(p) for p in _segment_paths(spec))
+
+
+def test_idle_receiver_uses_almost_no_cpu() -> None:
+    duplex, spec, proc = _start(_idle_child)
+    try:
+        result = duplex.receiver.recv(timeout=RECV_TIMEOUT)
+        assert result[0] == b"none"  # recv(timeout=2) returned None: nothing was sent
+        (cpu_seconds,) = struct.unpack("d", result[1])
+        assert cpu_seconds < 0.1  # under 5% of one core while blocked for 2 s
+        duplex.sender.send([b"BYE"])
+    finally:
+        _stop(duplex, proc)
+
+
+async def test_async_ends_inside_an_event_loop() -> None:
+    duplex, spec, proc = _start(_echo_child)
+    sender = AsyncSender(duplex.sender)
+    receiver = AsyncReceiver(duplex.receiver)
+    rng = random.Random(2)
+    messages = [[rng.randbytes(rng.choice((0, 10, 900, 5000, 3 * CAPACITY)))] for _ in range(80)]
+    ticks = 0
+    stop_ticking = asyncio.Event()
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not stop_ticking.is_set():
+            ticks += 1
+            await asyncio.sleep(0.001)
+
+    async def produce() -> None:
+        for i, frames in enumerate(messages):
+            if i % 10 == 0:  # idle gaps: the receiver goes to sleep on its doorbell
+                await asyncio.sleep(0.01)
+            if i % 7 == 0:  # a slow consumer: the sender waits for space
+                await sender.send([b"S" + (3000).to_bytes(4, "little")])
+            await sender.send([b"E", *frames])
+
+    async def consume() -> list:
+        return [await receiver.recv() for _ in messages]
+
+    try:
+        tick_task = asyncio.create_task(ticker())
+        _, received = await asyncio.wait_for(asyncio.gather(produce(), consume()), RECV_TIMEOUT)
+        assert received == messages
+        assert ticks > 0  # the loop kept running other tasks
+        assert duplex.sender.waits_for_space > 0
+        await sender.send([b"Q"])
+        with pytest.raises(PeerDeadError):
+            await asyncio.wait_for(receiver.recv(), RECV_TIMEOUT)
+        stop_ticking.set()
+        await tick_task
+    finally:
+        sender.close()
+        receiver.close()
+        _stop(duplex, proc)
