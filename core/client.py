@@ -60,7 +60,7 @@ class InprocClient:
         self.engine_core.add_request(Request.from_engine_core_request(request))
 
     def get_output(self) -> EngineCoreOutputs:
-        outputs, _ = self.engine_core.step()
+        outputs, _ = self.engine_core.step_fn()
         return outputs.get(0) or EngineCoreOutputs()
 
     def abort_requests(self, request_ids: list[str]) -> None:

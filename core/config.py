@@ -29,13 +29,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
     kv_cache_memory: int | None = None  # bytes; CPU budget for the KV cache
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     transport: str = "shm"  # shm | zmq
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str = "fcfs"  # fcfs | priority
+    # Schedule step N+1 while step N runs on the executor's worker thread.
+    async_scheduling: bool = False
     engine_drain_timeout: float = 5.0  # seconds the engine drains on SIGTERM
 
     def hf_config(self) -> dict:
@@ -55,6 +57,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             )
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         return msgspec.structs.replace(
             self,
             max_model_len=max_model_len,

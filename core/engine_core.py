@@ -2,10 +2,16 @@
 
 ``EngineCore`` is transport-free (the in-process client drives it directly).
 ``EngineCoreProc`` adds what vLLM V1's engine process has: an input thread
-that reads and decodes requests into ``input_queue`` (aborts also into
-``aborts_queue`` so a step can drop them before updating), an output thread
-that encodes ``output_queue`` onto the wire, the busy loop, utility calls by
-``call_id``, and the RUNNING -> REQUESTED -> SHUTTING_DOWN state machine.
+that reads and decodes requests into ``input_queue`` (building each
+``Request`` there, prompt block hashes included, off the busy loop; aborts
+also go into ``aborts_queue`` so a step can drop them before updating), an
+output thread that encodes ``output_queue`` onto the wire, the busy loop,
+utility calls by ``call_id``, and the RUNNING -> REQUESTED -> SHUTTING_DOWN
+state machine.
+
+``step_fn`` is ``step`` (schedule, execute, update) or, with async
+scheduling, ``step_with_batch_queue``, which schedules and dispatches batch
+N+1 before it waits for batch N.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import queue
 import signal
 import threading
 import time
+from collections import deque
+from concurrent.futures import Future
 from typing import Any
 
 import msgspec
@@ -33,6 +41,7 @@ from core.protocol import (
     SchedulerStats,
     UtilityOutput,
 )
+from core.sched.output import ModelRunnerOutput, SchedulerOutput
 from core.sched.request import Request, RequestStatus
 from core.sched.scheduler import Scheduler
 from core.transport import EngineTransport, PeerDeadError
@@ -54,7 +63,13 @@ class EngineCore:
 
     # Methods a client may invoke through UTILITY messages.
     UTILITY_METHODS = frozenset(
-        {"get_scheduler_stats", "get_num_unfinished_requests", "get_kv_cache_info", "ping"}
+        {
+            "get_scheduler_stats",
+            "get_num_unfinished_requests",
+            "get_kv_cache_info",
+            "ping",
+            "reset_prefix_cache",
+        }
     )
 
     def __init__(self, config: EngineConfig) -> None:
@@ -63,8 +78,16 @@ class EngineCore:
         self.num_gpu_blocks = self.model_executor.determine_num_blocks()
         self.model_executor.initialize_kv_cache(self.num_gpu_blocks)
         self.scheduler = Scheduler(self.config, self.num_gpu_blocks)
+        # Requests built off the busy loop (input thread) are hashed with it.
+        self.request_block_hasher = self.scheduler.block_hasher
         self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
         self.step_counter = 0
+        # Batches dispatched and not yet fed back, newest on the left.
+        self.batch_queue_size = self.model_executor.max_concurrent_batches
+        self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] | None = None
+        if self.batch_queue_size > 1:
+            self.batch_queue = deque(maxlen=self.batch_queue_size)
+        self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
         logger.info(
             "EngineCore ready: %d KV blocks of %d tokens, max_model_len %d",
             self.num_gpu_blocks, self.config.block_size, self.config.max_model_len,
@@ -111,6 +134,57 @@ class EngineCore:
         self.step_counter += 1
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
+    def step_with_batch_queue(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
+        """Schedule and dispatch a new batch, then feed back the oldest one.
+
+        With a queue of two this keeps the worker busy: batch N+1 is
+        scheduled while batch N runs, and N's tokens are appended afterwards.
+        N+1 may hold a decode for a request whose N token is not known yet:
+        the scheduler counts that token as a placeholder (so the decode's
+        position and blocks are right), and the runner, which executes
+        batches in order and appended the token to its own batch state when
+        N finished, reads it from there. What keeps outputs identical to
+        ``step``:
+
+        - every batch sees the same scheduler decisions as in sync mode,
+          except that a request whose in-flight token might end it is
+          scheduled once more; a stop found in N's update finishes it, and
+          update_from_output ignores finished requests, so N+1's extra token
+          is dropped (its slot lies past the request's known tokens, in a
+          block that is never registered in the prefix cache);
+        - a request preempted or aborted while its batch is in flight has
+          that batch's token dropped: update_from_output skips requests that
+          are not running, and ones preempted after the batch was scheduled
+          (``step_id`` against ``Request.preempted_at_step``), which also
+          covers a request preempted and already resumed;
+        - blocks freed while a batch that writes them is in flight can go to
+          another request only in a later batch, which runs after it.
+
+        Returns no outputs while the oldest batch is still running and the
+        queue has room.
+        """
+        batch_queue = self.batch_queue
+        assert batch_queue is not None
+        model_executed = False
+        if self.scheduler.has_requests():
+            scheduler_output = self.scheduler.schedule()
+            future = self.model_executor.execute_model(scheduler_output, non_block=True)
+            batch_queue.appendleft((future, scheduler_output))
+            model_executed = scheduler_output.total_num_scheduled_tokens > 0
+            if model_executed and len(batch_queue) < self.batch_queue_size and not batch_queue[-1][0].done():
+                return {}, True
+        elif not batch_queue:
+            return {}, False
+        future, scheduler_output = batch_queue.pop()
+        model_output = future.result()
+        self._process_aborts_queue()
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        self.step_counter += 1
+        return outputs, model_executed
+
+    def has_batches_in_flight(self) -> bool:
+        return bool(self.batch_queue)
+
     # ---------------------------------------------------------------- utilities
 
     def get_scheduler_stats(self) -> SchedulerStats:
@@ -126,7 +200,14 @@ class EngineCore:
             "num_gpu_blocks": self.num_gpu_blocks,
             "block_size": self.config.block_size,
             "max_model_len": self.config.max_model_len,
+            "enable_prefix_caching": int(self.config.enable_prefix_caching),
+            "num_cached_blocks": self.scheduler.kv_cache_manager.block_pool.get_num_cached_blocks(),
         }
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix; refused (False) while requests run,
+        unless ``reset_running_requests`` preempts them first."""
+        return self.scheduler.reset_prefix_cache(reset_running_requests)
 
     def ping(self) -> str:
         return "pong"
@@ -189,7 +270,12 @@ class EngineCoreProc(EngineCore):
             except (ValueError, msgspec.DecodeError, IndexError) as exc:
                 logger.error("rejected a malformed message from the frontend: %s", exc)
                 continue
-            if item[0] == EngineCoreRequestType.ABORT:
+            if item[0] == EngineCoreRequestType.ADD:
+                # Build the Request (and hash its prompt's blocks) here, in
+                # parallel with the busy loop; validation happens there.
+                request = item[1]
+                item = (item[0], (request, Request.from_engine_core_request(request, self.request_block_hasher)))
+            elif item[0] == EngineCoreRequestType.ABORT:
                 self.aborts_queue.put_nowait(item[1])
             self.input_queue.put_nowait(item)
 
@@ -231,7 +317,8 @@ class EngineCoreProc(EngineCore):
             self._process_engine_step()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_requests()
+        """A step is due: requests to schedule, or batches whose outputs are owed."""
+        return self.scheduler.has_requests() or self.has_batches_in_flight()
 
     def is_running(self) -> bool:
         return self.shutdown_state == EngineShutdownState.RUNNING
@@ -247,7 +334,7 @@ class EngineCoreProc(EngineCore):
             self._handle_client_request(*self.input_queue.get_nowait())
 
     def _process_engine_step(self) -> bool:
-        outputs, model_executed = self.step()
+        outputs, model_executed = self.step_fn()
         for item in outputs.items():
             self.output_queue.put_nowait(item)
         return model_executed
@@ -271,7 +358,8 @@ class EngineCoreProc(EngineCore):
             self.output_queue.put_nowait((client_index, EngineCoreOutputs(utility_output=out)))
         # WAKEUP only unblocks input_queue.get(); nothing else to do.
 
-    def _handle_add(self, request: EngineCoreRequest) -> None:
+    def _handle_add(self, payload: tuple[EngineCoreRequest, Request]) -> None:
+        request, engine_request = payload
         error = self.validate_request(request)
         if error is None and not self.is_running():
             error = "the engine is shutting down"
@@ -284,7 +372,7 @@ class EngineCoreProc(EngineCore):
                 (request.client_index, EngineCoreOutputs(outputs=[rejected], timestamp=time.monotonic()))
             )
             return
-        self.add_request(Request.from_engine_core_request(request))
+        self.add_request(engine_request)
 
     def _handle_shutdown(self) -> bool:
         """True while the loop should go on; drains for a bounded time after a signal."""

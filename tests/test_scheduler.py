@@ -2,12 +2,17 @@
 
 ``FakeRunner`` applies SchedulerOutputs exactly as the real runner's
 persistent batch does (new/resumed requests replace state, cached ones get
-block deltas) and checks every invariant the real runner relies on: the
-counts it is told match what it computed, the block table covers every slot
-written, no two live requests share a block, and a resumed request comes
-back with exactly the tokens it had. Its "model" is a fixed function of
-(request, position), so recomputation after preemption must reproduce the
-same outputs.
+block deltas, a sampled token is appended to the runner's own copy so that
+a pipelined next batch can decode it) and checks every invariant the real
+runner relies on: the counts it is told match what it computed, the block
+table covers every slot written, and a resumed request comes back with the
+tokens it had. It also simulates the KV cache itself: every slot written
+records which token prefix it holds, and every position a request attends
+to must hold exactly that request's prefix. That is what makes prefix
+sharing checkable: blocks may be shared only if they really hold the same
+prefix (and only registered cached blocks may be shared at all). Its
+"model" is a fixed function of (request, position), so recomputation after
+preemption must reproduce the same outputs.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from core.config import EngineConfig
+from core.kv.block_pool import BlockPool
 from core.protocol import EngineCoreEventType, EngineCoreOutput, FinishReason, SamplingParams
 from core.sched.output import ModelRunnerOutput, SchedulerOutput
 from core.sched.request import Request, RequestStatus
@@ -36,14 +42,31 @@ class RunnerState:
     token_ids: list[int]
     num_computed_tokens: int
     block_ids: list[int]
+    prefix_keys: list[int] = field(default_factory=list)  # prefix_keys[q] names token_ids[: q + 1]
+
+    def prefix_key(self, position: int) -> int:
+        keys = self.prefix_keys
+        while len(keys) <= position:
+            keys.append(hash((keys[-1] if keys else None, self.token_ids[len(keys)])))
+        return keys[position]
 
 
 class FakeRunner:
-    def __init__(self, block_size: int, token_fn: TokenFn = default_token) -> None:
+    def __init__(
+        self, block_size: int, token_fn: TokenFn = default_token, pool: BlockPool | None = None
+    ) -> None:
         self.block_size = block_size
         self.token_fn = token_fn
+        self.pool = pool
         self.reqs: dict[str, RunnerState] = {}
         self.history: dict[str, list[int]] = {}  # survives preemption
+        self.kv: dict[tuple[int, int], int] = {}  # (block, offset) -> prefix key written there
+        # Sync mode: a resumed request must bring back exactly what it had. A
+        # pipelined run may have sampled one more token it threw away.
+        self.strict_resume = True
+
+    def slot(self, state: RunnerState, position: int) -> tuple[int, int]:
+        return state.block_ids[position // self.block_size], position % self.block_size
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
@@ -51,7 +74,8 @@ class FakeRunner:
         for new in so.scheduled_new_reqs:
             assert new.req_id not in self.reqs, "a live request was sent as new"
             if new.req_id in self.history:  # resumed: nothing may be lost
-                assert new.token_ids == self.history[new.req_id]
+                had = self.history[new.req_id]
+                assert new.token_ids == (had if self.strict_resume else had[: len(new.token_ids)])
             self.reqs[new.req_id] = RunnerState(list(new.token_ids), new.num_computed_tokens, list(new.block_ids))
         cached = so.scheduled_cached_reqs
         for req_id, blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
@@ -60,17 +84,29 @@ class FakeRunner:
             state.block_ids += blocks
 
         live_blocks = [b for s in self.reqs.values() for b in s.block_ids]
-        assert len(live_blocks) == len(set(live_blocks)), "a block is shared between requests"
         assert 0 not in live_blocks, "the null block was handed out"
+        if len(live_blocks) != len(set(live_blocks)):
+            assert self.pool is not None and self.pool.enable_caching, "a block is shared without prefix caching"
+            shared = {b for b in live_blocks if live_blocks.count(b) > 1}
+            assert all(self.pool.blocks[b].block_hash is not None for b in shared), "an uncached block is shared"
         assert set(so.num_scheduled_tokens) == {n.req_id for n in so.scheduled_new_reqs} | set(cached.req_ids)
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
 
-        sampled: list[list[int]] = []
+        # Every layer writes the whole batch's keys and values, then attends.
         for req_id, n in so.num_scheduled_tokens.items():
             state = self.reqs[req_id]
             assert 0 < n <= len(state.token_ids) - state.num_computed_tokens
+            assert len(state.block_ids) * self.block_size >= state.num_computed_tokens + n
+            for p in range(state.num_computed_tokens, state.num_computed_tokens + n):
+                self.kv[self.slot(state, p)] = state.prefix_key(p)
+        sampled: list[list[int]] = []
+        for req_id, n in so.num_scheduled_tokens.items():
+            state = self.reqs[req_id]
             state.num_computed_tokens += n
-            assert len(state.block_ids) * self.block_size >= state.num_computed_tokens
+            for q in range(state.num_computed_tokens):
+                assert self.kv.get(self.slot(state, q)) == state.prefix_key(q), (
+                    f"{req_id} attends to a slot that does not hold its prefix at position {q}"
+                )
             if state.num_computed_tokens == len(state.token_ids):
                 token = self.token_fn(req_id, len(state.token_ids))
                 state.token_ids.append(token)
@@ -91,7 +127,13 @@ class Result:
 
 
 def make_config(**overrides) -> EngineConfig:
-    values = dict(model="unused", max_model_len=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32)
+    """Prefix caching off unless asked: most tests here pin down exact block
+    accounting, and their requests share prompts (tests/test_prefix_caching.py
+    covers the scheduler with it on)."""
+    values = dict(
+        model="unused", max_model_len=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
+        enable_prefix_caching=False,
+    )
     values.update(overrides)
     return EngineConfig(**values)
 
@@ -112,7 +154,7 @@ class Harness:
     def __init__(self, config: EngineConfig, num_blocks: int, token_fn: TokenFn = default_token) -> None:
         self.config = config
         self.scheduler = Scheduler(config, num_blocks)
-        self.runner = FakeRunner(config.block_size, token_fn)
+        self.runner = FakeRunner(config.block_size, token_fn, self.scheduler.kv_cache_manager.block_pool)
         self.steps: list[SchedulerOutput] = []
         self.results: dict[str, Result] = {}
         self.client_of: dict[str, int] = {}
@@ -122,14 +164,22 @@ class Harness:
         self.results[request.request_id] = Result()
         self.client_of[request.request_id] = request.client_index
 
-    def step(self) -> list[EngineCoreOutput]:
+    def schedule(self) -> SchedulerOutput:
         so = self.scheduler.schedule()
         self.steps.append(so)
         assert so.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
         assert len(self.scheduler.running) <= self.config.max_num_seqs
-        # Memory just ran out: admitting anyone now would only thrash.
-        assert not (so.preempted_req_ids and so.scheduled_new_reqs)
-        outputs = self.scheduler.update_from_output(so, self.runner.execute(so))
+        if self.config.scheduling_policy == "fcfs":
+            # Memory just ran out: admitting anyone now would only thrash.
+            assert not (so.preempted_req_ids and so.scheduled_new_reqs)
+        return so
+
+    def step(self) -> list[EngineCoreOutput]:
+        so = self.schedule()
+        return self.update(so, self.runner.execute(so))
+
+    def update(self, so: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs = self.scheduler.update_from_output(so, runner_output)
         flat = []
         for client, eco in outputs.items():
             assert eco.scheduler_stats is not None
@@ -152,6 +202,23 @@ class Harness:
             if not self.scheduler.has_requests():
                 return
             self.step()
+        raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+    def run_pipelined(self, max_steps: int = 1000) -> None:
+        """EngineCore.step_with_batch_queue's order: schedule (and run) batch
+        N+1 before batch N's tokens are fed back to the scheduler."""
+        self.runner.strict_resume = False
+        in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests() and in_flight is None:
+                return
+            batch = None
+            if self.scheduler.has_requests():
+                so = self.schedule()
+                batch = (so, self.runner.execute(so))
+            if in_flight is not None:
+                self.update(*in_flight)
+            in_flight = batch
         raise AssertionError(f"requests still unfinished after {max_steps} steps")
 
     def assert_no_leak(self) -> None:

@@ -1,12 +1,25 @@
-"""Which KV cache blocks each request holds.
+"""Which KV cache blocks each request holds, and which prefixes are cached.
 
 A request's block list only grows while it runs (one more block each time its
 token count crosses a block boundary) and is released whole when it finishes
 or is preempted. The manager never touches tensors: block ids are all the
 model runner needs to find the slots.
+
+With prefix caching a request starts from the longest run of its leading full
+blocks whose hashes are registered (``get_computed_blocks``); those blocks are
+shared, reference counted, and never written again, since only full blocks
+are registered and a request writes only past its computed tokens. Blocks are
+registered as soon as the tokens filling them are scheduled: the runner
+executes batches in order and, within a batch, every layer writes the whole
+batch's keys and values before attending, so a later reader never sees a
+block before its contents exist.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import islice
 
 from core.kv.block_pool import BlockPool, KVCacheBlock
 from core.sched.request import Request
@@ -16,17 +29,35 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass
+class PrefixCacheStats:
+    """Cumulative lookups, counted in tokens as vLLM does: ``hits / queries``
+    is the fraction of admitted tokens that did not need computing."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+    def record(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.requests += 1
+        self.queries += num_tokens
+        self.hits += num_hit_tokens
+
+
+_NO_BLOCKS: tuple[KVCacheBlock, ...] = ()
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if enable_caching:
-            # Refuse rather than pretend: hit counts and reuse would be fake.
-            raise NotImplementedError("prefix caching is not implemented yet; run without it")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks)
+        self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Per request: how many of its leading blocks are registered in the cache.
+        self.num_cached_block: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
 
     @property
     def usage(self) -> float:
@@ -36,39 +67,94 @@ class KVCacheManager:
         return self.block_pool.get_num_free_blocks()
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Blocks already holding a prefix of the request's tokens, and how many
-        tokens they cover. Without prefix caching nothing is ever reusable."""
-        return [], 0
+        """Cached blocks holding the longest prefix of the request's tokens, and
+        how many tokens they cover (a multiple of the block size).
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[KVCacheBlock] | None:
-        """Make room for ``num_new_tokens`` after the request's computed tokens.
+        At least one token is always left to compute, since the step that
+        computes it is the one that samples the next token: a prompt cached
+        whole recomputes its last block (blocks are shared whole, never
+        partly rewritten). Nothing is reference counted yet; pass the blocks
+        to ``allocate_slots``.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        lookup = self.block_pool.cached_block_hash_to_block.get
+        hits: list[KVCacheBlock] = []
+        for block_hash in islice(request.block_hashes, max_hit_blocks):
+            block = lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
 
-        Returns the blocks added to the request's table (often none: the last
-        block still has room), or None when the pool cannot supply them; the
-        request's table is then unchanged and the caller must free memory
-        (preempt) or wait.
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = _NO_BLOCKS,
+        num_new_computed_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` after the request's computed tokens
+        (``request.num_computed_tokens`` plus ``num_new_computed_tokens`` found
+        in the cache as ``new_computed_blocks``).
+
+        Returns the newly allocated blocks (often none: the last block still
+        has room), or None when the pool cannot supply them; the request's
+        table is then unchanged and the caller must free memory (preempt) or
+        wait. Full blocks among the tokens now scheduled are registered in
+        the prefix cache.
         """
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(blocks)
-        if num_needed <= 0:
-            return []
-        if num_needed > self.block_pool.get_num_free_blocks():
+        req_id = request.request_id
+        blocks = self.req_to_blocks.get(req_id)
+        if blocks is None:
+            blocks = self.req_to_blocks[req_id] = []
+        bs = self.block_size
+        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_needed = cdiv(total, bs) - len(blocks) - len(new_computed_blocks)
+        pool = self.block_pool
+        if new_computed_blocks:
+            # Hits on free blocks take them out of the free queue: they are
+            # not available as new blocks any more.
+            num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+            if num_needed > pool.free_block_queue.num_free_blocks - num_revived:
+                return None
+            pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            self.num_cached_block[req_id] = len(blocks)
+        elif num_needed > pool.free_block_queue.num_free_blocks:
             return None
-        new_blocks = self.block_pool.get_new_blocks(num_needed)
-        blocks.extend(new_blocks)
+        if num_needed > 0:
+            new_blocks = pool.get_new_blocks(num_needed)
+            blocks.extend(new_blocks)
+        else:
+            new_blocks = []
+        if self.enable_caching:
+            # Only known tokens have hashes: a placeholder's block is not full yet.
+            num_full = min(total, request.num_tokens) // bs
+            num_cached = self.num_cached_block.get(req_id, 0)
+            if num_full > num_cached:
+                pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full)
+                self.num_cached_block[req_id] = num_full
         return new_blocks
 
     def free(self, request: Request) -> None:
         """Release every block of the request (a no-op when it holds none).
 
-        The tail goes back to the pool first: under prefix caching a prompt's
-        last blocks are the least likely to be shared, so they are evicted first.
+        The tail goes back to the pool first: a prompt's last blocks are the
+        least likely to be shared, so they are evicted first. Cached blocks
+        keep their hash in the free queue until they are reused.
         """
+        self.num_cached_block.pop(request.request_id, None)
         blocks = self.req_to_blocks.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing done) while blocks are in use."""
+        return self.block_pool.reset_prefix_cache()
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         return self.req_to_blocks.get(request_id, [])

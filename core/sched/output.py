@@ -7,6 +7,7 @@ only the new blocks and computed-token counts for the ones it already holds.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from core.protocol import SamplingParams
@@ -33,7 +34,7 @@ class CachedRequestData:
 
     req_ids: list[str] = field(default_factory=list)
     # Blocks appended to the request's table this step (empty when none).
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[Sequence[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
 
@@ -47,12 +48,16 @@ class SchedulerOutput:
     # Requests that finished (or were aborted) since the last step: drop them.
     finished_req_ids: set[str]
     # Requests preempted this step: drop their state; they come back as new.
+    # (A request preempted and re-admitted in one step is in both; drop first.)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Sequence number of this output; the scheduler drops tokens sampled by a
+    # batch scheduled before the request was last preempted (see Request).
+    step_id: int = 0
 
 
 @dataclass
 class ModelRunnerOutput:
-    """Sampled tokens per scheduled request, in the runner's batch order.
+    """Sampled tokens per scheduled request, in the order of ``req_ids``.
 
     A request whose prefill chunk did not reach the end of its known tokens
     gets an empty list: nothing was sampled for it.

@@ -9,6 +9,7 @@ events not yet reported to the frontend.
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from core.protocol import (
     EngineCoreEvent,
@@ -17,6 +18,9 @@ from core.protocol import (
     FinishReason,
     SamplingParams,
 )
+
+if TYPE_CHECKING:
+    from core.kv.block_hash import BlockHash, RequestBlockHasher
 
 
 class RequestStatus(enum.IntEnum):
@@ -50,7 +54,18 @@ class Request:
 
     ``all_token_ids`` is the prompt followed by every generated token; the
     scheduler's only job per request is to move ``num_computed_tokens`` (the
-    tokens whose keys and values are in the KV cache) up to ``num_tokens``.
+    tokens whose keys and values are in the KV cache, or scheduled to be) up
+    to ``num_tokens + num_output_placeholders``.
+
+    ``num_output_placeholders`` counts tokens that scheduled batches will
+    sample but whose values the scheduler has not seen yet. It is 0 between
+    steps in synchronous mode; with async scheduling the next batch is
+    scheduled while the previous one runs, and the runner, which already
+    holds the sampled token, feeds it in as the next decode's input.
+
+    ``block_hashes`` holds the prefix-cache hash of every full block of
+    ``all_token_ids`` (empty when prefix caching is off), extended as tokens
+    are appended.
     """
 
     def __init__(
@@ -63,6 +78,7 @@ class Request:
         priority: int = 0,
         client_index: int = 0,
         cache_salt: str | None = None,
+        block_hasher: RequestBlockHasher | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -82,11 +98,22 @@ class Request:
         self.num_cached_tokens = 0
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.num_output_placeholders = 0
+        # step_id of the first SchedulerOutput created after the last
+        # preemption: tokens from earlier batches (still in flight when it was
+        # preempted) belong to a computation that was thrown away.
+        self.preempted_at_step = 0
         # Lifecycle events not yet handed to the frontend.
         self.events: list[EngineCoreEvent] = []
+        self.block_hasher: RequestBlockHasher | None = None
+        self.block_hashes: list[BlockHash] = []
+        if block_hasher is not None:
+            self.set_block_hasher(block_hasher)
 
     @classmethod
-    def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:
+    def from_engine_core_request(
+        cls, request: EngineCoreRequest, block_hasher: RequestBlockHasher | None = None
+    ) -> Request:
         return cls(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -96,7 +123,14 @@ class Request:
             priority=request.priority,
             client_index=request.client_index,
             cache_salt=request.cache_salt,
+            block_hasher=block_hasher,
         )
+
+    def set_block_hasher(self, block_hasher: RequestBlockHasher) -> None:
+        """Start hashing full blocks (the prompt's now, later ones as they fill)."""
+        self.block_hasher = block_hasher
+        self.block_hashes = []
+        self.block_hashes.extend(block_hasher(self))
 
     @property
     def num_tokens(self) -> int:
@@ -117,6 +151,10 @@ class Request:
         else:
             self.output_token_ids.extend(token_ids)
             self.all_token_ids.extend(token_ids)
+        hasher = self.block_hasher
+        # Cheap test first: a block fills once every block_size tokens.
+        if hasher is not None and len(self.all_token_ids) >= (len(self.block_hashes) + 1) * hasher.block_size:
+            self.block_hashes.extend(hasher(self))
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

@@ -1,13 +1,14 @@
 """The waiting queue, behind a small interface so the policy can change.
 
 The scheduler only ever looks at the head (``peek``/``pop``), puts preempted
-requests back in front (``prepend``) and drops aborted ones (``remove``).
-First-come-first-served is a deque; a priority policy would implement the
-same methods over a heap.
+requests back (``prepend``) and drops aborted ones (``remove``).
+First-come-first-served is a deque; the priority policy is a heap.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Protocol
@@ -67,9 +68,57 @@ class FCFSRequestQueue:
         return iter(self._queue)
 
 
+class PriorityRequestQueue:
+    """Lowest ``priority`` value first, then earliest ``arrival_time``.
+
+    A preempted request goes back to the place its own (priority, arrival
+    time) gives it, not to the front: jumping ahead of a more urgent request
+    would invert priorities. A counter breaks exact ties in insertion order
+    and keeps ``Request`` objects out of comparisons.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._counter = itertools.count()
+
+    def add_request(self, request: Request) -> None:
+        heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._counter), request))
+
+    def prepend_request(self, request: Request) -> None:
+        self.add_request(request)
+
+    def peek_request(self) -> Request:
+        if not self._heap:
+            raise IndexError("peek from an empty request queue")
+        return self._heap[0][3]
+
+    def pop_request(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        """O(queue length): aborts of waiting requests are rare and batched."""
+        doomed = {id(r) for r in requests}
+        if doomed:
+            self._heap = [entry for entry in self._heap if id(entry[3]) not in doomed]
+            heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        """In scheduling order (sorts a copy: for inspection, not the hot path)."""
+        return (entry[3] for entry in sorted(self._heap))
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 def create_request_queue(policy: str) -> RequestQueue:
     if policy == "fcfs":
         return FCFSRequestQueue()
     if policy == "priority":
-        raise NotImplementedError("the priority scheduling policy is not implemented yet; use fcfs")
-    raise ValueError(f"unknown scheduling policy {policy!r}")
+        return PriorityRequestQueue()
+    raise ValueError(f"unknown scheduling policy {policy!r}; expected one of {SCHEDULING_POLICIES}")

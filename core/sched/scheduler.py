@@ -2,25 +2,37 @@
 
 There is no prefill phase and no decode phase. Every request has
 ``num_tokens`` known tokens of which ``num_computed_tokens`` are in the KV
-cache; each step hands out at most ``max_num_batched_tokens`` tokens so that
-requests catch up: 1 for a request that is decoding, a chunk for one still
-in its prompt. Running requests are served first (they already hold memory),
-then waiting ones in queue order while budget, sequence slots and free blocks
-last. When a running request cannot get a block, the most recently admitted
-running request is preempted: its blocks are freed and it goes back to the
-front of the queue to recompute everything later.
+cache (or scheduled into it); each step hands out at most
+``max_num_batched_tokens`` tokens so that requests catch up: 1 for a request
+that is decoding, a chunk for one still in its prompt. Running requests are
+served first (they already hold memory), then waiting ones in queue order
+while budget, sequence slots and free blocks last; a waiting request starts
+from the longest prefix the prefix cache holds for it.
+
+When a running request cannot get a block, another running request is
+preempted (recompute policy: its blocks are freed, it goes back to the
+waiting queue and later starts over, helped by whatever of its prefix is
+still cached): under ``fcfs`` the most recently admitted one, under
+``priority`` the one with the lowest priority (largest value), latest
+arrival first. Under ``priority`` a waiting request that cannot be admitted
+(no sequence slot or no blocks) also preempts running requests of strictly
+lower priority.
+
+Cost per step is proportional to the requests scheduled, not to all
+requests or all blocks: no structure is rebuilt or scanned whole, except on
+preemption and aborts, which are rare.
 """
 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from core.config import EngineConfig
-from core.kv.block_pool import KVCacheBlock
+from core.kv.block_hash import RequestBlockHasher
 from core.kv.kv_cache_manager import KVCacheManager, cdiv
 from core.protocol import (
+    EngineCoreEvent,
     EngineCoreEventType,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -35,6 +47,35 @@ from core.sched.output import (
 from core.sched.request import Request, RequestStatus
 from core.sched.request_queue import create_request_queue
 
+_RUNNING = RequestStatus.RUNNING
+_NO_BLOCK_IDS: tuple[int, ...] = ()
+
+
+class _StepPlan:
+    """What one schedule() call has decided so far, so preemption can undo it."""
+
+    __slots__ = ("token_budget", "num_scheduled_tokens", "new_block_ids", "running", "new", "preempted")
+
+    def __init__(self, token_budget: int) -> None:
+        self.token_budget = token_budget
+        self.num_scheduled_tokens: dict[str, int] = {}
+        self.new_block_ids: dict[str, Sequence[int]] = {}
+        self.running: list[Request] = []  # scheduled requests the runner already holds
+        self.new: list[Request] = []  # first-time and resumed requests
+        self.preempted: list[Request] = []
+
+    def unschedule(self, request: Request) -> None:
+        """Take back what this step gave a request that is being preempted."""
+        n = self.num_scheduled_tokens.pop(request.request_id, None)
+        if n is None:
+            return
+        self.token_budget += n
+        self.new_block_ids.pop(request.request_id, None)
+        if request in self.new:
+            self.new.remove(request)
+        else:
+            self.running.remove(request)
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_gpu_blocks: int) -> None:
@@ -45,9 +86,12 @@ class Scheduler:
         self.max_num_scheduled_tokens = config.max_num_batched_tokens
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.block_size = config.block_size
+        self.policy = config.scheduling_policy
         self.kv_cache_manager = KVCacheManager(
             num_gpu_blocks, config.block_size, enable_caching=config.enable_prefix_caching
         )
+        # Shared by every request: hashes each full block once, as it fills.
+        self.block_hasher = RequestBlockHasher(config.block_size) if config.enable_prefix_caching else None
         # Preempting everything else must always let a request run alone to
         # max_model_len, or a long request could wait forever.
         needed = cdiv(self.max_model_len, self.block_size)
@@ -58,17 +102,26 @@ class Scheduler:
             )
 
         self.requests: dict[str, Request] = {}  # every unfinished request
-        self.waiting = create_request_queue(config.scheduling_policy)
-        self.running: list[Request] = []  # in admission order; preemption takes from the end
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []  # in admission order
         # Finished or aborted since the last schedule(): the runner must drop them.
         self.finished_req_ids: set[str] = set()
+        # Preempted outside schedule() (reset_prefix_cache): told to the runner next step.
+        self.preempted_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.step_id = 0  # step_id of the next SchedulerOutput
 
     # ---------------------------------------------------------------- requests
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} is already in the scheduler")
+        hasher = self.block_hasher
+        if hasher is None:
+            request.block_hasher = None
+            request.block_hashes = []
+        elif request.block_hasher is None or request.block_hasher.block_size != hasher.block_size:
+            request.set_block_hasher(hasher)  # not hashed on the input thread
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
         request.record_event(EngineCoreEventType.QUEUED)
@@ -111,96 +164,163 @@ class Scheduler:
     # ---------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
-        token_budget = self.max_num_scheduled_tokens
-        num_scheduled_tokens: dict[str, int] = {}
-        new_blocks_of: dict[str, list[KVCacheBlock]] = {}
-        scheduled_running: list[Request] = []
-        scheduled_new: list[Request] = []  # first-time and resumed requests
-        preempted: list[Request] = []
+        plan = _StepPlan(self.max_num_scheduled_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:  # memory just ran out: admitting anyone now would only thrash
+            self._schedule_waiting(plan)
 
-        # 1. Running requests: decodes and unfinished prefill chunks.
-        req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
-            request = self.running[req_index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            if num_new_tokens <= 0:
-                req_index += 1
-                continue
-            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
-                # Everything before req_index is already scheduled, so the
-                # victim at the end is at worst this very request.
-                victim = self.running.pop()
-                self._preempt_request(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            if new_blocks is None:
-                break  # this request was the last one standing
-            scheduled_running.append(request)
-            new_blocks_of[request.request_id] = new_blocks
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            token_budget -= num_new_tokens
-            req_index += 1
-
-        # 2. Waiting requests, in queue order, unless memory just ran out.
-        while not preempted and self.waiting and token_budget > 0:
-            if len(self.running) >= self.max_num_running_reqs:
-                break
-            request = self.waiting.peek_request()
-            _, num_computed = self.kv_cache_manager.get_computed_blocks(request)
-            num_new_tokens = request.num_tokens - num_computed
-            if num_new_tokens > token_budget:
-                if not self.enable_chunked_prefill:
-                    break  # whole prompts only; keep arrival order
-                num_new_tokens = token_budget
-            request.num_computed_tokens = num_computed
-            if self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
-                break  # not enough free blocks; retry once something finishes
-            self.waiting.pop_request()
-            if request.status == RequestStatus.WAITING:
-                request.num_cached_tokens = num_computed
-            request.status = RequestStatus.RUNNING
-            request.record_event(EngineCoreEventType.SCHEDULED)
-            self.running.append(request)
-            scheduled_new.append(request)
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            token_budget -= num_new_tokens
-
+        kv = self.kv_cache_manager
+        new_block_ids = plan.new_block_ids
         output = SchedulerOutput(
             scheduled_new_reqs=[
                 NewRequestData(
                     req_id=r.request_id,
                     token_ids=list(r.all_token_ids),
                     sampling_params=r.sampling_params,
-                    block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
+                    block_ids=kv.get_block_ids(r.request_id),
                     num_computed_tokens=r.num_computed_tokens,
                 )
-                for r in scheduled_new
+                for r in plan.new
             ],
             scheduled_cached_reqs=CachedRequestData(
-                req_ids=[r.request_id for r in scheduled_running],
-                new_block_ids=[
-                    [b.block_id for b in new_blocks_of[r.request_id]] for r in scheduled_running
-                ],
-                num_computed_tokens=[r.num_computed_tokens for r in scheduled_running],
+                req_ids=[r.request_id for r in plan.running],
+                new_block_ids=[new_block_ids.get(r.request_id, _NO_BLOCK_IDS) for r in plan.running],
+                num_computed_tokens=[r.num_computed_tokens for r in plan.running],
             ),
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=self.max_num_scheduled_tokens - token_budget,
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_scheduled_tokens - plan.token_budget,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted},
+            preempted_req_ids=self.preempted_req_ids | {r.request_id for r in plan.preempted},
+            step_id=self.step_id,
         )
         self.finished_req_ids = set()
+        self.preempted_req_ids = set()
+        self.step_id += 1
         # The output above carries the counts from before this step; from now
-        # on the scheduler treats the scheduled tokens as computed.
-        for req_id, n in num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += n
+        # on the scheduler treats the scheduled tokens as computed, and a step
+        # that reaches the end of the known tokens owes one sampled token.
+        num_scheduled = plan.num_scheduled_tokens
+        for requests in (plan.running, plan.new):
+            for request in requests:
+                computed = request.num_computed_tokens + num_scheduled[request.request_id]
+                request.num_computed_tokens = computed
+                if computed >= len(request.all_token_ids) + request.num_output_placeholders:
+                    request.num_output_placeholders += 1
         return output
 
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        """Decodes and unfinished prefill chunks of running requests, in order."""
+        allocate = self.kv_cache_manager.allocate_slots
+        running = self.running
+        max_model_len = self.max_model_len
+        req_index = 0
+        while req_index < len(running) and plan.token_budget > 0:
+            request = running[req_index]
+            placeholders = request.num_output_placeholders
+            num_tokens = len(request.all_token_ids) + placeholders
+            if placeholders and (
+                request.num_output_tokens + placeholders >= request.sampling_params.max_tokens
+                or num_tokens >= max_model_len
+            ):
+                req_index += 1  # the token in flight is its last one
+                continue
+            num_new_tokens = min(num_tokens - request.num_computed_tokens, plan.token_budget)
+            if num_new_tokens <= 0:
+                req_index += 1
+                continue
+            new_blocks = allocate(request, num_new_tokens)
+            while new_blocks is None:
+                victim_index = self._preemption_victim_index()
+                victim = running.pop(victim_index)
+                if victim_index < req_index:
+                    req_index -= 1  # scheduled earlier in this loop: undo that
+                    plan.unschedule(victim)
+                self._preempt_request(victim)
+                plan.preempted.append(victim)
+                if victim is request:
+                    break  # running[req_index] is now the next request
+                new_blocks = allocate(request, num_new_tokens)
+            if new_blocks is None:
+                continue
+            req_id = request.request_id
+            plan.running.append(request)
+            if new_blocks:
+                plan.new_block_ids[req_id] = [b.block_id for b in new_blocks]
+            plan.num_scheduled_tokens[req_id] = num_new_tokens
+            plan.token_budget -= num_new_tokens
+            req_index += 1
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        """Admit waiting requests in queue order, each from its longest cached prefix."""
+        kv = self.kv_cache_manager
+        waiting = self.waiting
+        while waiting and plan.token_budget > 0:
+            request = waiting.peek_request()
+            computed_blocks, num_computed = kv.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_computed
+            if num_new_tokens > plan.token_budget:
+                if not self.enable_chunked_prefill:
+                    break  # whole prompts only; keep queue order
+                num_new_tokens = plan.token_budget
+            if len(self.running) >= self.max_num_running_reqs and not self._preempt_for(request, plan):
+                break
+            while (
+                new_blocks := kv.allocate_slots(request, num_new_tokens, computed_blocks, num_computed)
+            ) is None:
+                if not self._preempt_for(request, plan):
+                    break
+            if new_blocks is None:
+                break  # not enough free blocks; retry once something finishes
+            waiting.pop_request()
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_computed
+            if kv.enable_caching:
+                kv.prefix_cache_stats.record(request.num_tokens, num_computed)
+            request.num_computed_tokens = num_computed
+            request.status = _RUNNING
+            request.record_event(EngineCoreEventType.SCHEDULED)
+            self.running.append(request)
+            plan.new.append(request)
+            plan.num_scheduled_tokens[request.request_id] = num_new_tokens
+            plan.token_budget -= num_new_tokens
+            if plan.preempted:
+                break  # the victims wait at least one step: no ping-pong
+
+    def _preemption_victim_index(self) -> int:
+        """Index in ``running`` of the request to preempt next (O(running)
+        under priority, O(1) under fcfs; preemption is the rare path)."""
+        running = self.running
+        if self.policy != "priority":
+            return len(running) - 1
+        # Lowest priority (largest value), then latest arrival; among exact
+        # ties the latest admitted, as under fcfs.
+        return max(
+            range(len(running) - 1, -1, -1),
+            key=lambda i: (running[i].priority, running[i].arrival_time),
+        )
+
+    def _preempt_for(self, request: Request, plan: _StepPlan) -> bool:
+        """Priority policy only: preempt the lowest-priority running request if
+        its priority is strictly lower than ``request``'s. Equal priorities
+        never preempt each other, or two requests could take turns forever."""
+        if self.policy != "priority" or not self.running:
+            return False
+        index = self._preemption_victim_index()
+        if self.running[index].priority <= request.priority:
+            return False
+        victim = self.running.pop(index)
+        plan.unschedule(victim)
+        self._preempt_request(victim)
+        plan.preempted.append(victim)
+        return True
+
     def _preempt_request(self, request: Request) -> None:
-        """Recompute policy: drop the request's KV cache and requeue it first."""
+        """Recompute policy: drop the request's KV cache and requeue it."""
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0
+        request.preempted_at_step = self.step_id
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.record_event(EngineCoreEventType.PREEMPTED)
@@ -213,18 +333,21 @@ class Scheduler:
     ) -> dict[int, EngineCoreOutputs]:
         """Append sampled tokens, finish requests that hit a stop condition,
         and group the resulting outputs by client."""
-        per_client: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        per_client: dict[int, list[EngineCoreOutput]] = {}
         index_of = model_runner_output.req_id_to_index
         sampled = model_runner_output.sampled_token_ids
+        requests = self.requests
+        step_id = scheduler_output.step_id
         stopped: set[str] = set()
         for req_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted after it was scheduled
+            request = requests.get(req_id)
+            if request is None or request.status != _RUNNING or request.preempted_at_step > step_id:
+                continue  # aborted, finished or preempted since it was scheduled
             i = index_of.get(req_id)
-            new_token_ids = sampled[i] if i is not None else []
+            new_token_ids = sampled[i] if i is not None else None
             if not new_token_ids:
                 continue  # a prefill chunk short of the prompt's end
+            request.num_output_placeholders -= len(new_token_ids)
             for k, token_id in enumerate(new_token_ids):
                 request.append_output_token_ids(token_id)
                 if self._check_stop(request):
@@ -232,16 +355,24 @@ class Scheduler:
                     stopped.add(req_id)
                     self._free_request(request)
                     break
-            per_client[request.client_index].append(
-                EngineCoreOutput(
-                    request_id=req_id,
-                    new_token_ids=new_token_ids,
-                    finish_reason=request.get_finished_reason(),
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=request.num_cached_tokens,
-                    events=request.take_events(),
-                )
+            events: list[EngineCoreEvent] | None = request.events
+            if events:
+                request.events = []
+            else:
+                events = None
+            out = EngineCoreOutput(
+                request_id=req_id,
+                new_token_ids=new_token_ids,
+                finish_reason=request.get_finished_reason() if req_id in stopped else None,
+                stop_reason=request.stop_reason,
+                num_cached_tokens=request.num_cached_tokens,
+                events=events,
             )
+            client_outputs = per_client.get(request.client_index)
+            if client_outputs is None:
+                per_client[request.client_index] = [out]
+            else:
+                client_outputs.append(out)
         if stopped:
             self.running = [r for r in self.running if r.request_id not in stopped]
 
@@ -257,22 +388,39 @@ class Scheduler:
     def _check_stop(self, request: Request) -> bool:
         """Set a finished status (and stop_reason) if the last token ends the request."""
         params = request.sampling_params
-        if request.num_output_tokens >= params.max_tokens:
+        num_output = len(request.output_token_ids)
+        if num_output >= params.max_tokens:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
-        last = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and last == request.eos_token_id:
+        if num_output >= params.min_tokens:
+            last = request.output_token_ids[-1]
+            if last == request.eos_token_id and not params.ignore_eos:
                 request.status = RequestStatus.FINISHED_STOPPED
                 return True
-            if last in params.stop_token_ids:
+            if params.stop_token_ids and last in params.stop_token_ids:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = last
                 return True
-        if request.num_tokens >= self.max_model_len:
+        if len(request.all_token_ids) >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
+
+    # ---------------------------------------------------------------- prefix cache
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix. With requests running this is refused
+        (False) unless ``reset_running_requests``, which preempts them all
+        first; they recompute from scratch when they resume."""
+        if self.running:
+            if not reset_running_requests:
+                return False
+            # From the back, so that prepending keeps their order under fcfs.
+            while self.running:
+                victim = self.running.pop()
+                self._preempt_request(victim)
+                self.preempted_req_ids.add(victim.request_id)
+        return self.kv_cache_manager.reset_prefix_cache()
 
     # ---------------------------------------------------------------- queries
 
@@ -280,9 +428,9 @@ class Scheduler:
         return bool(self.requests)
 
     def has_requests(self) -> bool:
-        """True while a step is needed: unfinished requests, or finished ones
-        the runner has not been told about yet."""
-        return bool(self.requests) or bool(self.finished_req_ids)
+        """True while a step is needed: unfinished requests, or finished or
+        preempted ones the runner has not been told about yet."""
+        return bool(self.requests) or bool(self.finished_req_ids) or bool(self.preempted_req_ids)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -295,9 +443,13 @@ class Scheduler:
         return len(self.running), len(self.waiting)
 
     def make_stats(self) -> SchedulerStats:
+        """A snapshot; the prefix cache and preemption counters are cumulative."""
+        kv = self.kv_cache_manager
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=self.kv_cache_manager.usage,
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_stats.queries,
+            prefix_cache_hits=kv.prefix_cache_stats.hits,
             num_preemptions=self.num_preemptions,
         )

@@ -1,13 +1,23 @@
 """Executor: the EngineCore's handle on the workers (one in-process worker here).
 
-``execute_model(..., non_block=True)`` returns a Future so that EngineCore.step
-keeps the seeds' shape (dispatch, overlap CPU work, join). With one in-process
-worker the forward pass runs inline and the Future is already resolved.
+``execute_model(..., non_block=True)`` returns a Future so that EngineCore
+keeps the seeds' shape (dispatch, overlap CPU work, join).
+
+Synchronous scheduling runs the forward pass inline on the engine thread and
+hands back a resolved Future: a thread hop would only add latency when
+nothing overlaps. With async scheduling the model runner lives on one
+dedicated worker thread instead, and the Future resolves when that thread
+finishes the batch; meanwhile the engine thread schedules the next one
+(torch releases the GIL inside its kernels). Ownership is strict either way:
+the runner and its persistent ``InputBatch`` are touched only by the thread
+that executes batches (after start-up, the worker thread when there is one),
+and batches run one at a time in submission order, which is what lets the
+scheduler hand out a batch that depends on the one still running.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from core.config import EngineConfig
 from core.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -18,6 +28,13 @@ class UniProcExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.runner = ModelRunner(config)
         self.runner.load_model()
+        # Batches the engine may have in flight: the one running plus the one
+        # being scheduled. A deeper queue would not add overlap with a single
+        # worker thread, only latency.
+        self.max_concurrent_batches = 2 if config.async_scheduling else 1
+        self._worker: ThreadPoolExecutor | None = None
+        if config.async_scheduling:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ModelRunner")
 
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()
@@ -28,9 +45,12 @@ class UniProcExecutor:
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        if self._worker is not None:
+            future = self._worker.submit(self.runner.execute_model, scheduler_output)
+            return future if non_block else future.result()
         if not non_block:
             return self.runner.execute_model(scheduler_output)
-        future: Future[ModelRunnerOutput] = Future()
+        future = Future()
         try:
             future.set_result(self.runner.execute_model(scheduler_output))
         except BaseException as exc:  # surfaced by future.result() in step()
@@ -38,5 +58,9 @@ class UniProcExecutor:
         return future
 
     def shutdown(self) -> None:
+        if self._worker is not None:
+            # A batch still in flight finishes before the tensors go away.
+            self._worker.shutdown(wait=True)
+            self._worker = None
         self.runner.kv_caches = []
         self.runner.model = None
