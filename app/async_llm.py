@@ -103,6 +103,11 @@ class AsyncLLM:
     async def get_scheduler_stats(self):
         return await self.engine_core.call_utility_async("get_scheduler_stats")
 
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Empty the engine's prefix cache; False when refused (requests are
+        running and ``reset_running_requests`` was not given)."""
+        return bool(await self.engine_core.call_utility_async("reset_prefix_cache", reset_running_requests))
+
     def shutdown(self) -> None:
         if self._output_handler is not None:
             self._output_handler.cancel()

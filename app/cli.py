@@ -32,7 +32,7 @@ _ENGINE_FIELDS = (
     "served_model_name", "tokenizer", "dtype", "device", "load_format", "seed", "max_model_len",
     "block_size", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
     "enable_prefix_caching", "num_gpu_blocks_override", "kv_cache_memory",
-    "gpu_memory_utilization", "enforce_eager", "transport", "scheduling_policy",
+    "gpu_memory_utilization", "enforce_eager", "transport", "scheduling_policy", "async_scheduling",
 )
 
 
@@ -83,11 +83,26 @@ def make_parser() -> argparse.ArgumentParser:
     engine.add_argument("--num-gpu-blocks-override", type=int, help="KV cache blocks, whatever the memory")
     engine.add_argument("--kv-cache-memory", type=parse_size, help="bytes for the KV cache (e.g. 512MiB)")
     engine.add_argument("--gpu-memory-utilization", type=float)
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    engine.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the KV cache of shared prompt prefixes (default on)",
+    )
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     engine.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     engine.add_argument("--transport", choices=["shm", "zmq"], help="frontend-engine transport (default shm)")
-    engine.add_argument("--scheduling-policy", choices=["fcfs", "priority"])
+    engine.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        help="waiting-queue order and preemption victim: arrival (default) or the request's priority",
+    )
+    engine.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        default=None,
+        help="schedule the next batch while the model runs the current one",
+    )
     return p
 
 

@@ -58,6 +58,13 @@ class MethodNotAllowedError(OpenAIError):
     type = "MethodNotAllowedError"
 
 
+class ConflictError(OpenAIError):
+    """The request is valid but the server's current state does not allow it."""
+
+    status = HTTPStatus.CONFLICT
+    type = "ConflictError"
+
+
 class InternalServerError(OpenAIError):
     status = HTTPStatus.INTERNAL_SERVER_ERROR
     type = "InternalServerError"

@@ -43,17 +43,27 @@ class LLM:
         self,
         prompts: str | list[str] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        priority: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> list[CompletionResult]:
-        """Run every prompt to completion, batched by the scheduler; results in input order."""
+        """Run every prompt to completion, batched by the scheduler; results in input order.
+
+        ``priority`` (one per prompt, lower runs first) matters only under
+        the ``priority`` scheduling policy; ``cache_salt`` keeps these
+        prompts from sharing prefix cache blocks with differently salted ones.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        priorities = priority if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
         output_processor = OutputProcessor(self.tokenizer)
         collectors: list[tuple[list[int], RequestOutputCollector]] = []
-        for prompt, p in zip(prompts, per_prompt):
+        for prompt, p, prio in zip(prompts, per_prompt, priorities):
             ids = self.input_processor.tokenize_prompt(prompt)
-            request = self.input_processor.process(f"offline-{next(self._ids)}", ids, p)
+            request = self.input_processor.process(f"offline-{next(self._ids)}", ids, p, prio, cache_salt)
             collector = RequestOutputCollector()
             output_processor.add_request(request, collector)
             self.engine.add_request(request)
@@ -71,6 +81,10 @@ class LLM:
                 CompletionResult(ids, out.text, list(out.token_ids), out.finish_reason, out.num_cached_tokens)
             )
         return results
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (between generate() calls nothing runs, so it succeeds)."""
+        return bool(self.engine.call_utility("reset_prefix_cache"))
 
     def shutdown(self) -> None:
         self.engine.shutdown()

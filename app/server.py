@@ -1,8 +1,9 @@
 """The Starlette application: routes, OpenAI-shaped errors, optional API key.
 
 Routes: GET /health, GET /v1/models, POST /v1/completions,
-POST /v1/chat/completions, and GET /engine/stats (scheduler counters, for
-operators and tests). Every error, including unknown routes, has OpenAI's
+POST /v1/chat/completions, GET /engine/stats (scheduler counters, for
+operators and tests) and POST /reset_prefix_cache (as in vLLM; 409 while
+requests run, unless ``?reset_running_requests=true``). Every error, including unknown routes, has OpenAI's
 ``{"error": {...}}`` body. With an API key, every route but /health
 requires ``Authorization: Bearer <key>``.
 """
@@ -23,6 +24,8 @@ from starlette.routing import Route
 
 from app.errors import (
     AuthenticationError,
+    BadRequestError,
+    ConflictError,
     MethodNotAllowedError,
     NotFoundError,
     OpenAIError,
@@ -122,6 +125,20 @@ def build_app(
             stats = msgspec.convert(stats, SchedulerStats)
         return json_response(msgspec.structs.asdict(stats))
 
+    async def reset_prefix_cache(request: Request) -> Response:
+        reset = getattr(engine, "reset_prefix_cache", None)
+        if reset is None:
+            raise NotFoundError("This engine has no prefix cache to reset.")
+        flag = request.query_params.get("reset_running_requests", "false").lower()
+        if flag not in ("true", "false", "1", "0"):
+            raise BadRequestError("reset_running_requests must be true or false.", "reset_running_requests")
+        if not await reset(flag in ("true", "1")):
+            raise ConflictError(
+                "The prefix cache was not reset because requests are running; retry when the "
+                "engine is idle, or pass reset_running_requests=true to preempt them."
+            )
+        return Response(status_code=200)
+
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         if exc.status_code == 405:
@@ -139,5 +156,6 @@ def build_app(
         Route("/v1/completions", openai_route(completions), methods=["POST"]),
         Route("/v1/chat/completions", openai_route(chat_completions), methods=["POST"]),
         Route("/engine/stats", openai_route(engine_stats), methods=["GET"]),
+        Route("/reset_prefix_cache", openai_route(reset_prefix_cache), methods=["POST"]),
     ]
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error})

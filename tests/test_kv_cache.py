@@ -171,8 +171,6 @@ def test_free_returns_every_block_tail_first() -> None:
     assert manager.get_num_free_blocks() == 7 and manager.usage == 0.0
 
 
-def test_without_prefix_caching_nothing_is_computed_and_enabling_it_is_refused() -> None:
+def test_without_prefix_caching_nothing_is_computed() -> None:
     manager = KVCacheManager(num_blocks=4, block_size=4)
     assert manager.get_computed_blocks(make_request("a", 9)) == ([], 0)
-    with pytest.raises(NotImplementedError, match="prefix caching"):
-        KVCacheManager(num_blocks=4, block_size=4, enable_caching=True)

@@ -158,6 +158,7 @@ class Harness:
         self.steps: list[SchedulerOutput] = []
         self.results: dict[str, Result] = {}
         self.client_of: dict[str, int] = {}
+        self.admits_after_preemption = False
 
     def add(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -169,7 +170,7 @@ class Harness:
         self.steps.append(so)
         assert so.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
         assert len(self.scheduler.running) <= self.config.max_num_seqs
-        if self.config.scheduling_policy == "fcfs":
+        if self.config.scheduling_policy == "fcfs" and not self.admits_after_preemption:
             # Memory just ran out: admitting anyone now would only thrash.
             assert not (so.preempted_req_ids and so.scheduled_new_reqs)
         return so
