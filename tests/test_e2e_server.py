@@ -122,6 +122,100 @@ def test_client_disconnect_aborts_request_in_engine(server) -> None:
     raise AssertionError(f"request still in the engine after disconnect: {stats}")
 
 
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 6  # ~270 byte-level tokens
+
+
+def _complete(server, prompt: str, max_tokens: int = 6):
+    return client_for(server).completions.create(
+        model="ringllm-default", prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True}
+    )
+
+
+def test_prefix_cache_hits_are_reported_and_reset_prefix_cache_route(server) -> None:
+    httpx.post(server.base_url + "/reset_prefix_cache", timeout=10).raise_for_status()
+    before = engine_stats(server)
+    first, second = _complete(server, LONG_PROMPT), _complete(server, LONG_PROMPT)
+    assert first.choices[0].text == second.choices[0].text
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < second.usage.prompt_tokens and cached % 16 == 0
+    after = engine_stats(server)
+    assert after["prefix_cache_hits"] - before.get("prefix_cache_hits", 0) == cached
+    assert after["prefix_cache_queries"] - before.get("prefix_cache_queries", 0) == 2 * first.usage.prompt_tokens
+
+    assert httpx.post(server.base_url + "/reset_prefix_cache", timeout=10).status_code == 200
+    third = _complete(server, LONG_PROMPT)
+    assert third.usage.prompt_tokens_details.cached_tokens == 0
+    assert third.choices[0].text == first.choices[0].text
+
+
+def test_reset_prefix_cache_is_refused_while_a_request_runs_unless_told(server) -> None:
+    body = {"model": "ringllm-default", "prompt": LONG_PROMPT, "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(lines)
+        refused = httpx.post(server.base_url + "/reset_prefix_cache", timeout=10)
+        assert refused.status_code == 409
+        assert refused.json()["error"]["type"] == "ConflictError"
+        bad = httpx.post(server.base_url + "/reset_prefix_cache?reset_running_requests=maybe", timeout=10)
+        assert bad.status_code == 400
+        forced = httpx.post(server.base_url + "/reset_prefix_cache?reset_running_requests=true", timeout=10)
+        assert forced.status_code == 200
+        # The request was preempted, recomputed, and still streams to the end.
+        events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert '"finish_reason":"length"' in events[-2].replace(" ", "")
+    assert engine_stats(server)["num_preemptions"] >= 1
+
+
+def test_async_scheduling_server_matches_the_sync_server(server, default_model_dir: str, server_factory) -> None:
+    prompts = ["Once upon a time", "abc " * 40, LONG_PROMPT, "Hello"]
+    expected = [_complete(server, p, 24).choices[0].text for p in prompts]
+    srv = server_factory(["--model", default_model_dir, "--served-model-name", "ringllm-default",
+                          "--async-scheduling", *SERVER_ARGS])
+
+    async def run_all() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        results = await asyncio.gather(*(
+            client.completions.create(model="ringllm-default", prompt=p, max_tokens=24, temperature=0,
+                                      extra_body={"ignore_eos": True})
+            for p in prompts
+        ))
+        await client.close()
+        return [r.choices[0].text for r in results]
+
+    assert asyncio.run(run_all()) == expected
+    # A stream cut off mid-way is aborted while batches are in flight.
+    body = {"model": "ringllm-default", "prompt": "hi", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(lines)
+    deadline = time.monotonic() + 10
+    while engine_stats(srv)["num_running_reqs"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine_stats(srv)["num_running_reqs"] == 0
+    # SIGTERM to the engine with a request (and so a batch) in flight: it
+    # drains, finishing the request, then exits.
+    stream = client_for(srv).completions.create(
+        model="ringllm-default", prompt="x", max_tokens=16, stream=True, temperature=0,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    chunks = iter(stream)
+    next(chunks)
+    engine_pid = srv.engine_pid()
+    os.kill(engine_pid, signal.SIGTERM)
+    rest = list(chunks)
+    assert rest[-1].usage.completion_tokens == 16
+    assert [c.choices[0].finish_reason for c in rest if c.choices][-1] == "length"
+    deadline = time.monotonic() + 20  # the frontend notices the engine's exit
+    while httpx.get(srv.base_url + "/health", timeout=5).status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(srv.base_url + "/health", timeout=5).status_code == 503
+    assert "draining 1 requests" in srv.log() and "fatal error" not in srv.log()
+
+
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

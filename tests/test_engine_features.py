@@ -191,3 +191,18 @@ def test_async_engine_aborts_with_a_batch_in_flight_and_drains(llama, reference)
     finally:
         client.shutdown()
     assert client.engine_core.model_executor._worker is None
+
+
+def test_cli_flags_reach_the_engine_config() -> None:
+    from app.cli import build_engine_config, parse_args
+
+    defaults = build_engine_config(parse_args(["--model", "/m"]))
+    assert (defaults.enable_prefix_caching, defaults.async_scheduling, defaults.scheduling_policy) == (
+        True, False, "fcfs"
+    )
+    config = build_engine_config(
+        parse_args(["--model", "/m", "--async-scheduling", "--scheduling-policy", "priority", "--no-enable-prefix-caching"])
+    )
+    assert (config.enable_prefix_caching, config.async_scheduling, config.scheduling_policy) == (
+        False, True, "priority"
+    )
