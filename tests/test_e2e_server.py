@@ -150,7 +150,7 @@ def test_prefix_cache_hits_are_reported_and_reset_prefix_cache_route(server) -> 
 
 
 def test_reset_prefix_cache_is_refused_while_a_request_runs_unless_told(server) -> None:
-    body = {"model": "ringllm-default", "prompt": LONG_PROMPT, "max_tokens": 400, "stream": True, "ignore_eos": True}
+    body = {"model": "ringllm-default", "prompt": LONG_PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         for _ in range(3):
@@ -171,14 +171,14 @@ def test_reset_prefix_cache_is_refused_while_a_request_runs_unless_told(server) 
 
 def test_async_scheduling_server_matches_the_sync_server(server, default_model_dir: str, server_factory) -> None:
     prompts = ["Once upon a time", "abc " * 40, LONG_PROMPT, "Hello"]
-    expected = [_complete(server, p, 24).choices[0].text for p in prompts]
+    expected = [_complete(server, p, 16).choices[0].text for p in prompts]
     srv = server_factory(["--model", default_model_dir, "--served-model-name", "ringllm-default",
                           "--async-scheduling", *SERVER_ARGS])
 
     async def run_all() -> list[str]:
         client = openai.AsyncOpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
         results = await asyncio.gather(*(
-            client.completions.create(model="ringllm-default", prompt=p, max_tokens=24, temperature=0,
+            client.completions.create(model="ringllm-default", prompt=p, max_tokens=16, temperature=0,
                                       extra_body={"ignore_eos": True})
             for p in prompts
         ))
@@ -186,16 +186,6 @@ def test_async_scheduling_server_matches_the_sync_server(server, default_model_d
         return [r.choices[0].text for r in results]
 
     assert asyncio.run(run_all()) == expected
-    # A stream cut off mid-way is aborted while batches are in flight.
-    body = {"model": "ringllm-default", "prompt": "hi", "max_tokens": 2000, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, timeout=30) as response:
-        lines = response.iter_lines()
-        for _ in range(3):
-            next(lines)
-    deadline = time.monotonic() + 10
-    while engine_stats(srv)["num_running_reqs"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert engine_stats(srv)["num_running_reqs"] == 0
     # SIGTERM to the engine with a request (and so a batch) in flight: it
     # drains, finishing the request, then exits.
     stream = client_for(srv).completions.create(

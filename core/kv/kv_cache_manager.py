@@ -32,7 +32,9 @@ def cdiv(a: int, b: int) -> int:
 @dataclass
 class PrefixCacheStats:
     """Cumulative lookups, counted in tokens as vLLM does: ``hits / queries``
-    is the fraction of admitted tokens that did not need computing."""
+    is the fraction of admitted tokens that did not need computing. One
+    lookup per admission (a request held back and retried is counted once;
+    a preempted request counts again when it resumes)."""
 
     requests: int = 0
     queries: int = 0
