@@ -1,6 +1,6 @@
 """Benchmarks of issue 4: prefix-cache TTFT, scheduler cost per step, async scheduling.
 
-    python -m bench.sched_bench [ttft|sched|async|all] [--repeats N]
+    python -m bench.sched_bench [ttft|sched|async|all] [--repeats N] [--torch-threads N]
 
 Every figure is a ratio against a baseline measured in the same run, with
 the two sides interleaved, because the machines these run on are shared and
@@ -78,13 +78,17 @@ def bench_ttft(repeats: int) -> dict[str, float]:
         "cached_tokens": cached_tokens,
         "ttft_uncached_ms": _median_ms(cold),
         "ttft_cached_ms": _median_ms(warm),
+        "ttft_uncached_best_ms": min(cold) * 1e3,
+        "ttft_cached_best_ms": min(warm) * 1e3,
     }
     result["speedup"] = result["ttft_uncached_ms"] / result["ttft_cached_ms"]
+    result["speedup_best"] = result["ttft_uncached_best_ms"] / result["ttft_cached_best_ms"]
     print(
         f"ttft: {TTFT_PROMPT_LEN}-token prompt (default model, max_model_len {TTFT_MAX_MODEL_LEN}), "
-        f"median of {repeats}: uncached {result['ttft_uncached_ms']:.1f} ms, cached "
-        f"({cached_tokens} tokens hit) {result['ttft_cached_ms']:.1f} ms -> {result['speedup']:.1f}x lower "
-        "(target >= 5x)"
+        f"{repeats} runs each: uncached median {result['ttft_uncached_ms']:.1f} ms (best "
+        f"{result['ttft_uncached_best_ms']:.1f}), cached ({cached_tokens} tokens hit) median "
+        f"{result['ttft_cached_ms']:.1f} ms (best {result['ttft_cached_best_ms']:.1f}) -> "
+        f"{result['speedup']:.1f}x lower by medians, {result['speedup_best']:.1f}x by bests (target >= 5x)"
     )
     return result
 
@@ -203,11 +207,15 @@ def bench_async(repeats: int) -> dict[str, float]:
         for llm in engines.values():
             llm.shutdown()
     result = {f"{mode}_tok_s": statistics.median(v) for mode, v in rates.items()}
+    result.update({f"{mode}_best_tok_s": max(v) for mode, v in rates.items()})
     result["speedup"] = result["async_tok_s"] / result["sync_tok_s"]
+    result["speedup_best"] = result["async_best_tok_s"] / result["sync_best_tok_s"]
     print(
-        f"async: {num_prompts} prompts x {prompt_len} tokens -> {max_tokens} tokens each, offline, median of "
-        f"{repeats}: sync {result['sync_tok_s']:.0f} tok/s, async {result['async_tok_s']:.0f} tok/s -> "
-        f"{result['speedup']:.2f}x"
+        f"async: {num_prompts} prompts x {prompt_len} tokens -> {max_tokens} tokens each, offline, {repeats} "
+        f"runs each, interleaved: sync median {result['sync_tok_s']:.0f} tok/s (best "
+        f"{result['sync_best_tok_s']:.0f}), async median {result['async_tok_s']:.0f} tok/s (best "
+        f"{result['async_best_tok_s']:.0f}) -> {result['speedup']:.2f}x by medians, "
+        f"{result['speedup_best']:.2f}x by bests"
     )
     return result
 
@@ -224,7 +232,17 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser.add_argument("which", nargs="?", default="all", choices=[*BENCHES, "all"])
     parser.add_argument("--repeats", type=int, default=5, help="runs per side for ttft and async")
     parser.add_argument("--steps", type=int, default=200, help="scheduler steps measured per case")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        help="torch intra-op threads (default: torch's own); 1 is steadier when other processes "
+        "share the cores, since spinning OMP workers then stall every small op",
+    )
     args = parser.parse_args(argv)
+    if args.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     names = list(BENCHES) if args.which == "all" else [args.which]
     return {name: BENCHES[name](args) for name in names}
 

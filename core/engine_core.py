@@ -143,15 +143,17 @@ class EngineCore:
         the scheduler counts that token as a placeholder (so the decode's
         position and blocks are right), and the runner, which executes
         batches in order and appended the token to its own batch state when
-        N finished, reads it from there. What keeps outputs identical to
-        ``step``:
+        N finished, reads it from there. Batches are not the same as in
+        sync mode (what N frees or finishes is seen one schedule later), but
+        a request's tokens depend only on its own tokens and KV cache, and
+        these stay exact:
 
-        - every batch sees the same scheduler decisions as in sync mode,
-          except that a request whose in-flight token might end it is
-          scheduled once more; a stop found in N's update finishes it, and
+        - a request whose in-flight token might end it is scheduled once
+          more; a stop found in N's update finishes it, and
           update_from_output ignores finished requests, so N+1's extra token
           is dropped (its slot lies past the request's known tokens, in a
-          block that is never registered in the prefix cache);
+          block that is never registered in the prefix cache). A stop it can
+          foresee (max_tokens, max_model_len) is not scheduled at all;
         - a request preempted or aborted while its batch is in flight has
           that batch's token dropped: update_from_output skips requests that
           are not running, and ones preempted after the batch was scheduled

@@ -201,7 +201,9 @@ def test_cli_flags_reach_the_engine_config() -> None:
         True, False, "fcfs"
     )
     config = build_engine_config(
-        parse_args(["--model", "/m", "--async-scheduling", "--scheduling-policy", "priority", "--no-enable-prefix-caching"])
+        parse_args(
+            ["--model", "/m", "--async-scheduling", "--scheduling-policy", "priority", "--no-enable-prefix-caching"]
+        )
     )
     assert (config.enable_prefix_caching, config.async_scheduling, config.scheduling_policy) == (
         False, True, "priority"
