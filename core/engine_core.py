@@ -37,16 +37,11 @@ from core.sched.request import Request, RequestStatus
 from core.sched.scheduler import Scheduler
 from core.transport import EngineTransport, PeerDeadError
 from core.worker.executor import UniProcExecutor
+from shm.serial import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger("ringllm.engine")
 
-# Typed decoders for the engine's input side: no pickle, malformed frames raise.
 UtilityCall = tuple[int, int, str, list[Any]]  # client_index, call_id, method, args
-_DECODERS: dict[EngineCoreRequestType, msgspec.msgpack.Decoder] = {
-    EngineCoreRequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
-    EngineCoreRequestType.ABORT: msgspec.msgpack.Decoder(list[str]),
-    EngineCoreRequestType.UTILITY: msgspec.msgpack.Decoder(UtilityCall),
-}
 
 
 class EngineCore:
@@ -178,6 +173,13 @@ class EngineCoreProc(EngineCore):
 
     def _process_input_socket(self) -> None:
         """Input thread: read, decode and preprocess, off the busy loop's thread."""
+        # Typed decoders: no pickle, and a malformed frame raises instead of
+        # reaching the scheduler. Only ADD may carry tensors (aux frames or pool).
+        decoders = {
+            EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest, pool=self.transport.pool_reader),
+            EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
+            EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityCall),
+        }
         while True:
             try:
                 frames = self.transport.recv()
@@ -185,7 +187,7 @@ class EngineCoreProc(EngineCore):
                 self.input_queue.put_nowait((_PeerGone, None))
                 return
             try:
-                item = self._decode_request(frames)
+                item = self._decode_request(frames, decoders)
             except (ValueError, msgspec.DecodeError, IndexError) as exc:
                 logger.error("rejected a malformed message from the frontend: %s", exc)
                 continue
@@ -193,20 +195,25 @@ class EngineCoreProc(EngineCore):
                 self.aborts_queue.put_nowait(item[1])
             self.input_queue.put_nowait(item)
 
-    def _decode_request(self, frames: list) -> tuple[EngineCoreRequestType, Any]:
+    @staticmethod
+    def _decode_request(
+        frames: list, decoders: dict[EngineCoreRequestType, MsgpackDecoder]
+    ) -> tuple[EngineCoreRequestType, Any]:
+        if not frames:
+            raise ValueError("empty message")
         req_type = EngineCoreRequestType(bytes(frames[0]))
         if req_type == EngineCoreRequestType.WAKEUP:
             return req_type, None
-        decoder = _DECODERS.get(req_type)
+        decoder = decoders.get(req_type)
         if decoder is None:
             raise ValueError(f"unsupported request type {req_type.name}")
-        if len(frames) != 2:
-            raise ValueError(f"{req_type.name} message has {len(frames)} frames, expected 2")
-        return req_type, decoder.decode(frames[1])
+        if len(frames) < 2 or (len(frames) > 2 and req_type != EngineCoreRequestType.ADD):
+            raise ValueError(f"{req_type.name} message has {len(frames)} frames")
+        return req_type, decoder.decode(frames[1:])
 
     def _process_output_socket(self) -> None:
         """Output thread: encode into one reused buffer; the ring copies it out."""
-        encoder = msgspec.msgpack.Encoder()
+        encoder = MsgpackEncoder(pool=self.transport.pool_writer)
         buf = bytearray(64 * 1024)
         while True:
             item = self.output_queue.get()
@@ -217,8 +224,7 @@ class EngineCoreProc(EngineCore):
                 if item is None:  # clean shutdown
                     return
                 _client_index, outputs = item
-                encoder.encode_into(outputs, buf)
-                self.transport.send([buf])
+                self.transport.send(encoder.encode_into(outputs, buf))
             except PeerDeadError:
                 self.input_queue.put_nowait((_PeerGone, None))
                 return

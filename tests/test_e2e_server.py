@@ -1,5 +1,6 @@
-"""End to end: a real `python -m app` process, its EngineCore subprocess, real
-shared-memory rings, and the official openai client."""
+"""End to end: a real `python -m app` process, its EngineCore subprocess, the real
+transport (shared-memory rings, and the ZeroMQ baseline: every test runs over
+both), and the official openai client."""
 
 from __future__ import annotations
 
@@ -18,12 +19,16 @@ pytestmark = pytest.mark.slow
 SERVER_ARGS = ["--max-model-len", "2048", "--max-num-batched-tokens", "256", "--seed", "0"]
 
 
-@pytest.fixture(scope="module")
-def server(default_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
+TRANSPORTS = ["shm", "zmq"]
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def server(request, default_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
     from tests.conftest import start_server, stop_server
 
     srv = start_server(
-        ["--model", default_model_dir, "--served-model-name", "ringllm-default", *SERVER_ARGS],
+        ["--model", default_model_dir, "--served-model-name", "ringllm-default", *SERVER_ARGS,
+         "--transport", request.param],
         tmp_path_factory.mktemp("e2e") / "server.log",
     )
     yield srv
@@ -136,9 +141,12 @@ def test_idle_server_uses_almost_no_cpu(server) -> None:
     assert used < 0.05 * 5.0, f"idle frontend+engine used {used:.3f} CPU-s in 5 s"
 
 
-def test_engine_kill_fails_stream_and_health(default_model_dir: str, server_factory) -> None:
-    """Last: kills its own server's engine."""
-    srv = server_factory(["--model", default_model_dir, "--served-model-name", "m", *SERVER_ARGS])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_engine_kill_fails_stream_and_health(default_model_dir: str, server_factory, transport: str) -> None:
+    """Kills its own server's engine."""
+    srv = server_factory(
+        ["--model", default_model_dir, "--served-model-name", "m", *SERVER_ARGS, "--transport", transport]
+    )
     client = client_for(srv)
     stream = client.completions.create(
         model="m", prompt="hello", max_tokens=2000, stream=True, extra_body={"ignore_eos": True}
@@ -181,9 +189,15 @@ def _transformers_greedy_texts(model_dir: str, prompts: list[str], max_new: int)
     return results
 
 
-async def test_stories260k_served_greedy_matches_transformers(stories_dir: str, server_factory) -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_stories260k_served_greedy_matches_transformers(
+    stories_dir: str, server_factory, transport: str
+) -> None:
     """A real trained checkpoint through the whole stack, several requests batched at once."""
-    srv = server_factory(["--model", stories_dir, "--served-model-name", "stories", "--max-num-batched-tokens", "16"])
+    srv = server_factory(
+        ["--model", stories_dir, "--served-model-name", "stories", "--max-num-batched-tokens", "16",
+         "--transport", transport]
+    )
     expected = _transformers_greedy_texts(stories_dir, STORY_PROMPTS, 40)
     client = openai.AsyncOpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
