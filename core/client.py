@@ -33,7 +33,6 @@ from core.protocol import (
     EngineDeadError,
     HandshakeReady,
 )
-from core.sched.request import Request
 from core.transport import ClientTransport, PeerDeadError
 from shm.serial import MsgpackDecoder, MsgpackEncoder
 
@@ -51,10 +50,7 @@ class InprocClient:
         self.num_gpu_blocks = self.engine_core.num_gpu_blocks
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        error = self.engine_core.validate_request(request)
-        if error is not None:
-            raise ValueError(error)
-        self.engine_core.add_request(Request.from_engine_core_request(request))
+        self.engine_core.add_request(self.engine_core.preprocess_add_request(request))
 
     def get_output(self) -> EngineCoreOutputs:
         outputs, _ = self.engine_core.step()
@@ -75,7 +71,7 @@ class MPClient:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config.resolve()
-        self.transport, spec = ClientTransport.create(self.config)
+        self.transport, spec = ClientTransport.create(self.config.transport)
         # Large request tensors go out of band through the transport's pool (shm only).
         self.encoder = MsgpackEncoder(pool=self.transport.pool_writer)
         self.decoder = MsgpackDecoder(EngineCoreOutputs, pool=self.transport.pool_reader)
@@ -155,7 +151,11 @@ class MPClient:
     def shutdown(self) -> None:
         self._closing = True
         self._stop_process()
+        self._join_reader()
         self.transport.close()
+
+    def _join_reader(self) -> None:
+        """Wait for whatever reads the transport to stop (it sees the engine exit)."""
 
 
 class SyncMPClient(MPClient):
@@ -168,6 +168,9 @@ class SyncMPClient(MPClient):
         self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read_outputs, name="EngineCoreOutputReader", daemon=True)
         self._reader.start()
+
+    def _join_reader(self) -> None:
+        self._reader.join(timeout=5)
 
     def _read_outputs(self) -> None:
         while True:

@@ -25,14 +25,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
-from core.config import EngineConfig
 from shm.aio import AsyncReceiver, AsyncSender
-from shm.channel import ChannelSpec, Duplex, PeerDeadError
+from shm.channel import ChannelClosed, ChannelSpec, Duplex, PeerDeadError
 from shm.ring import Frame
 from shm.tensors import TensorPool, TensorPoolReader, TensorPoolWriter
 from shm.zmq_channel import ZmqAsyncReceiver, ZmqAsyncSender, ZmqChannelSpec, ZmqDuplex
 
-__all__ = ["ClientTransport", "EngineTransport", "PeerDeadError", "TRANSPORTS", "TransportSpec"]
+__all__ = ["ChannelClosed", "ClientTransport", "EngineTransport", "PeerDeadError", "TRANSPORTS", "TransportSpec"]
 
 TRANSPORTS = ("shm", "zmq")
 RING_CAPACITY = 1 << 22  # bytes per direction; larger messages are chunked
@@ -76,9 +75,8 @@ class ClientTransport:
         self._async_receiver: Any = None
 
     @classmethod
-    def create(cls, config: EngineConfig) -> tuple[ClientTransport, TransportSpec]:
-        """A new channel and the spec the engine process attaches with."""
-        kind = config.transport
+    def create(cls, kind: str) -> tuple[ClientTransport, TransportSpec]:
+        """A new channel of ``kind`` (shm | zmq) and the spec the engine process attaches with."""
         _check_kind(kind)
         if kind == "zmq":
             zduplex, zspec = ZmqDuplex.create()
@@ -191,10 +189,15 @@ class EngineTransport:
         self._duplex.sender.send(frames)
 
     def recv(self) -> list:
-        """Input thread only: blocks (without spinning) until a message or the frontend's death."""
+        """Input thread only: blocks (without spinning) until a message, the frontend's
+        death (PeerDeadError) or ``interrupt_recv`` (ChannelClosed)."""
         frames = self._duplex.receiver.recv()
         assert frames is not None  # no timeout given
         return frames
+
+    def interrupt_recv(self) -> None:
+        """Shutdown: wake the input thread out of ``recv`` so it can exit before ``close``."""
+        self._duplex.receiver.interrupt()
 
     def close(self) -> None:
         self._duplex.close()

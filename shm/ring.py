@@ -396,6 +396,8 @@ class ShmRing:
         _fence()  # the flag must be visible before we re-read head
 
     def end_space_wait(self) -> None:
+        if self._mm.closed:  # a waiter cancelled after its owner closed the ring (shutdown)
+            return
         self._space_seq += 1
         self._counters[_SPACE_SEQ] = self._space_seq
 
@@ -508,5 +510,7 @@ class ShmRing:
         _fence()  # the flag must be visible before we re-read tail
 
     def end_sleep(self) -> None:
+        if self._mm.closed:  # a sleeper cancelled after its owner closed the ring (shutdown)
+            return
         self._sleep_seq += 1
         self._counters[_SLEEP_SEQ] = self._sleep_seq

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from shm.channel import DEFAULT_POLL_INTERVAL_S, PeerDeadError
+from shm.channel import DEFAULT_POLL_INTERVAL_S, ChannelClosed, PeerDeadError
 from shm.ring import Frame
 
 ENGINE_IDENTITY = (0).to_bytes(2, "little")  # engine index 0, as vLLM encodes it
@@ -119,11 +119,14 @@ class ZmqSender(_End):
 
 
 class ZmqReceiver(_End):
-    """Receives multipart messages (ROUTER identities are stripped by the caller's spec)."""
+    """Receives multipart messages."""
 
-    def __init__(self, socket: zmq.Socket, poll_interval: float, strip: int = 0) -> None:
-        super().__init__(socket, poll_interval)
-        self.strip = strip
+    _interrupted = False
+
+    def interrupt(self) -> None:
+        """From another thread: a blocked ``recv`` raises ChannelClosed within one poll
+        interval, so the receiving thread is done with the socket before it is closed."""
+        self._interrupted = True
 
     def try_recv(self) -> list | None:
         try:
@@ -145,6 +148,8 @@ class ZmqReceiver(_End):
                 frames = self.try_recv()
                 if frames is not None:
                     return frames
+            if self._interrupted:
+                raise ChannelClosed("receiving from the zmq channel was interrupted")
             if not self.peer_alive():
                 frames = self.try_recv()
                 if frames is not None:

@@ -218,3 +218,44 @@ async def test_stories260k_served_greedy_matches_transformers(
         assert text == want_text
     assert expected[0][0].startswith(", there was a little girl named Lily.")
     await client.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_prompt_embeds_match_transformers_inputs_embeds(tiny_llama_dir: str, server_factory, transport: str) -> None:
+    """prompt_embeds cross to the engine out of band and replace the token lookup."""
+    import base64
+    import io
+
+    import torch
+    import transformers
+
+    srv = server_factory(
+        ["--model", tiny_llama_dir, "--served-model-name", "tiny", "--enable-prompt-embeds",
+         "--max-num-batched-tokens", "64", "--transport", transport]
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_llama_dir)
+    client = client_for(srv)
+    for seq_len in (5, 150):  # 150 x 64 floats: out of band, and split over three prefill chunks
+        embeds = torch.randn(seq_len, 64, generator=torch.Generator().manual_seed(seq_len))
+        with torch.no_grad():
+            expected = hf.generate(
+                inputs_embeds=embeds[None], max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )[0].tolist()
+        buf = io.BytesIO()
+        torch.save(embeds, buf)
+        response = client.completions.create(
+            model="tiny", prompt="", max_tokens=12, temperature=0,
+            extra_body={"prompt_embeds": base64.b64encode(buf.getvalue()).decode(), "ignore_eos": True},
+        )
+        assert response.choices[0].text == tok.decode(expected, skip_special_tokens=True)
+        assert response.usage.prompt_tokens == seq_len
+        assert response.usage.completion_tokens == 12
+    with pytest.raises(openai.BadRequestError, match="shape"):
+        buf = io.BytesIO()
+        torch.save(torch.zeros(3, 65), buf)
+        client.completions.create(
+            model="tiny", prompt="", max_tokens=2,
+            extra_body={"prompt_embeds": base64.b64encode(buf.getvalue()).decode()},
+        )
