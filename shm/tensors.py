@@ -27,8 +27,6 @@ test suite on CPU-only machines.
 from __future__ import annotations
 
 import mmap
-import os
-import secrets
 import sys
 import weakref
 from collections import deque
@@ -37,7 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from shm.ring import NAME_PREFIX, SHM_DIR, _fence, _WEAK_MEMORY
+from shm.ring import _WEAK_MEMORY, _fence
+from shm.segment import NAME_PREFIX, attach_segment, create_segment, unlink_segment
 
 _MAGIC = 0x52494E474C504F4C  # "RINGLPOL"
 _HEADER = 64  # segment header: magic, capacity
@@ -73,48 +72,16 @@ class TensorPool:
     def create(cls, capacity: int) -> TensorPool:
         """A new segment (mode 0600, random name). Pages are only backed once written."""
         capacity = _align(max(capacity, 4 * _ALIGN))
-        while True:
-            name = POOL_NAME_PREFIX + secrets.token_hex(8)
-            try:
-                fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            except FileExistsError:
-                continue
-            break
-        try:
-            os.ftruncate(fd, _HEADER + capacity)
-            mm = mmap.mmap(fd, _HEADER + capacity)
-        except BaseException:
-            os.close(fd)
-            os.unlink(os.path.join(SHM_DIR, name))
-            raise
-        os.close(fd)
-        pool = cls(name, mm, capacity)
-        pool._words[0] = _MAGIC
-        pool._words[1] = capacity
-        return pool
+        name, mm = create_segment(POOL_NAME_PREFIX, _HEADER, capacity, _MAGIC)
+        return cls(name, mm, capacity)
 
     @classmethod
     def attach(cls, name: str) -> TensorPool:
-        if not name.startswith(POOL_NAME_PREFIX) or "/" in name:
-            raise ValueError(f"not a tensor pool segment name: {name!r}")
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
-        try:
-            size = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        with memoryview(mm) as raw, raw[:_HEADER].cast("Q") as header:
-            magic, capacity = header[0], header[1]
-        if magic != _MAGIC or size != _HEADER + capacity:
-            mm.close()
-            raise ValueError(f"segment {name} is not a tensor pool")
+        mm, capacity = attach_segment(name, POOL_NAME_PREFIX, _HEADER, _MAGIC, "tensor pool")
         return cls(name, mm, capacity)
 
     def unlink(self) -> None:
-        try:
-            os.unlink(os.path.join(SHM_DIR, self.name))
-        except FileNotFoundError:
-            pass
+        unlink_segment(self.name)
 
     def close(self) -> None:
         """Unmap. Tensors still viewing the pool keep their mapping alive (numpy holds it)."""

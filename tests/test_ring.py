@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 from shm.aio import AsyncReceiver, AsyncSender
 from shm.channel import ChannelSpec, Duplex, PeerDeadError
-from shm.ring import SHM_DIR, ShmRing
+from shm.ring import ShmRing
+from shm.segment import SHM_DIR
 from shm.zmq_channel import ZmqAsyncReceiver, ZmqAsyncSender, ZmqChannelSpec, ZmqDuplex
 
 CAPACITY = 4096  # small on purpose: wraps and chunking happen constantly
