@@ -32,7 +32,9 @@ class AsyncLLM:
         self.served_model_name = self.config.served_model_name
         self.chat_template = chat_template
         self.input_processor = InputProcessor(
-            self.tokenizer, self.max_model_len, self.config.hf_config()["vocab_size"]
+            self.tokenizer, self.max_model_len, self.config.hf_config()["vocab_size"],
+            hidden_size=self.config.hf_config()["hidden_size"],
+            enable_prompt_embeds=self.config.enable_prompt_embeds,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._output_handler: asyncio.Task | None = None

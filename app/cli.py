@@ -32,7 +32,8 @@ _ENGINE_FIELDS = (
     "served_model_name", "tokenizer", "dtype", "device", "load_format", "seed", "max_model_len",
     "block_size", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
     "enable_prefix_caching", "num_gpu_blocks_override", "kv_cache_memory",
-    "gpu_memory_utilization", "enforce_eager", "transport", "scheduling_policy", "async_scheduling",
+    "gpu_memory_utilization", "enforce_eager", "transport", "scheduling_policy", "enable_prompt_embeds",
+    "async_scheduling",
 )
 
 
@@ -102,6 +103,10 @@ def make_parser() -> argparse.ArgumentParser:
         action="store_true",
         default=None,
         help="schedule the next batch while the model runs the current one",
+    )
+    engine.add_argument(
+        "--enable-prompt-embeds", action="store_true", default=None,
+        help="accept prompt_embeds (base64 torch.save tensors) in /v1/completions",
     )
     return p
 

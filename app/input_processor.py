@@ -7,6 +7,8 @@ fit its context window.
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import time
@@ -15,6 +17,7 @@ from typing import Any
 
 import jinja2
 import msgspec
+import torch
 
 from core.protocol import EngineCoreRequest, SamplingParams
 
@@ -42,9 +45,19 @@ def _generation_eos_ids(tokenizer: Any) -> list[int]:
 class InputProcessor:
     """Tokenizes prompts and checks requests against the model's limits."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_model_len: int,
+        vocab_size: int | None = None,
+        *,
+        hidden_size: int | None = None,
+        enable_prompt_embeds: bool = False,
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.hidden_size = hidden_size
+        self.enable_prompt_embeds = enable_prompt_embeds
         # Token ids are checked against the model's embedding table, which is
         # often padded beyond the tokenizer's vocabulary.
         self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
@@ -100,6 +113,34 @@ class InputProcessor:
             raise ValueError(f"The chat template failed to render the messages: {exc}") from exc
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def load_prompt_embeds(self, data: str) -> torch.Tensor:
+        """A prompt given as embeddings: base64 of a ``torch.save``d float tensor
+        [tokens, hidden] (a leading batch dimension of 1 is accepted), as vLLM takes it.
+
+        Loaded with ``weights_only=True``: tensors and plain containers only,
+        never arbitrary pickled objects.
+        """
+        if not self.enable_prompt_embeds:
+            raise ValueError(
+                "prompt_embeds are not enabled on this server: start it with --enable-prompt-embeds."
+            )
+        try:
+            raw = base64.b64decode(data, validate=True)
+            embeds = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+        except Exception as exc:  # noqa: BLE001 - any failure is the client's bad input
+            raise ValueError(f"prompt_embeds is not a base64-encoded torch.save tensor: {exc}") from None
+        if not isinstance(embeds, torch.Tensor):
+            raise ValueError(f"prompt_embeds must hold one tensor, not {type(embeds).__name__}.")
+        if embeds.dim() == 3 and embeds.shape[0] == 1:
+            embeds = embeds[0]
+        if embeds.dim() != 2 or (self.hidden_size is not None and embeds.shape[1] != self.hidden_size):
+            raise ValueError(
+                f"prompt_embeds must have shape [tokens, {self.hidden_size}], got {list(embeds.shape)}."
+            )
+        if not embeds.is_floating_point() or not bool(torch.isfinite(embeds).all()):
+            raise ValueError("prompt_embeds must hold finite floating-point numbers.")
+        return embeds.detach().contiguous()
+
     # ------------------------------------------------------------ requests
 
     def default_max_tokens(self, prompt_len: int) -> int:
@@ -113,9 +154,15 @@ class InputProcessor:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        prompt_embeds: torch.Tensor | None = None,
     ) -> EngineCoreRequest:
-        """Validate and build the request the engine runs; ValueError if it cannot."""
-        prompt_len = len(prompt_token_ids)
+        """Validate and build the request the engine runs; ValueError if it cannot.
+
+        With ``prompt_embeds`` (from :meth:`load_prompt_embeds`), ``prompt_token_ids`` must be empty.
+        """
+        if prompt_embeds is not None and prompt_token_ids:
+            raise ValueError("Give a prompt or prompt_embeds, not both.")
+        prompt_len = len(prompt_token_ids) if prompt_embeds is None else int(prompt_embeds.shape[0])
         if prompt_len == 0:
             raise ValueError("The prompt is empty: it must contain at least one token.")
         if prompt_len >= self.max_model_len:
@@ -148,4 +195,5 @@ class InputProcessor:
             arrival_time=time.time(),
             priority=priority,
             cache_salt=cache_salt,
+            prompt_embeds=prompt_embeds,
         )

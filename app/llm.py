@@ -35,7 +35,9 @@ class LLM:
         self.tokenizer = load_tokenizer(self.config.tokenizer)
         self.engine = InprocClient(self.config)
         self.input_processor = InputProcessor(
-            self.tokenizer, self.engine.max_model_len, self.config.hf_config()["vocab_size"]
+            self.tokenizer, self.engine.max_model_len, self.config.hf_config()["vocab_size"],
+            hidden_size=self.config.hf_config()["hidden_size"],
+            enable_prompt_embeds=self.config.enable_prompt_embeds,
         )
         self._ids = itertools.count()
 

@@ -36,6 +36,7 @@ class RequestOutput:
     stop_reason: int | str | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    num_prompt_tokens: int = 0  # also counts a prompt given as embeddings
 
     def merge(self, later: RequestOutput) -> None:
         """Fold a later delta into this one (the consumer fell behind)."""
@@ -94,6 +95,7 @@ class RequestState:
 
     request_id: str
     prompt_token_ids: list[int]
+    num_prompt_tokens: int
     detokenizer: IncrementalDetokenizer
     collector: RequestOutputCollector
     stop: list[str]
@@ -134,6 +136,7 @@ class OutputProcessor:
         self.requests[request.request_id] = RequestState(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
+            num_prompt_tokens=request.num_prompt_tokens,
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, params.skip_special_tokens
             ),
@@ -204,6 +207,7 @@ class OutputProcessor:
             stop_reason=stop_reason,
             num_output_tokens=state.num_output_tokens,
             num_cached_tokens=state.num_cached_tokens,
+            num_prompt_tokens=state.num_prompt_tokens,
         )
 
     def abort_requests(self, request_ids: Iterable[str], notify: bool = False) -> list[str]:
@@ -231,6 +235,7 @@ class OutputProcessor:
                         finish_reason=str(FinishReason.ABORT),
                         num_output_tokens=state.num_output_tokens,
                         num_cached_tokens=state.num_cached_tokens,
+                        num_prompt_tokens=state.num_prompt_tokens,
                     )
                 )
         return aborted

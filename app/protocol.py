@@ -97,7 +97,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
 class CompletionRequest(SamplingFields, kw_only=True):
     # str, a list of token ids, or a one-element list of either: one prompt only.
-    prompt: str | list[Any]
+    prompt: str | list[Any] | None = None
+    # Or the prompt as embeddings: base64 of a torch.save'd tensor (vLLM's extension).
+    prompt_embeds: str | list[str] | None = None
     max_tokens: int | None = None
     echo: bool = False
     logprobs: int | None = None
@@ -115,9 +117,27 @@ class CompletionRequest(SamplingFields, kw_only=True):
         if self.best_of not in (None, 1):
             raise BadRequestError("best_of > 1 is not supported.", "best_of")
 
+    def single_prompt_embeds(self) -> str | None:
+        """The one base64 prompt_embeds of this request, or None for a text/token prompt."""
+        embeds = self.prompt_embeds
+        if embeds is None:
+            return None
+        if self.prompt not in (None, "", []):
+            raise BadRequestError("Give either prompt or prompt_embeds, not both.", "prompt_embeds")
+        if isinstance(embeds, list):
+            if len(embeds) != 1:
+                raise BadRequestError(
+                    f"Only one prompt per request is supported; got {len(embeds)} prompt_embeds.",
+                    "prompt_embeds",
+                )
+            return embeds[0]
+        return embeds
+
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request: text or token ids."""
         prompt = self.prompt
+        if prompt is None:
+            raise BadRequestError("Either prompt or prompt_embeds is required.", "prompt")
         if isinstance(prompt, str):
             return prompt
         if not prompt:

@@ -21,6 +21,7 @@ from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
 import msgspec
+import torch
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -175,12 +176,14 @@ class OpenAIServing:
         prompt_ids: list[int],
         req: CompletionRequest | ChatCompletionRequest,
         max_tokens: int | None,
+        prompt_embeds: torch.Tensor | None = None,
     ) -> EngineCoreRequest:
         if max_tokens is None:
             max_tokens = self.input_processor.default_max_tokens(len(prompt_ids))
         try:
             return self.input_processor.process(
-                request_id, prompt_ids, req.sampling_params(max_tokens), req.priority, req.cache_salt
+                request_id, prompt_ids, req.sampling_params(max_tokens), req.priority, req.cache_salt,
+                prompt_embeds,
             )
         except ValueError as exc:
             raise BadRequestError(str(exc)) from None
@@ -193,15 +196,22 @@ class OpenAIServing:
         req.check_supported()
         self._check_alive()
         request_id = random_id("cmpl")
+        prompt_ids: list[int] = []
+        prompt_embeds = None
         try:
-            prompt_ids = self.input_processor.tokenize_prompt(req.single_prompt())
+            if (embeds_b64 := req.single_prompt_embeds()) is not None:
+                prompt_embeds = self.input_processor.load_prompt_embeds(embeds_b64)
+            else:
+                prompt_ids = self.input_processor.tokenize_prompt(req.single_prompt())
         except ValueError as exc:
-            raise BadRequestError(str(exc), "prompt") from None
+            param = "prompt" if prompt_embeds is None and req.prompt_embeds is None else "prompt_embeds"
+            raise BadRequestError(str(exc), param) from None
+        num_prompt = len(prompt_ids) if prompt_embeds is None else int(prompt_embeds.shape[0])
         max_tokens = req.max_tokens
         if max_tokens is None:  # OpenAI's default, shortened to what fits
-            room = self.input_processor.default_max_tokens(len(prompt_ids))
+            room = self.input_processor.default_max_tokens(num_prompt)
             max_tokens = max(min(COMPLETION_DEFAULT_MAX_TOKENS, room), 1)
-        engine_request = self._engine_request(request_id, prompt_ids, req, max_tokens)
+        engine_request = self._engine_request(request_id, prompt_ids, req, max_tokens, prompt_embeds)
         if req.stream:
             return EventStreamResponse(self._stream_completion(engine_request, req.include_usage))
         text, last = await self._collect(engine_request)
@@ -345,4 +355,4 @@ def _check_output(out: RequestOutput) -> None:
 
 
 def _usage(out: RequestOutput) -> UsageInfo:
-    return UsageInfo.of(len(out.prompt_token_ids), out.num_output_tokens, out.num_cached_tokens)
+    return UsageInfo.of(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)

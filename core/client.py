@@ -33,16 +33,12 @@ from core.protocol import (
     EngineDeadError,
     HandshakeReady,
 )
-from core.sched.request import Request
 from core.transport import ClientTransport, PeerDeadError
+from shm.serial import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger("ringllm.client")
 
 STARTUP_TIMEOUT_S = 300.0
-
-
-def _encode_utility(encoder: msgspec.msgpack.Encoder, call_id: int, method: str, args: tuple) -> list[bytes]:
-    return [EngineCoreRequestType.UTILITY.value, encoder.encode((0, call_id, method, list(args)))]
 
 
 class InprocClient:
@@ -54,10 +50,7 @@ class InprocClient:
         self.num_gpu_blocks = self.engine_core.num_gpu_blocks
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        error = self.engine_core.validate_request(request)
-        if error is not None:
-            raise ValueError(error)
-        self.engine_core.add_request(Request.from_engine_core_request(request))
+        self.engine_core.add_request(self.engine_core.preprocess_add_request(request))
 
     def get_output(self) -> EngineCoreOutputs:
         outputs, _ = self.engine_core.step_fn()
@@ -78,9 +71,10 @@ class MPClient:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config.resolve()
-        self.encoder = msgspec.msgpack.Encoder()
-        self.decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
-        self.transport, spec = ClientTransport.create(self.config)
+        self.transport, spec = ClientTransport.create(self.config.transport)
+        # Large request tensors go out of band through the transport's pool (shm only).
+        self.encoder = MsgpackEncoder(pool=self.transport.pool_writer)
+        self.decoder = MsgpackDecoder(EngineCoreOutputs, pool=self.transport.pool_reader)
         ctx = multiprocessing.get_context("spawn")
         self.proc = ctx.Process(
             target=run_engine_core,
@@ -119,22 +113,20 @@ class MPClient:
             if bytes(frames[0]) != expected:
                 raise RuntimeError(f"handshake: expected {expected!r}, got {bytes(frames[0])[:32]!r}")
             if expected == b"HELLO":
-                # Both sides have mapped the segments: drop their names now, so that
-                # nothing is left in /dev/shm even if both processes are killed.
-                self.transport.unlink()
+                # Both sides hold the channel: drop its names now, so that nothing
+                # is left in /dev/shm even if both processes are killed.
+                self.transport.engine_attached(timeout=STARTUP_TIMEOUT_S)
         return msgspec.msgpack.decode(frames[1], type=HandshakeReady)
 
     def _decode_outputs(self, frames: list) -> EngineCoreOutputs:
         if bytes(frames[0]) == ENGINE_CORE_DEAD:
             detail = bytes(frames[1]).decode() if len(frames) > 1 else ""
             raise EngineDeadError(f"EngineCore died: {detail}".rstrip(": "))
-        return self.decoder.decode(frames[0])
+        return self.decoder.decode(frames)
 
-    def _add_frames(self, request: EngineCoreRequest) -> list[bytes]:
-        return [EngineCoreRequestType.ADD.value, self.encoder.encode(request)]
-
-    def _abort_frames(self, request_ids: list[str]) -> list[bytes]:
-        return [EngineCoreRequestType.ABORT.value, self.encoder.encode(request_ids)]
+    def _frames(self, request_type: EngineCoreRequestType, payload: Any) -> list:
+        """[type byte, msgpack body, aux frames...]; not thread-safe (the encoder is not)."""
+        return [request_type.value, *self.encoder.encode(payload)]
 
     def _mark_dead(self, exc: BaseException) -> EngineDeadError:
         if self.engine_dead is None:
@@ -159,7 +151,11 @@ class MPClient:
     def shutdown(self) -> None:
         self._closing = True
         self._stop_process()
+        self._join_reader()
         self.transport.close()
+
+    def _join_reader(self) -> None:
+        """Wait for whatever reads the transport to stop (it sees the engine exit)."""
 
 
 class SyncMPClient(MPClient):
@@ -172,6 +168,9 @@ class SyncMPClient(MPClient):
         self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read_outputs, name="EngineCoreOutputReader", daemon=True)
         self._reader.start()
+
+    def _join_reader(self) -> None:
+        self._reader.join(timeout=5)
 
     def _read_outputs(self) -> None:
         while True:
@@ -192,21 +191,21 @@ class SyncMPClient(MPClient):
             else:
                 self.outputs_queue.put(outputs)
 
-    def _send(self, frames: list[bytes]) -> None:
+    def _send(self, request_type: EngineCoreRequestType, payload: Any) -> None:
         if self.engine_dead is not None:
             raise self.engine_dead
         with self._send_lock:
             try:
-                self.transport.send(frames)
+                self.transport.send(self._frames(request_type, payload))
             except PeerDeadError as exc:
                 raise self._mark_dead(exc) from None
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self._send(self._add_frames(request))
+        self._send(EngineCoreRequestType.ADD, request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
-            self._send(self._abort_frames(request_ids))
+            self._send(EngineCoreRequestType.ABORT, request_ids)
 
     def get_output(self) -> EngineCoreOutputs:
         item = self.outputs_queue.get()
@@ -219,7 +218,7 @@ class SyncMPClient(MPClient):
         call_id = next(self._call_ids)
         fut: Future = Future()
         self.utility_results[call_id] = fut
-        self._send(_encode_utility(self.encoder, call_id, method, args))
+        self._send(EngineCoreRequestType.UTILITY, (0, call_id, method, list(args)))
         return fut.result()
 
 
@@ -262,23 +261,23 @@ class AsyncMPClient(MPClient):
             else:
                 self.outputs_queue.put_nowait(outputs)
 
-    async def _send(self, frames: list[bytes]) -> None:
+    async def _send(self, request_type: EngineCoreRequestType, payload: Any) -> None:
         self._ensure_reader()
         if self.engine_dead is not None:
             raise self.engine_dead
         assert self._send_lock is not None
         async with self._send_lock:  # keeps message order when a send has to wait
             try:
-                await self.transport.send_async(frames)
+                await self.transport.send_async(self._frames(request_type, payload))
             except PeerDeadError as exc:
                 raise self._mark_dead(exc) from None
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
-        await self._send(self._add_frames(request))
+        await self._send(EngineCoreRequestType.ADD, request)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if request_ids:
-            await self._send(self._abort_frames(request_ids))
+            await self._send(EngineCoreRequestType.ABORT, request_ids)
 
     async def get_output_async(self) -> EngineCoreOutputs:
         self._ensure_reader()
@@ -293,7 +292,7 @@ class AsyncMPClient(MPClient):
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self.utility_results[call_id] = fut
-        await self._send(_encode_utility(self.encoder, call_id, method, args))
+        await self._send(EngineCoreRequestType.UTILITY, (0, call_id, method, list(args)))
         return await fut
 
     def shutdown(self) -> None:

@@ -35,6 +35,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     transport: str = "shm"  # shm | zmq
+    enable_prompt_embeds: bool = False  # accept prompts given as embeddings
     scheduling_policy: str = "fcfs"  # fcfs | priority
     # Schedule step N+1 while step N runs on the executor's worker thread.
     async_scheduling: bool = False

@@ -28,6 +28,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import msgspec
+import torch
 
 from core.config import EngineConfig
 from core.protocol import (
@@ -44,18 +45,13 @@ from core.protocol import (
 from core.sched.output import ModelRunnerOutput, SchedulerOutput
 from core.sched.request import Request, RequestStatus
 from core.sched.scheduler import Scheduler
-from core.transport import EngineTransport, PeerDeadError
+from core.transport import ChannelClosed, EngineTransport, PeerDeadError
 from core.worker.executor import UniProcExecutor
+from shm.serial import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger("ringllm.engine")
 
-# Typed decoders for the engine's input side: no pickle, malformed frames raise.
 UtilityCall = tuple[int, int, str, list[Any]]  # client_index, call_id, method, args
-_DECODERS: dict[EngineCoreRequestType, msgspec.msgpack.Decoder] = {
-    EngineCoreRequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
-    EngineCoreRequestType.ABORT: msgspec.msgpack.Decoder(list[str]),
-    EngineCoreRequestType.UTILITY: msgspec.msgpack.Decoder(UtilityCall),
-}
 
 
 class EngineCore:
@@ -97,15 +93,39 @@ class EngineCore:
 
     def validate_request(self, request: EngineCoreRequest) -> str | None:
         """The frontend validates too; the engine never trusts the wire."""
-        n = len(request.prompt_token_ids)
+        hf = self.model_executor.runner.hf_config
+        embeds = request.prompt_embeds
+        if embeds is not None:
+            if not self.config.enable_prompt_embeds:
+                return "prompt_embeds are disabled on this server (--enable-prompt-embeds)"
+            if request.prompt_token_ids:
+                return "a request gives prompt_token_ids or prompt_embeds, not both"
+            if embeds.dim() != 2 or embeds.shape[1] != hf["hidden_size"]:
+                return f"prompt_embeds must have shape [tokens, {hf['hidden_size']}], got {list(embeds.shape)}"
+            if not embeds.is_floating_point() or not bool(torch.isfinite(embeds).all()):
+                return "prompt_embeds must be finite floating-point numbers"
+        elif request.prompt_token_ids:
+            vocab = hf["vocab_size"]
+            if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab:
+                return f"prompt has token ids outside the vocabulary [0, {vocab})"
+        n = request.num_prompt_tokens
         if n == 0:
             return "prompt is empty"
         if n >= self.config.max_model_len:
             return f"prompt has {n} tokens; max_model_len is {self.config.max_model_len}"
-        vocab = self.model_executor.runner.hf_config["vocab_size"]
-        if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab:
-            return f"prompt has token ids outside the vocabulary [0, {vocab})"
         return None
+
+    def preprocess_add_request(self, request: EngineCoreRequest) -> Request:
+        """Validate and build the scheduler's Request; ValueError when it is unacceptable.
+
+        The process's input thread runs this, so the copying and hashing it
+        does (prompt embeddings, prefix-cache block hashes) overlap the model
+        instead of stalling the loop.
+        """
+        error = self.validate_request(request)
+        if error is not None:
+            raise ValueError(error)
+        return Request.from_engine_core_request(request, self.request_block_hasher)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -261,40 +281,62 @@ class EngineCoreProc(EngineCore):
 
     def _process_input_socket(self) -> None:
         """Input thread: read, decode and preprocess, off the busy loop's thread."""
+        # Typed decoders: no pickle, and a malformed frame raises instead of
+        # reaching the scheduler. Only ADD may carry tensors (aux frames or pool).
+        decoders = {
+            EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest, pool=self.transport.pool_reader),
+            EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
+            EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityCall),
+        }
         while True:
             try:
                 frames = self.transport.recv()
+            except ChannelClosed:
+                return  # our own shutdown
             except PeerDeadError:
                 self.input_queue.put_nowait((_PeerGone, None))
                 return
             try:
-                item = self._decode_request(frames)
+                item = self._decode_request(frames, decoders)
             except (ValueError, msgspec.DecodeError, IndexError) as exc:
                 logger.error("rejected a malformed message from the frontend: %s", exc)
                 continue
             if item[0] == EngineCoreRequestType.ADD:
-                # Build the Request (and hash its prompt's blocks) here, in
-                # parallel with the busy loop; validation happens there.
-                request = item[1]
-                item = (item[0], (request, Request.from_engine_core_request(request, self.request_block_hasher)))
+                item = (item[0], self._preprocess_or_reject(item[1]))
             elif item[0] == EngineCoreRequestType.ABORT:
                 self.aborts_queue.put_nowait(item[1])
             self.input_queue.put_nowait(item)
 
-    def _decode_request(self, frames: list) -> tuple[EngineCoreRequestType, Any]:
+    def _preprocess_or_reject(self, request: EngineCoreRequest) -> Request | tuple[int, EngineCoreOutputs]:
+        """The Request to schedule, or (client, the output that reports why it cannot run)."""
+        try:
+            return self.preprocess_add_request(request)
+        except ValueError as exc:
+            rejected = EngineCoreOutput(
+                request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ERROR,
+                stop_reason=str(exc),
+            )
+            return request.client_index, EngineCoreOutputs(outputs=[rejected], timestamp=time.monotonic())
+
+    @staticmethod
+    def _decode_request(
+        frames: list, decoders: dict[EngineCoreRequestType, MsgpackDecoder]
+    ) -> tuple[EngineCoreRequestType, Any]:
+        if not frames:
+            raise ValueError("empty message")
         req_type = EngineCoreRequestType(bytes(frames[0]))
         if req_type == EngineCoreRequestType.WAKEUP:
             return req_type, None
-        decoder = _DECODERS.get(req_type)
+        decoder = decoders.get(req_type)
         if decoder is None:
             raise ValueError(f"unsupported request type {req_type.name}")
-        if len(frames) != 2:
-            raise ValueError(f"{req_type.name} message has {len(frames)} frames, expected 2")
-        return req_type, decoder.decode(frames[1])
+        if len(frames) < 2 or (len(frames) > 2 and req_type != EngineCoreRequestType.ADD):
+            raise ValueError(f"{req_type.name} message has {len(frames)} frames")
+        return req_type, decoder.decode(frames[1:])
 
     def _process_output_socket(self) -> None:
         """Output thread: encode into one reused buffer; the ring copies it out."""
-        encoder = msgspec.msgpack.Encoder()
+        encoder = MsgpackEncoder(pool=self.transport.pool_writer)
         buf = bytearray(64 * 1024)
         while True:
             item = self.output_queue.get()
@@ -305,8 +347,7 @@ class EngineCoreProc(EngineCore):
                 if item is None:  # clean shutdown
                     return
                 _client_index, outputs = item
-                encoder.encode_into(outputs, buf)
-                self.transport.send([buf])
+                self.transport.send(encoder.encode_into(outputs, buf))
             except PeerDeadError:
                 self.input_queue.put_nowait((_PeerGone, None))
                 return
@@ -360,21 +401,18 @@ class EngineCoreProc(EngineCore):
             self.output_queue.put_nowait((client_index, EngineCoreOutputs(utility_output=out)))
         # WAKEUP only unblocks input_queue.get(); nothing else to do.
 
-    def _handle_add(self, payload: tuple[EngineCoreRequest, Request]) -> None:
-        request, engine_request = payload
-        error = self.validate_request(request)
-        if error is None and not self.is_running():
-            error = "the engine is shutting down"
-        if error is not None:
-            reason = FinishReason.ABORT if not self.is_running() else FinishReason.ERROR
-            rejected = EngineCoreOutput(
-                request_id=request.request_id, new_token_ids=[], finish_reason=reason, stop_reason=error
+    def _handle_add(self, request: Request | tuple[int, EngineCoreOutputs]) -> None:
+        if isinstance(request, tuple):  # rejected by the input thread
+            self.output_queue.put_nowait(request)
+        elif not self.is_running():
+            refused = EngineCoreOutput(
+                request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
+                stop_reason="the engine is shutting down",
             )
-            self.output_queue.put_nowait(
-                (request.client_index, EngineCoreOutputs(outputs=[rejected], timestamp=time.monotonic()))
-            )
-            return
-        self.add_request(engine_request)
+            outputs = EngineCoreOutputs(outputs=[refused], timestamp=time.monotonic())
+            self.output_queue.put_nowait((request.client_index, outputs))
+        else:
+            self.add_request(request)
 
     def _handle_shutdown(self) -> bool:
         """True while the loop should go on; drains for a bounded time after a signal."""
@@ -412,9 +450,17 @@ class EngineCoreProc(EngineCore):
         self._output_thread.join(timeout=5)
 
     def shutdown(self) -> None:
+        """Stop both I/O threads (flushing queued outputs first), then the executor."""
         self.output_queue.put_nowait(None)
         self._output_thread.join(timeout=5)
+        self.stop_input_thread()
         super().shutdown()
+
+    def stop_input_thread(self) -> None:
+        """Wake the input thread out of its blocking recv and wait for it, so that
+        the transport can be closed under no one's feet."""
+        self.transport.interrupt_recv()
+        self._input_thread.join(timeout=5)
 
 
 def _die_with_parent() -> None:
@@ -430,11 +476,20 @@ def _die_with_parent() -> None:
 
 
 def run_engine_core(config: EngineConfig, transport_spec: Any, parent_pid: int) -> None:
-    """Entry point of the spawned EngineCore process."""
+    """Entry point of the spawned EngineCore process; exits the process when done."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [engine] %(message)s")
+    code = _serve(config, transport_spec, parent_pid)
+    # Outputs are flushed and the transport closed: skip the interpreter's teardown,
+    # which with torch loaded adds half a second or more to every shutdown.
+    logging.shutdown()
+    os._exit(code)
+
+
+def _serve(config: EngineConfig, transport_spec: Any, parent_pid: int) -> int:
+    """Handshake, busy loop, shutdown; the process's exit code."""
     _die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        return
+        return 1
     engine: EngineCoreProc | None = None
     # Until the engine exists a signal just exits; afterwards it starts a drain.
     signal.signal(signal.SIGTERM, lambda *_: (engine.request_shutdown() if engine else os._exit(0)))
@@ -447,15 +502,18 @@ def run_engine_core(config: EngineConfig, transport_spec: Any, parent_pid: int) 
         except Exception as exc:
             logger.exception("EngineCore failed to start")
             transport.send([ENGINE_CORE_DEAD, f"EngineCore failed to start: {exc}".encode()])
-            return
+            return 1
         try:
             engine.run_busy_loop()
         except Exception as exc:
             logger.exception("EngineCore hit a fatal error")
             engine.send_engine_dead(f"EngineCore hit a fatal error: {exc!r}")
-            return
+            engine.stop_input_thread()
+            return 1
         engine.shutdown()
+        return 0
     except PeerDeadError:
         logger.warning("frontend went away; EngineCore exits")
+        return 1
     finally:
         transport.close()

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import msgspec
+import torch
 
 # --------------------------------------------------------------------------
 # Request types: one byte in front of every frontend -> engine message.
@@ -98,7 +99,12 @@ class SamplingParams(
 class EngineCoreRequest(
     msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True
 ):
-    """A tokenized request, as the engine sees it: no text, only token ids."""
+    """A tokenized request, as the engine sees it: no text, only token ids.
+
+    With ``prompt_embeds`` ([num_prompt_tokens, hidden_size], floating point)
+    the prompt is given as embeddings instead and ``prompt_token_ids`` is
+    empty; the tensor travels out of band (shared-memory pool or aux frame).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -108,6 +114,13 @@ class EngineCoreRequest(
     priority: int = 0
     client_index: int = 0
     cache_salt: str | None = None
+    prompt_embeds: torch.Tensor | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        if self.prompt_embeds is not None:
+            return int(self.prompt_embeds.shape[0])
+        return len(self.prompt_token_ids)
 
 
 class EngineCoreEventType(enum.IntEnum):

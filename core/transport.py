@@ -1,34 +1,54 @@
 """The frontend <-> EngineCore message transport, one object per side.
 
 A message is a list of frames (``[type, body, aux...]`` towards the engine,
-``[body, aux...]`` back). Both sides see the same small interface, so the
-engine's busy loop and the clients never know what carries the frames:
+``[body, aux...]`` back). Two transports carry them, chosen with
+``--transport``; the engine's busy loop and the clients cannot tell which:
 
-- ``ClientTransport`` (frontend): creates the channel, hands its picklable
-  spec to the spawned engine, watches the engine process, and offers both
-  blocking calls (sync clients, the handshake) and awaitable ones (the
-  asyncio client: the doorbells sit in the event loop, no thread).
-- ``EngineTransport`` (EngineCore): attaches to the spec; its input thread
-  calls ``recv`` and its output thread ``send``, each direction being used
-  by exactly one thread.
+- ``shm`` (default): a pair of shared-memory SPSC rings with doorbells
+  (``shm.channel``), plus a shared-memory tensor pool per direction for the
+  out-of-band tier of large CPU tensors (``shm.tensors``).
+- ``zmq``: vLLM V1's sockets (ROUTER/DEALER requests, PUSH/PULL outputs,
+  tensors as aux frames), kept as the baseline the rings are measured against.
 
-The shared-memory rings of ``shm/`` are the only transport so far.
+``ClientTransport`` (frontend) creates the channel, hands its picklable spec to
+the spawned engine, watches the engine process, and offers blocking calls
+(sync clients, the handshake) and awaitable ones (the asyncio client; the
+waits sit in the event loop, no thread). ``EngineTransport`` (EngineCore)
+attaches to the spec; its input thread calls ``recv`` and its output thread
+``send``, so each direction has exactly one user.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
 
-from core.config import EngineConfig
 from shm.aio import AsyncReceiver, AsyncSender
-from shm.channel import ChannelSpec, Duplex, PeerDeadError
+from shm.channel import ChannelClosed, ChannelSpec, Duplex, PeerDeadError
 from shm.ring import Frame
+from shm.tensors import TensorPool, TensorPoolReader, TensorPoolWriter
+from shm.zmq_channel import ZmqAsyncReceiver, ZmqAsyncSender, ZmqChannelSpec, ZmqDuplex
 
-__all__ = ["ClientTransport", "EngineTransport", "PeerDeadError", "TRANSPORTS"]
+__all__ = ["ChannelClosed", "ClientTransport", "EngineTransport", "PeerDeadError", "TRANSPORTS", "TransportSpec"]
 
-TRANSPORTS = ("shm",)
+TRANSPORTS = ("shm", "zmq")
 RING_CAPACITY = 1 << 22  # bytes per direction; larger messages are chunked
+# Out-of-band tensor pools. Pages of a shared segment are only backed once
+# written, so an unused pool costs address space, not memory.
+POOL_TO_ENGINE_BYTES = 256 << 20  # prompt embeddings and other request tensors
+POOL_TO_CLIENT_BYTES = 64 << 20  # output tensors
+
+
+@dataclass(frozen=True)
+class TransportSpec:
+    """What the spawned engine needs to attach; picklable."""
+
+    kind: str
+    channel: Union[ChannelSpec, ZmqChannelSpec]
+    to_engine_pool: str | None = None  # segment names (shm only)
+    to_client_pool: str | None = None
 
 
 def _check_kind(kind: str) -> None:
@@ -37,34 +57,64 @@ def _check_kind(kind: str) -> None:
 
 
 class ClientTransport:
-    """The frontend's end: creator of the channel."""
+    """The frontend's end: creator of the channel and of the tensor pools."""
 
-    def __init__(self, duplex: Duplex) -> None:
+    def __init__(
+        self,
+        kind: str,
+        duplex: Duplex | ZmqDuplex,
+        pools: tuple[TensorPool, TensorPool] | None = None,
+    ) -> None:
+        self.kind = kind
         self._duplex = duplex
-        self._async_sender: AsyncSender | None = None
-        self._async_receiver: AsyncReceiver | None = None
+        self._pools = pools
+        # Out-of-band tensors: we write the to-engine pool and read the to-client one.
+        self.pool_writer = TensorPoolWriter(pools[0]) if pools else None
+        self.pool_reader = TensorPoolReader(pools[1]) if pools else None
+        self._async_sender: Any = None
+        self._async_receiver: Any = None
 
     @classmethod
-    def create(cls, config: EngineConfig) -> tuple[ClientTransport, ChannelSpec]:
-        """A new channel and the spec the engine process attaches with."""
-        _check_kind(config.transport)
+    def create(cls, kind: str) -> tuple[ClientTransport, TransportSpec]:
+        """A new channel of ``kind`` (shm | zmq) and the spec the engine process attaches with."""
+        _check_kind(kind)
+        if kind == "zmq":
+            zduplex, zspec = ZmqDuplex.create()
+            return cls(kind, zduplex), TransportSpec(kind, zspec)
         duplex, spec = Duplex.create(RING_CAPACITY)
-        return cls(duplex), spec
+        try:
+            to_engine = TensorPool.create(POOL_TO_ENGINE_BYTES)
+            try:
+                to_client = TensorPool.create(POOL_TO_CLIENT_BYTES)
+            except BaseException:
+                to_engine.unlink()
+                to_engine.close()
+                raise
+        except BaseException:
+            duplex.close()
+            raise
+        transport = cls(kind, duplex, (to_engine, to_client))
+        return transport, TransportSpec(kind, spec, to_engine.name, to_client.name)
 
     def set_peer(self, alive: Callable[[], bool], sentinel: int | None = None) -> None:
         """How to tell the engine is gone: ``alive()`` and an fd readable once it exits."""
         self._duplex.set_peer_alive(alive, sentinel)
 
-    def unlink(self) -> None:
-        """Drop the channel's names once the engine has attached (nothing left to leak)."""
+    def engine_attached(self, timeout: float) -> None:
+        """Call once the engine said HELLO: finish the connection and drop every name,
+        so that nothing is left behind even if both processes are killed."""
+        if isinstance(self._duplex, ZmqDuplex):
+            self._duplex.wait_registered(timeout)
         self._duplex.unlink()
+        for pool in self._pools or ():
+            pool.unlink()
 
     # -------------------------------------------------------------- blocking
 
     def send(self, frames: Sequence[Frame], timeout: float | None = None) -> None:
         self._duplex.sender.send(frames, timeout)
 
-    def recv(self, timeout: float | None = None) -> list[bytes] | None:
+    def recv(self, timeout: float | None = None) -> list | None:
         """The next message; None after ``timeout`` s; PeerDeadError once the engine is gone."""
         return self._duplex.receiver.recv(timeout)
 
@@ -72,16 +122,22 @@ class ClientTransport:
 
     async def send_async(self, frames: Sequence[Frame]) -> None:
         if self._async_sender is None:
-            self._async_sender = AsyncSender(self._duplex.sender)
+            if isinstance(self._duplex, ZmqDuplex):
+                self._async_sender = ZmqAsyncSender(self._duplex.sender)
+            else:
+                self._async_sender = AsyncSender(self._duplex.sender)
         await self._async_sender.send(frames)
 
-    async def recv_async(self) -> list[bytes]:
+    async def recv_async(self) -> list:
         if self._async_receiver is None:
-            self._async_receiver = AsyncReceiver(self._duplex.receiver)
+            if isinstance(self._duplex, ZmqDuplex):
+                self._async_receiver = ZmqAsyncReceiver(self._duplex.receiver)
+            else:
+                self._async_receiver = AsyncReceiver(self._duplex.receiver)
         return await self._async_receiver.recv()
 
     def stop_async(self) -> None:
-        """Unregister the doorbells from the event loop (call on the loop's thread)."""
+        """Unregister from the event loop (call on the loop's thread, at shutdown)."""
         for end in (self._async_sender, self._async_receiver):
             if end is not None:
                 end.close()
@@ -90,37 +146,63 @@ class ClientTransport:
     def close(self) -> None:
         self.stop_async()
         self._duplex.close()
+        for pool in self._pools or ():
+            pool.unlink()
+            pool.close()
 
 
 class EngineTransport:
     """The EngineCore's end: attaches to the frontend's channel and watches the frontend."""
 
-    def __init__(self, duplex: Duplex, sentinel: int | None) -> None:
+    def __init__(
+        self,
+        duplex: Duplex | ZmqDuplex,
+        sentinel: int | None,
+        pools: tuple[TensorPool, TensorPool] | None = None,
+    ) -> None:
         self._duplex = duplex
         self._sentinel = sentinel
+        self._pools = pools
+        # We read the to-engine pool and write the to-client one.
+        self.pool_reader = TensorPoolReader(pools[0]) if pools else None
+        self.pool_writer = TensorPoolWriter(pools[1]) if pools else None
 
     @classmethod
-    def attach(cls, spec: ChannelSpec, parent_pid: int) -> EngineTransport:
-        duplex = Duplex.attach(spec)
+    def attach(cls, spec: TransportSpec, parent_pid: int) -> EngineTransport:
+        _check_kind(spec.kind)
+        pools = None
+        if isinstance(spec.channel, ZmqChannelSpec):
+            duplex: Duplex | ZmqDuplex = ZmqDuplex.attach(spec.channel)
+        else:
+            duplex = Duplex.attach(spec.channel)
+            if spec.to_engine_pool and spec.to_client_pool:
+                pools = (TensorPool.attach(spec.to_engine_pool), TensorPool.attach(spec.to_client_pool))
         try:
             sentinel: int | None = os.pidfd_open(parent_pid)
         except (AttributeError, OSError):  # not Linux >= 5.3: liveness polling only
             sentinel = None
         duplex.set_peer_alive(lambda: os.getppid() == parent_pid, sentinel)
-        return cls(duplex, sentinel)
+        return cls(duplex, sentinel, pools)
 
     def send(self, frames: Sequence[Frame]) -> None:
-        """Output thread only. PeerDeadError if the frontend is gone and the ring full."""
+        """Output thread only. PeerDeadError if the frontend is gone and the channel full."""
         self._duplex.sender.send(frames)
 
-    def recv(self) -> list[bytes]:
-        """Input thread only: blocks (without spinning) until a message or the frontend's death."""
+    def recv(self) -> list:
+        """Input thread only: blocks (without spinning) until a message, the frontend's
+        death (PeerDeadError) or ``interrupt_recv`` (ChannelClosed)."""
         frames = self._duplex.receiver.recv()
         assert frames is not None  # no timeout given
         return frames
 
+    def interrupt_recv(self) -> None:
+        """Shutdown: wake the input thread out of ``recv`` so it can exit before ``close``."""
+        self._duplex.receiver.interrupt()
+
     def close(self) -> None:
         self._duplex.close()
+        for pool in self._pools or ():
+            pool.close()
         if self._sentinel is not None:
             os.close(self._sentinel)
             self._sentinel = None

@@ -1,10 +1,12 @@
 """asyncio ends of a channel, for the frontend's event loop.
 
-They never spin and use no thread: when the ring is empty (or full, for the
-sender) they publish the ring's sleeping flag, re-check, and await the
-doorbell, which is registered once with ``loop.add_reader``. While messages
-keep flowing the doorbell is never rung, so the event loop sees no fd events
-at all. A timer (``liveness_interval``) bounds every sleep so that a dead peer
+They use no thread. When the ring is empty the receiver first polls it for
+``spin_s`` while yielding to the loop at every check (other tasks keep
+running; an answer that comes back within microseconds costs no wake-up),
+then publishes the ring's sleeping flag, re-checks, and awaits the doorbell,
+which is registered once with ``loop.add_reader``. A sender that finds the
+ring full does the latter directly. While messages keep flowing the doorbell
+is never rung, so the event loop sees no fd events at all. A timer (``liveness_interval``) bounds every sleep so that a dead peer
 is noticed; a peer sentinel fd, if the endpoint has one, wakes the receiver
 at once. Only the receiver watches the sentinel: an event loop keeps one
 reader per fd, so a second registration would silently replace the first.
@@ -13,6 +15,7 @@ reader per fd, so a second registration would silently replace the first.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 
 from shm.channel import PeerDeadError, Receiver, Sender, _Endpoint
@@ -109,10 +112,12 @@ class AsyncReceiver(_AsyncEnd):
         *,
         liveness_interval: float = DEFAULT_LIVENESS_INTERVAL_S,
         max_burst: int = 16,
+        spin_s: float | None = None,
     ) -> None:
         super().__init__(receiver, receiver.data_bell, peer_alive, liveness_interval, watch_sentinel=True)
         self._receiver = receiver
         self.max_burst = max_burst
+        self.spin_s = receiver.spin_s if spin_s is None else spin_s
         self._burst = 0
 
     async def recv(self) -> list[bytes]:
@@ -126,6 +131,13 @@ class AsyncReceiver(_AsyncEnd):
                 await asyncio.sleep(0)
             return frames
         self._burst = 0
+        if self.spin_s > 0:
+            spin_end = time.perf_counter() + self.spin_s
+            while time.perf_counter() < spin_end:
+                await asyncio.sleep(0)  # one loop iteration: other tasks run meanwhile
+                frames = receiver.try_recv()
+                if frames is not None:
+                    return frames
         loop = self._register()
         ring = receiver.ring
         while True:

@@ -44,6 +44,10 @@ class PeerDeadError(ConnectionError):
     """The process at the other end of the channel is gone."""
 
 
+class ChannelClosed(ConnectionError):
+    """This side interrupted its own receiver (shutdown): stop using the channel."""
+
+
 def _always_alive() -> bool:
     return True
 
@@ -165,8 +169,16 @@ class Sender(_Endpoint):
 class Receiver(_Endpoint):
     """The consuming end of one direction."""
 
+    _interrupted = False
+
     def _own_bell(self) -> Doorbell:
         return self.data_bell
+
+    def interrupt(self) -> None:
+        """From another thread: make a blocked or later ``recv`` raise ChannelClosed,
+        so the thread that receives can finish before the channel is closed."""
+        self._interrupted = True
+        self.data_bell.ring()
 
     def _notify(self) -> None:
         if self.ring.producer_wakeup_due():
@@ -209,6 +221,8 @@ class Receiver(_Endpoint):
                 self._sleep(budget)
             finally:
                 ring.end_sleep()
+            if self._interrupted:
+                raise ChannelClosed(f"receiving from ring {ring.name} was interrupted")
             if not self.peer_alive():
                 frames = ring.try_read()
                 self._notify()

@@ -52,19 +52,16 @@ common implementations but is untested: x86-64 is the supported platform.
 from __future__ import annotations
 
 import mmap
-import os
 import platform
-import secrets
 import struct
-import tempfile
 import threading
 from collections.abc import Sequence
 from typing import Union
 
+from shm.segment import NAME_PREFIX, attach_segment, create_segment, unlink_segment
+
 Frame = Union[bytes, bytearray, memoryview]
 
-SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-NAME_PREFIX = "ringllm-"
 
 # Header fields as indexes of 8-byte words (byte offsets 0, 64, 128, 192, 256).
 _HEAD = 0
@@ -188,52 +185,21 @@ class ShmRing:
         capacity = max(MIN_CAPACITY, 1 << (max(capacity, 1) - 1).bit_length())
         if capacity > 1 << 31:
             raise ValueError(f"ring capacity {capacity} exceeds 2 GiB")
-        while True:
-            name = NAME_PREFIX + secrets.token_hex(8)
-            try:
-                fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            except FileExistsError:
-                continue
-            break
-        try:
-            os.ftruncate(fd, _DATA + capacity)
-            mm = mmap.mmap(fd, _DATA + capacity)
-        except BaseException:
-            os.close(fd)
-            os.unlink(os.path.join(SHM_DIR, name))
-            raise
-        os.close(fd)
-        ring = cls(name, mm, capacity)
-        ring._counters[_META] = _MAGIC
-        ring._counters[_META + 1] = capacity
-        return ring
+        name, mm = create_segment(NAME_PREFIX, _DATA, capacity, _MAGIC, meta=8 * _META)
+        return cls(name, mm, capacity)
 
     @classmethod
     def attach(cls, name: str) -> ShmRing:
         """Map an existing segment created by ``create`` in another process."""
-        if not name.startswith(NAME_PREFIX) or "/" in name:
-            raise ValueError(f"not a ring segment name: {name!r}")
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
-        try:
-            size = os.fstat(fd).st_size
-            if size < _DATA + MIN_CAPACITY:
-                raise ValueError(f"segment {name} is too small ({size} bytes)")
-            mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        with memoryview(mm) as raw, raw[:_DATA].cast("Q") as header:
-            magic, capacity = header[_META], header[_META + 1]
-        if magic != _MAGIC or size != _DATA + capacity:
+        mm, capacity = attach_segment(name, NAME_PREFIX, _DATA, _MAGIC, "ring", meta=8 * _META)
+        if capacity < MIN_CAPACITY or capacity & (capacity - 1):
             mm.close()
-            raise ValueError(f"segment {name} is not a ring")
+            raise ValueError(f"segment {name} has a bad ring capacity {capacity}")
         return cls(name, mm, capacity)
 
     def unlink(self) -> None:
         """Remove the segment's name; the mappings stay valid until both sides close."""
-        try:
-            os.unlink(os.path.join(SHM_DIR, self.name))
-        except FileNotFoundError:
-            pass
+        unlink_segment(self.name)
 
     def close(self) -> None:
         if not self._mm.closed:
@@ -396,6 +362,8 @@ class ShmRing:
         _fence()  # the flag must be visible before we re-read head
 
     def end_space_wait(self) -> None:
+        if self._mm.closed:  # a waiter cancelled after its owner closed the ring (shutdown)
+            return
         self._space_seq += 1
         self._counters[_SPACE_SEQ] = self._space_seq
 
@@ -508,5 +476,7 @@ class ShmRing:
         _fence()  # the flag must be visible before we re-read tail
 
     def end_sleep(self) -> None:
+        if self._mm.closed:  # a sleeper cancelled after its owner closed the ring (shutdown)
+            return
         self._sleep_seq += 1
         self._counters[_SLEEP_SEQ] = self._sleep_seq

@@ -1,28 +1,31 @@
 """msgspec/msgpack encoding of messages into frames, with tensors kept out of the msgpack body.
 
 ``MsgpackEncoder.encode(obj)`` returns a frame list ``[main, aux1, aux2, ...]``:
-``main`` is the msgpack body, and each large tensor's bytes travel as their own
-frame, so they are copied once into the ring instead of through the msgpack
-buffer. A tensor (``torch.Tensor`` or ``numpy.ndarray``) is encoded in the body
-as ``[dtype, shape, data]`` where ``data`` is
+``main`` is the msgpack body. A tensor (``torch.Tensor`` or ``numpy.ndarray``)
+is encoded in the body as ``[dtype, shape, data]``; per tensor, ``data`` is
 
-- an ext value (code ``EXT_RAW_TENSOR``) holding the raw bytes, when the tensor
-  has fewer than ``inline_threshold`` bytes (the *inline* tier), or
-- an int: the index of the aux frame holding the bytes (the *aux frame* tier).
-
-The out-of-band tier (a shared-memory pool on CPU, CUDA IPC on GPU) will be a
-third form of ``data``, an ext value with its own code carrying a pool handle,
-resolved by a pool object given to both the encoder and the decoder; the two
-existing forms do not change.
+- *inline*: an ext value (``EXT_RAW_TENSOR``) holding the raw bytes, for CPU
+  tensors under ``inline_threshold`` bytes;
+- *out of band*: an ext value holding a handle, when the encoder was given a
+  pool and the pool has room: ``EXT_SHM_TENSOR`` (offset, nbytes) in a
+  ``shm.tensors`` shared-memory pool for CPU tensors, ``EXT_CUDA_IPC`` (a CUDA
+  IPC handle) for CUDA tensors when a CUDA exporter is wired up;
+- an *aux frame*: an int, the index of the frame holding the bytes (the
+  fallback: large tensors with no pool, or a full pool).
 
 Decoding is always typed (``MsgpackDecoder(SomeStruct)``): tensor fields must be
 annotated ``torch.Tensor`` or ``numpy.ndarray``, and malformed input raises
 ``msgspec.ValidationError`` / ``msgspec.DecodeError``. Nothing is ever unpickled.
 torch is never imported here: a tensor can only exist if its caller imported it.
+Decoded arrays are zero-copy wherever the bytes outlive the call: views of the
+received frame (numpy) or of the shared pool (numpy and torch, handed back to
+the producer once garbage collected); torch tensors from frames get their own
+copy, since frames are immutable and torch tensors are writable.
 """
 
 from __future__ import annotations
 
+import struct
 import sys
 from collections.abc import Sequence
 from typing import Any, Union
@@ -30,8 +33,14 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
+from shm.tensors import CudaIpcExporter, CudaIpcImporter, PoolHandle, TensorPoolReader, TensorPoolWriter
+
 INLINE_THRESHOLD = 256
 EXT_RAW_TENSOR = 1
+EXT_SHM_TENSOR = 2
+EXT_CUDA_IPC = 3
+
+_POOL_HANDLE = struct.Struct("<QQ")  # offset, nbytes
 
 FrameOut = Union[bytes, bytearray, memoryview]
 
@@ -39,11 +48,20 @@ FrameOut = Union[bytes, bytearray, memoryview]
 class MsgpackEncoder:
     """Encode objects (msgspec structs and anything msgspec handles, plus tensors) into frames.
 
-    Not thread-safe: use one encoder per thread.
+    ``pool`` enables the out-of-band tier for CPU tensors, ``cuda_ipc`` for CUDA
+    tensors (without it they are copied to the host first). Not thread-safe:
+    use one encoder per thread.
     """
 
-    def __init__(self, inline_threshold: int = INLINE_THRESHOLD) -> None:
+    def __init__(
+        self,
+        inline_threshold: int = INLINE_THRESHOLD,
+        pool: TensorPoolWriter | None = None,
+        cuda_ipc: CudaIpcExporter | None = None,
+    ) -> None:
         self.inline_threshold = inline_threshold
+        self.pool = pool
+        self.cuda_ipc = cuda_ipc
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         self._aux: list[FrameOut] | None = None
 
@@ -76,11 +94,16 @@ class MsgpackEncoder:
 
     def _encode_torch(self, tensor: Any, torch: Any) -> list:
         t = tensor.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()  # the CUDA IPC tier will avoid this copy
+        dtype = str(t.dtype).removeprefix("torch.")
+        if t.device.type == "cuda":
+            if self.cuda_ipc is not None and (desc := self.cuda_ipc.export(t)) is not None:
+                return [dtype, list(t.shape), msgspec.msgpack.Ext(EXT_CUDA_IPC, msgspec.msgpack.encode(desc))]
+            t = t.cpu()
+        elif t.device.type != "cpu":
+            t = t.cpu()
         t = t.resolve_conj().resolve_neg().contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy()
-        return [str(t.dtype).removeprefix("torch."), list(t.shape), self._data(raw)]
+        return [dtype, list(t.shape), self._data(raw)]
 
     def _encode_numpy(self, arr: np.ndarray) -> list:
         if arr.dtype.hasobject:
@@ -90,10 +113,12 @@ class MsgpackEncoder:
         return [arr.dtype.str, list(arr.shape), self._data(raw)]
 
     def _data(self, raw: np.ndarray) -> msgspec.msgpack.Ext | int:
-        """Inline ext for small tensors, else the index of a new aux frame."""
+        """Inline for small tensors, else the pool, else a new aux frame."""
         view = memoryview(raw)
         if raw.nbytes < self.inline_threshold:
             return msgspec.msgpack.Ext(EXT_RAW_TENSOR, view)
+        if self.pool is not None and (handle := self.pool.put(view)) is not None:
+            return msgspec.msgpack.Ext(EXT_SHM_TENSOR, _POOL_HANDLE.pack(handle.offset, handle.nbytes))
         aux = self._aux
         assert aux is not None
         aux.append(view)
@@ -114,12 +139,21 @@ def _check_size(shape: list, itemsize: int, buf: FrameOut) -> None:
 class MsgpackDecoder:
     """Decode frames produced by ``MsgpackEncoder`` into ``type``. One per thread.
 
-    numpy arrays are zero-copy, read-only views of the received frame; torch
-    tensors are writable and get their own copy of the bytes.
+    ``pool`` / ``cuda_ipc`` resolve out-of-band handles (an out-of-band tensor
+    arriving without them is a decode error). numpy arrays from frames are
+    read-only views of the frame; torch tensors from frames get their own copy;
+    pool tensors (numpy or torch) are writable zero-copy views of the pool.
     """
 
-    def __init__(self, type: Any = Any) -> None:
+    def __init__(
+        self,
+        type: Any = Any,
+        pool: TensorPoolReader | None = None,
+        cuda_ipc: CudaIpcImporter | None = None,
+    ) -> None:
         self._decoder = msgspec.msgpack.Decoder(type, dec_hook=self._dec_hook)
+        self.pool = pool
+        self.cuda_ipc = cuda_ipc
         self._frames: Sequence[FrameOut] = ()
 
     def decode(self, frames: Sequence[FrameOut]) -> Any:
@@ -131,36 +165,63 @@ class MsgpackDecoder:
 
     def _dec_hook(self, type: Any, obj: Any) -> Any:
         if type is np.ndarray:
-            dtype, shape, buf = self._parts(obj)
+            dtype, shape, data = self._header(obj)
             dt = np.dtype(dtype)
             if dt.hasobject:
                 raise ValueError("refusing a numpy array of Python objects")
+            buf, shared = self._bytes(data)
             _check_size(shape, dt.itemsize, buf)
+            if shared:
+                return buf.view(dt).reshape(shape)
             return np.frombuffer(buf, dtype=dt).reshape(shape)
         torch = sys.modules.get("torch")
         if torch is not None and type is torch.Tensor:
-            dtype, shape, buf = self._parts(obj)
+            dtype, shape, data = self._header(obj)
             dt = getattr(torch, dtype, None)
             if not isinstance(dt, torch.dtype):
                 raise ValueError(f"unknown torch dtype {dtype!r}")
+            if isinstance(data, msgspec.msgpack.Ext) and data.code == EXT_CUDA_IPC:
+                return self._cuda_tensor(data, dt, shape)
+            buf, shared = self._bytes(data)
             _check_size(shape, dt.itemsize, buf)
             if len(buf) == 0:
                 return torch.empty(shape, dtype=dt)
+            if shared:  # a writable view of the pool: no copy
+                return torch.from_numpy(buf).view(dt).reshape(shape)
             if isinstance(buf, bytes) or (isinstance(buf, memoryview) and buf.readonly):
                 buf = bytearray(buf)  # torch tensors are writable: never alias immutable bytes
             return torch.frombuffer(buf, dtype=dt).reshape(shape)
         raise NotImplementedError(f"cannot decode objects of type {type!r}")
 
-    def _parts(self, obj: Any) -> tuple[str, list[int], FrameOut]:
+    @staticmethod
+    def _header(obj: Any) -> tuple[str, list[int], Any]:
         if not (isinstance(obj, list) and len(obj) == 3):
             raise ValueError("a tensor must be encoded as [dtype, shape, data]")
         dtype, shape, data = obj
         if not isinstance(dtype, str) or not isinstance(shape, list):
             raise ValueError("malformed tensor header")
+        return dtype, shape, data
+
+    def _bytes(self, data: Any) -> tuple[Any, bool]:
+        """The tensor's bytes and whether they are a (writable) view of the shared pool."""
         if isinstance(data, msgspec.msgpack.Ext):
-            if data.code != EXT_RAW_TENSOR:
-                raise ValueError(f"unknown tensor ext code {data.code}")
-            return dtype, shape, data.data
+            if data.code == EXT_RAW_TENSOR:
+                return data.data, False
+            if data.code == EXT_SHM_TENSOR:
+                if self.pool is None:
+                    raise ValueError("an out-of-band tensor arrived, but no tensor pool is attached")
+                if len(data.data) != _POOL_HANDLE.size:
+                    raise ValueError("malformed tensor pool handle")
+                return self.pool.get(PoolHandle(*_POOL_HANDLE.unpack(data.data))), True
+            raise ValueError(f"unknown tensor ext code {data.code}")
         if type(data) is int and 0 < data < len(self._frames):
-            return dtype, shape, self._frames[data]
+            return self._frames[data], False
         raise ValueError(f"tensor data reference {data!r} matches no frame")
+
+    def _cuda_tensor(self, data: msgspec.msgpack.Ext, dtype: Any, shape: list[int]) -> Any:
+        if self.cuda_ipc is None:
+            raise ValueError("a CUDA IPC tensor arrived, but no CUDA importer is wired up")
+        tensor = self.cuda_ipc.import_(msgspec.msgpack.decode(data.data))
+        if tensor.dtype != dtype or list(tensor.shape) != shape:
+            raise ValueError("CUDA IPC tensor does not match its header")
+        return tensor

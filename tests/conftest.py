@@ -40,6 +40,25 @@ def default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A seeded random Llama saved by transformers, with the project's byte-level tokenizer."""
+    import torch
+    import transformers
+
+    from core.models.default_model import MODEL_CONFIG, write_tokenizer
+
+    torch.manual_seed(3)
+    config = transformers.LlamaConfig(
+        vocab_size=MODEL_CONFIG["vocab_size"], hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )
+    path = tmp_path_factory.mktemp("tiny-llama")
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
+    write_tokenizer(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def stories_dir() -> str:
     if not (STORIES_DIR / "config.json").exists():
         pytest.skip(f"{STORIES_DIR} is absent (../shared/models not beside the repo)")

@@ -1,5 +1,6 @@
-"""End to end: a real `python -m app` process, its EngineCore subprocess, real
-shared-memory rings, and the official openai client."""
+"""End to end: a real `python -m app` process, its EngineCore subprocess, the real
+transport (shared-memory rings, and the ZeroMQ baseline: every test runs over
+both), and the official openai client."""
 
 from __future__ import annotations
 
@@ -18,12 +19,16 @@ pytestmark = pytest.mark.slow
 SERVER_ARGS = ["--max-model-len", "2048", "--max-num-batched-tokens", "256", "--seed", "0"]
 
 
-@pytest.fixture(scope="module")
-def server(default_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
+TRANSPORTS = ["shm", "zmq"]
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def server(request, default_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
     from tests.conftest import start_server, stop_server
 
     srv = start_server(
-        ["--model", default_model_dir, "--served-model-name", "ringllm-default", *SERVER_ARGS],
+        ["--model", default_model_dir, "--served-model-name", "ringllm-default", *SERVER_ARGS,
+         "--transport", request.param],
         tmp_path_factory.mktemp("e2e") / "server.log",
     )
     yield srv
@@ -220,9 +225,12 @@ def test_idle_server_uses_almost_no_cpu(server) -> None:
     assert used < 0.05 * 5.0, f"idle frontend+engine used {used:.3f} CPU-s in 5 s"
 
 
-def test_engine_kill_fails_stream_and_health(default_model_dir: str, server_factory) -> None:
-    """Last: kills its own server's engine."""
-    srv = server_factory(["--model", default_model_dir, "--served-model-name", "m", *SERVER_ARGS])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_engine_kill_fails_stream_and_health(default_model_dir: str, server_factory, transport: str) -> None:
+    """Kills its own server's engine."""
+    srv = server_factory(
+        ["--model", default_model_dir, "--served-model-name", "m", *SERVER_ARGS, "--transport", transport]
+    )
     client = client_for(srv)
     stream = client.completions.create(
         model="m", prompt="hello", max_tokens=2000, stream=True, extra_body={"ignore_eos": True}
@@ -265,9 +273,15 @@ def _transformers_greedy_texts(model_dir: str, prompts: list[str], max_new: int)
     return results
 
 
-async def test_stories260k_served_greedy_matches_transformers(stories_dir: str, server_factory) -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_stories260k_served_greedy_matches_transformers(
+    stories_dir: str, server_factory, transport: str
+) -> None:
     """A real trained checkpoint through the whole stack, several requests batched at once."""
-    srv = server_factory(["--model", stories_dir, "--served-model-name", "stories", "--max-num-batched-tokens", "16"])
+    srv = server_factory(
+        ["--model", stories_dir, "--served-model-name", "stories", "--max-num-batched-tokens", "16",
+         "--transport", transport]
+    )
     expected = _transformers_greedy_texts(stories_dir, STORY_PROMPTS, 40)
     client = openai.AsyncOpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
@@ -288,3 +302,44 @@ async def test_stories260k_served_greedy_matches_transformers(stories_dir: str, 
         assert text == want_text
     assert expected[0][0].startswith(", there was a little girl named Lily.")
     await client.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_prompt_embeds_match_transformers_inputs_embeds(tiny_llama_dir: str, server_factory, transport: str) -> None:
+    """prompt_embeds cross to the engine out of band and replace the token lookup."""
+    import base64
+    import io
+
+    import torch
+    import transformers
+
+    srv = server_factory(
+        ["--model", tiny_llama_dir, "--served-model-name", "tiny", "--enable-prompt-embeds",
+         "--max-num-batched-tokens", "64", "--transport", transport]
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_llama_dir)
+    client = client_for(srv)
+    for seq_len in (5, 150):  # 150 x 64 floats: out of band, and split over three prefill chunks
+        embeds = torch.randn(seq_len, 64, generator=torch.Generator().manual_seed(seq_len))
+        with torch.no_grad():
+            expected = hf.generate(
+                inputs_embeds=embeds[None], max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )[0].tolist()
+        buf = io.BytesIO()
+        torch.save(embeds, buf)
+        response = client.completions.create(
+            model="tiny", prompt="", max_tokens=12, temperature=0,
+            extra_body={"prompt_embeds": base64.b64encode(buf.getvalue()).decode(), "ignore_eos": True},
+        )
+        assert response.choices[0].text == tok.decode(expected, skip_special_tokens=True)
+        assert response.usage.prompt_tokens == seq_len
+        assert response.usage.completion_tokens == 12
+    with pytest.raises(openai.BadRequestError, match="shape"):
+        buf = io.BytesIO()
+        torch.save(torch.zeros(3, 65), buf)
+        client.completions.create(
+            model="tiny", prompt="", max_tokens=2,
+            extra_body={"prompt_embeds": base64.b64encode(buf.getvalue()).decode()},
+        )

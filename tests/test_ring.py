@@ -1,5 +1,6 @@
 """The shared-memory transport between real processes: ordering, chunking, backpressure,
-dead peers, cleanup, idle CPU and the asyncio ends."""
+dead peers, cleanup, idle CPU and the asyncio ends. The ordering tests also run over
+the ZeroMQ baseline channel, which has the same interface."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from hypothesis import strategies as st
 
 from shm.aio import AsyncReceiver, AsyncSender
 from shm.channel import ChannelSpec, Duplex, PeerDeadError
-from shm.ring import SHM_DIR, ShmRing
+from shm.ring import ShmRing
+from shm.segment import SHM_DIR
+from shm.zmq_channel import ZmqAsyncReceiver, ZmqAsyncSender, ZmqChannelSpec, ZmqDuplex
 
 CAPACITY = 4096  # small on purpose: wraps and chunking happen constantly
 SPAWN = multiprocessing.get_context("spawn")
@@ -31,9 +34,9 @@ RECV_TIMEOUT = 60.0  # only there so that a broken transport fails instead of ha
 # ---------------------------------------------------------------- child side
 
 
-def _attach(spec: ChannelSpec) -> Duplex:
+def _attach(spec: ChannelSpec | ZmqChannelSpec) -> Duplex:
     """Attach as the spawned peer, watch the parent, and say HELLO."""
-    duplex = Duplex.attach(spec)
+    duplex = ZmqDuplex.attach(spec) if isinstance(spec, ZmqChannelSpec) else Duplex.attach(spec)
     ppid = os.getppid()
     duplex.set_peer_alive(lambda: os.getppid() == ppid, sentinel=os.pidfd_open(ppid))
     duplex.sender.send([b"HELLO"])
@@ -46,8 +49,8 @@ def _echo_child(spec: ChannelSpec) -> None:
     while True:
         frames = duplex.receiver.recv()
         command = frames[0][:1]
-        if command == b"E":
-            duplex.sender.send(frames[1:])
+        if command == b"E":  # replies carry a header frame: zmq has no zero-frame messages
+            duplex.sender.send([b"R", *frames[1:]])
         elif command == b"S":
             time.sleep(int.from_bytes(frames[0][1:], "little") / 1e6)
         else:
@@ -114,14 +117,18 @@ def _segment_paths(spec: ChannelSpec) -> list[str]:
     ] + [spec.directory]
 
 
-def _start(target, *args, capacity: int = CAPACITY, sentinel: bool = True) -> tuple[Duplex, ChannelSpec, object]:
+def _start(
+    target, *args, capacity: int = CAPACITY, sentinel: bool = True, kind: str = "shm"
+) -> tuple[Duplex, ChannelSpec, object]:
     """Create a channel, spawn ``target(spec, *args)``, wait for HELLO, then unlink every name."""
-    duplex, spec = Duplex.create(capacity)
+    duplex, spec = (ZmqDuplex if kind == "zmq" else Duplex).create(capacity)
     proc = SPAWN.Process(target=target, args=(spec, *args), daemon=True)
     proc.start()
     duplex.set_peer_alive(proc.is_alive, proc.sentinel if sentinel else None)
     try:
         assert duplex.receiver.recv(timeout=RECV_TIMEOUT) == [b"HELLO"]
+        if kind == "zmq":
+            duplex.wait_registered(RECV_TIMEOUT)
     except BaseException:
         _stop(duplex, proc)
         raise
@@ -139,8 +146,9 @@ def _stop(duplex: Duplex, proc) -> None:
 class EchoPeer:
     """A long-lived echo child plus a thread collecting its replies."""
 
-    def __init__(self) -> None:
-        self.duplex, self.spec, self.proc = _start(_echo_child)
+    def __init__(self, kind: str = "shm") -> None:
+        self.kind = kind
+        self.duplex, self.spec, self.proc = _start(_echo_child, kind=kind)
         self.replies: queue.Queue = queue.Queue()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -160,7 +168,9 @@ class EchoPeer:
         self.duplex.sender.send([b"E", *frames])
 
     def collect(self, count: int) -> list[list[bytes]]:
-        return [self.replies.get(timeout=RECV_TIMEOUT) for _ in range(count)]
+        replies = [self.replies.get(timeout=RECV_TIMEOUT) for _ in range(count)]
+        assert all(r[0] == b"R" for r in replies)
+        return [[bytes(f) for f in r[1:]] for r in replies]
 
     def close(self) -> None:
         self.duplex.sender.send([b"Q"])
@@ -169,9 +179,9 @@ class EchoPeer:
         _stop(self.duplex, self.proc)
 
 
-@pytest.fixture(scope="module")
-def echo() -> Iterator[EchoPeer]:
-    peer = EchoPeer()
+@pytest.fixture(scope="module", params=["shm", "zmq"])
+def echo(request) -> Iterator[EchoPeer]:
+    peer = EchoPeer(request.param)
     yield peer
     peer.close()
 
@@ -258,7 +268,16 @@ def test_messages_arrive_once_in_order_byte_identical(echo: EchoPeer) -> None:
     assert echo.replies.empty()
 
 
-def test_slow_consumer_backpressure(echo: EchoPeer) -> None:
+@pytest.fixture(scope="module")
+def shm_echo() -> Iterator[EchoPeer]:
+    """The rings only: zmq queues 1000 messages per socket before it pushes back."""
+    peer = EchoPeer("shm")
+    yield peer
+    peer.close()
+
+
+def test_slow_consumer_backpressure(shm_echo: EchoPeer) -> None:
+    echo = shm_echo
     waits_before = echo.duplex.sender.waits_for_space
     messages = [[random.Random(i).randbytes(900)] for i in range(60)]
     for frames in messages:
@@ -268,7 +287,10 @@ def test_slow_consumer_backpressure(echo: EchoPeer) -> None:
     assert echo.duplex.sender.waits_for_space > waits_before  # the producer really had to wait
 
 
-_sizes = st.one_of(st.integers(0, 64), st.integers(0, 1100), st.integers(1000, 3 * CAPACITY))
+# Lengths at record boundaries: 1012 bytes fill a largest (quarter-ring) record exactly,
+# 1013 is the smallest chunked message; then around a whole ring.
+_boundaries = st.sampled_from([1011, 1012, 1013, CAPACITY - 12, CAPACITY, CAPACITY + 1])
+_sizes = st.one_of(st.integers(0, 64), st.integers(0, 1100), st.integers(1000, 3 * CAPACITY), _boundaries)
 _message = st.tuples(
     st.lists(_sizes, max_size=4),  # frame lengths
     st.sampled_from([0, 0, 0, 200, 1000]),  # consumer pause before it, µs
@@ -348,10 +370,13 @@ def test_idle_receiver_uses_almost_no_cpu() -> None:
         _stop(duplex, proc)
 
 
-async def test_async_ends_inside_an_event_loop() -> None:
-    duplex, spec, proc = _start(_echo_child)
-    sender = AsyncSender(duplex.sender)
-    receiver = AsyncReceiver(duplex.receiver)
+@pytest.mark.parametrize("kind", ["shm", "zmq"])
+async def test_async_ends_inside_an_event_loop(kind: str) -> None:
+    duplex, spec, proc = _start(_echo_child, kind=kind)
+    if kind == "zmq":
+        sender, receiver = ZmqAsyncSender(duplex.sender), ZmqAsyncReceiver(duplex.receiver)
+    else:
+        sender, receiver = AsyncSender(duplex.sender), AsyncReceiver(duplex.receiver)
     rng = random.Random(2)
     messages = [[rng.randbytes(rng.choice((0, 10, 900, 5000, 3 * CAPACITY)))] for _ in range(80)]
     ticks = 0
@@ -372,14 +397,17 @@ async def test_async_ends_inside_an_event_loop() -> None:
             await sender.send([b"E", *frames])
 
     async def consume() -> list:
-        return [await receiver.recv() for _ in messages]
+        replies = [await receiver.recv() for _ in messages]
+        assert all(r[0] == b"R" for r in replies)
+        return [[bytes(f) for f in r[1:]] for r in replies]
 
     try:
         tick_task = asyncio.create_task(ticker())
         _, received = await asyncio.wait_for(asyncio.gather(produce(), consume()), RECV_TIMEOUT)
         assert received == messages
         assert ticks > 0  # the loop kept running other tasks
-        assert duplex.sender.waits_for_space > 0
+        if kind == "shm":  # (zmq queues up to 1000 messages before pushing back)
+            assert duplex.sender.waits_for_space > 0
         await sender.send([b"Q"])
         with pytest.raises(PeerDeadError):
             await asyncio.wait_for(receiver.recv(), RECV_TIMEOUT)

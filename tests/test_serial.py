@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 
@@ -22,7 +23,8 @@ from core.protocol import (
     UtilityOutput,
 )
 from shm.channel import ChannelSpec, Duplex
-from shm.serial import EXT_RAW_TENSOR, MsgpackDecoder, MsgpackEncoder
+from shm.serial import _POOL_HANDLE, EXT_RAW_TENSOR, EXT_SHM_TENSOR, MsgpackDecoder, MsgpackEncoder
+from shm.tensors import TensorPool, TensorPoolReader, TensorPoolWriter
 
 
 class TensorMessage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -210,3 +212,66 @@ def test_tensors_travel_between_processes() -> None:
             proc.kill()
         proc.join()
         duplex.close()
+
+
+# ------------------------------------------------------------ out-of-band tier
+
+
+@pytest.fixture
+def pool_pair():
+    """A producer and a consumer view of one small pool, as two processes would have."""
+    pool = TensorPool.create(1 << 16)
+    peer = TensorPool.attach(pool.name)
+    pool.unlink()
+    yield TensorPoolWriter(pool), TensorPoolReader(peer)
+    gc.collect()
+    peer.close()
+    pool.close()
+
+
+def test_pool_tier_is_zero_copy_and_released_when_collected(pool_pair) -> None:
+    writer, reader = pool_pair
+    message = TensorMessage(tensor=torch.randn(64, 33), array=np.arange(500.0), more=[torch.ones(2)])
+    frames = MsgpackEncoder(pool=writer).encode(message)
+    assert len(frames) == 1  # both large tensors went out of band, the small one inline
+    assert writer.bytes_in_use > 64 * 33 * 4
+    decoded = MsgpackDecoder(TensorMessage, pool=reader).decode(_wire(frames))
+    _same_message(decoded, message)
+    decoded.tensor.add_(1)  # writable: it is the pool's memory
+    assert not torch.equal(decoded.tensor, message.tensor)
+    view = decoded.tensor[3]  # a view keeps the region alive after the tensor itself is gone
+    del decoded
+    gc.collect()
+    writer._reclaim()
+    assert writer.bytes_in_use > 0
+    del view
+    gc.collect()
+    writer._reclaim()
+    assert writer.bytes_in_use == 0
+
+
+def test_full_pool_falls_back_to_aux_frames(pool_pair) -> None:
+    writer, reader = pool_pair
+    encoder, decoder = MsgpackEncoder(pool=writer), MsgpackDecoder(TensorMessage, pool=reader)
+    big = TensorMessage(tensor=torch.randn(6000))  # 24 kB: two fit in the 64 kB pool
+    held = [decoder.decode(_wire(encoder.encode(big))) for _ in range(2)]
+    frames = encoder.encode(big)
+    assert len(frames) == 2 and writer.fallbacks == 1  # no room: an aux frame instead
+    _same_message(decoder.decode(_wire(frames)), big)
+    held.clear()
+    gc.collect()
+    assert len(encoder.encode(big)) == 1  # released regions are reused
+
+
+def test_pool_handles_are_checked(pool_pair) -> None:
+    writer, reader = pool_pair
+    ok = _POOL_HANDLE.pack(0, 400)
+    body = _tensor_body("float32", [100], msgspec.msgpack.Ext(EXT_SHM_TENSOR, ok))
+    with pytest.raises(msgspec.ValidationError, match="no tensor pool"):
+        MsgpackDecoder(TensorMessage).decode([body])
+    with pytest.raises(msgspec.ValidationError, match="does not match a region"):
+        MsgpackDecoder(TensorMessage, pool=reader).decode([body])  # nothing was put there
+    for bad in (_POOL_HANDLE.pack(1 << 40, 4), _POOL_HANDLE.pack(8, 4), b"\0" * 3):
+        body = _tensor_body("float32", [1], msgspec.msgpack.Ext(EXT_SHM_TENSOR, bad))
+        with pytest.raises(msgspec.ValidationError):
+            MsgpackDecoder(TensorMessage, pool=reader).decode([body])

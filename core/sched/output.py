@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from core.protocol import SamplingParams
 
 
@@ -26,6 +28,9 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # The prompt as embeddings [num_prompt_tokens, hidden] (token_ids then
+    # start with that many placeholders).
+    prompt_embeds: torch.Tensor | None = None
 
 
 @dataclass

@@ -9,7 +9,10 @@ events not yet reported to the frontend.
 from __future__ import annotations
 
 import enum
+import hashlib
 from typing import TYPE_CHECKING
+
+import torch
 
 from core.protocol import (
     EngineCoreEvent,
@@ -78,6 +81,7 @@ class Request:
         priority: int = 0,
         client_index: int = 0,
         cache_salt: str | None = None,
+        prompt_embeds: torch.Tensor | None = None,
         block_hasher: RequestBlockHasher | None = None,
     ) -> None:
         self.request_id = request_id
@@ -88,6 +92,9 @@ class Request:
         self.priority = priority
         self.client_index = client_index
         self.cache_salt = cache_salt
+        # A prompt given as embeddings: prompt_token_ids are placeholders that
+        # only count positions; the model reads these rows instead.
+        self.prompt_embeds = prompt_embeds
 
         self.status = RequestStatus.WAITING
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -114,15 +121,27 @@ class Request:
     def from_engine_core_request(
         cls, request: EngineCoreRequest, block_hasher: RequestBlockHasher | None = None
     ) -> Request:
+        prompt_token_ids, cache_salt, embeds = request.prompt_token_ids, request.cache_salt, None
+        if request.prompt_embeds is not None:
+            # Own the tensor: the decoded one may be a view of the transport's
+            # shared pool, which is handed back once it is garbage collected.
+            embeds = request.prompt_embeds.clone()
+            prompt_token_ids = [0] * embeds.shape[0]
+            # Placeholder ids are all alike, so the embeddings themselves must
+            # key the prefix cache: fold their digest into the salt, which is
+            # part of every block hash.
+            digest = hashlib.sha256(embeds.contiguous().view(torch.uint8).numpy()).hexdigest()
+            cache_salt = f"{cache_salt or ''}|prompt_embeds:{digest}"
         return cls(
             request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
+            prompt_token_ids=prompt_token_ids,
             sampling_params=request.sampling_params,
             eos_token_id=request.eos_token_id,
             arrival_time=request.arrival_time,
             priority=request.priority,
             client_index=request.client_index,
-            cache_salt=request.cache_salt,
+            cache_salt=cache_salt,
+            prompt_embeds=embeds,
             block_hasher=block_hasher,
         )
 

@@ -179,6 +179,7 @@ class Scheduler:
                     sampling_params=r.sampling_params,
                     block_ids=kv.get_block_ids(r.request_id),
                     num_computed_tokens=r.num_computed_tokens,
+                    prompt_embeds=r.prompt_embeds,
                 )
                 for r in plan.new
             ],

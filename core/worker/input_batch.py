@@ -38,6 +38,8 @@ class InputBatch:
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.sampling: list[RowSampling] = []
+        # Prompts given as embeddings (None for token prompts), on the model's device.
+        self.prompt_embeds: list[torch.Tensor | None] = []
 
     @property
     def num_reqs(self) -> int:
@@ -63,6 +65,7 @@ class InputBatch:
         self.req_ids.append(new.req_id)
         self.req_id_to_index[new.req_id] = row
         self.sampling.append(RowSampling(params, gen))
+        self.prompt_embeds.append(new.prompt_embeds)
 
     def remove_request(self, req_id: str) -> None:
         row = self.req_id_to_index.pop(req_id, None)
@@ -74,6 +77,7 @@ class InputBatch:
             self.req_ids[row] = moved
             self.req_id_to_index[moved] = row
             self.sampling[row] = self.sampling[last]
+            self.prompt_embeds[row] = self.prompt_embeds[last]
             n = self.num_tokens[last]
             self.token_ids[row, :n] = self.token_ids[last, :n]
             self.num_tokens[row] = n
@@ -83,6 +87,7 @@ class InputBatch:
             self.num_blocks[row] = nb
         self.req_ids.pop()
         self.sampling.pop()
+        self.prompt_embeds.pop()
 
     def append_blocks(self, req_id: str, block_ids: list[int]) -> None:
         if not block_ids:

@@ -7,6 +7,7 @@ per-step host cost grows with the tokens scheduled, not with context length.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -120,6 +121,9 @@ class ModelRunner:
         for req_id in so.preempted_req_ids:
             batch.remove_request(req_id)
         for new in so.scheduled_new_reqs:
+            if new.prompt_embeds is not None:
+                embeds = new.prompt_embeds.to(self.device, self.dtype)
+                new = dataclasses.replace(new, prompt_embeds=embeds)
             batch.add_request(new)
         cached = so.scheduled_cached_reqs
         for req_id, blocks, computed in zip(
@@ -164,11 +168,13 @@ class ModelRunner:
             query_start_loc_cpu=query_start_loc.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
+        input_ids_t = torch.from_numpy(input_ids).to(dev, non_blocking=True)
         hidden = self.model(
-            torch.from_numpy(input_ids).to(dev, non_blocking=True),
+            input_ids_t,
             torch.from_numpy(positions).to(dev, non_blocking=True),
             self.kv_caches,
             meta,
+            inputs_embeds=self._inputs_embeds(input_ids_t, rows, computed, counts, cu),
         )
         batch.num_computed_tokens[rows] = seq_lens
 
@@ -189,3 +195,27 @@ class ModelRunner:
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
         )
+
+    def _inputs_embeds(
+        self,
+        input_ids: torch.Tensor,
+        rows: np.ndarray,
+        computed: np.ndarray,
+        counts: np.ndarray,
+        cu: np.ndarray,
+    ) -> torch.Tensor | None:
+        """Token embeddings with the prompt rows of embedding prompts swapped in;
+        None when no scheduled token comes from a prompt given as embeddings."""
+        batch = self.input_batch
+        inputs_embeds = None
+        for i, row in enumerate(rows.tolist()):
+            embeds = batch.prompt_embeds[row]
+            if embeds is None or computed[i] >= embeds.shape[0]:
+                continue
+            if inputs_embeds is None:
+                inputs_embeds = self.model.get_input_embeddings()(input_ids)
+            # The chunk covers positions computed[i]..; its first `take` are prompt rows.
+            start = int(cu[i] - counts[i])
+            take = int(min(counts[i], embeds.shape[0] - computed[i]))
+            inputs_embeds[start : start + take] = embeds[int(computed[i]) : int(computed[i]) + take]
+        return inputs_embeds

@@ -1,0 +1,174 @@
+"""The transport as the engine uses it: a real EngineCore process behind a SyncMPClient
+or a real server, malformed input, out-of-band tensors, and crashes of either side."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from core.client import SyncMPClient
+from core.config import EngineConfig
+from core.protocol import EngineCoreRequest, EngineCoreRequestType, SamplingParams
+from tests.conftest import start_server, stop_server
+
+TRANSPORTS = ["shm", "zmq"]
+
+
+def _config(model_dir: str, transport: str, **overrides) -> EngineConfig:
+    return EngineConfig(
+        model=model_dir, transport=transport, max_model_len=256, max_num_batched_tokens=64,
+        enable_prompt_embeds=True, **overrides,
+    )
+
+
+def _request(request_id: str, prompt: list[int] | None = None, embeds: torch.Tensor | None = None) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt or [],
+        prompt_embeds=embeds,
+        sampling_params=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+    )
+
+
+def _run_to_completion(client: SyncMPClient, request_ids: set[str]) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {r: [] for r in request_ids}
+    pending = set(request_ids)
+    deadline = time.monotonic() + 60
+    while pending:
+        assert time.monotonic() < deadline, f"requests {pending} did not finish"
+        for out in client.get_output().outputs:
+            if out.request_id in tokens:
+                tokens[out.request_id] += out.new_token_ids
+                if out.finished:
+                    assert str(out.finish_reason) == "length", out
+                    pending.discard(out.request_id)
+    return tokens
+
+
+@pytest.fixture(params=TRANSPORTS)
+def client(request, tiny_llama_dir: str, tmp_path: Path):
+    """A SyncMPClient whose EngineCore process writes its stderr to ``client.engine_log``."""
+    log_path = tmp_path / "engine.log"
+    saved = os.dup(2)
+    with open(log_path, "wb") as log:
+        os.dup2(log.fileno(), 2)  # the spawned engine inherits this fd 2
+        try:
+            client = SyncMPClient(_config(tiny_llama_dir, request.param))
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+    client.engine_log = log_path
+    yield client
+    client.shutdown()
+
+
+def _send_raw(client: SyncMPClient, frames: list) -> None:
+    with client._send_lock:
+        client.transport.send(frames)
+
+
+def test_malformed_frames_are_rejected_and_the_engine_keeps_serving(client: SyncMPClient) -> None:
+    valid = msgspec.msgpack.encode(_request("x", [1, 2, 3]))
+    add, abort = EngineCoreRequestType.ADD.value, EngineCoreRequestType.ABORT.value
+    bad_messages = [
+        [add, b"\xc1\xc1\xc1"],  # not msgpack
+        [add, valid[: len(valid) // 2]],  # truncated
+        [add, msgspec.msgpack.encode(["x", "not token ids"])],  # wrong types
+        [add],  # no body
+        [b"\x7f", valid],  # unknown request type
+        [b"", valid],
+        [abort, msgspec.msgpack.encode({"not": "a list"})],
+        [EngineCoreRequestType.UTILITY.value, msgspec.msgpack.encode([0, 1])],  # short utility call
+        [abort, msgspec.msgpack.encode(["x"]), b"extra frame"],
+    ]
+    for frames in bad_messages:
+        _send_raw(client, frames)
+    client.add_request(_request("good", [5, 6, 7]))
+    assert len(_run_to_completion(client, {"good"})["good"]) == 4
+    assert client.call_utility("get_num_unfinished_requests") == 0  # still answering
+    log = client.engine_log.read_text()
+    assert log.count("rejected a malformed message") == len(bad_messages), log
+
+
+def test_requests_the_engine_cannot_run_finish_with_an_error(client: SyncMPClient) -> None:
+    client.add_request(_request("oov", [10**6]))
+    client.add_request(_request("wide", embeds=torch.zeros(3, 65)))
+    client.add_request(_request("ok", [1]))
+    errors, deadline = {}, time.monotonic() + 60
+    while len(errors) < 2:
+        assert time.monotonic() < deadline
+        for out in client.get_output().outputs:
+            if out.finished and str(out.finish_reason) == "error":
+                errors[out.request_id] = out.stop_reason
+    assert "vocabulary" in errors["oov"] and "shape" in errors["wide"]
+
+
+def test_prompt_embeds_travel_out_of_band_and_the_pool_is_handed_back(tiny_llama_dir: str) -> None:
+    client = SyncMPClient(_config(tiny_llama_dir, "shm"))
+    try:
+        writer = client.transport.pool_writer
+        embeds = torch.randn(100, 64, generator=torch.Generator().manual_seed(0))
+        client.add_request(_request("e1", embeds=embeds))
+        client.add_request(_request("e2", embeds=embeds.clone()))
+        client.add_request(_request("t", [3, 4, 5]))
+        tokens = _run_to_completion(client, {"e1", "e2", "t"})
+        assert tokens["e1"] == tokens["e2"]  # same embeddings, same greedy tokens
+        assert writer.fallbacks == 0 and writer._tail >= 2 * embeds.nbytes  # both went through the pool
+        writer._reclaim()
+        assert writer.bytes_in_use == 0  # the engine released both regions
+    finally:
+        client.shutdown()
+
+
+# ------------------------------------------------------------------ crashes
+
+
+def _our_segments(pid: int) -> set[str]:
+    """The ringllm shared-memory files a process has mapped (their names, deleted or not)."""
+    paths = set()
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].startswith("/dev/shm/ringllm-"):
+            paths.add(parts[5].removesuffix(" (deleted)"))
+    return paths
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
+def _wait_gone(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if _gone(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("victims", ["frontend", "both"])
+def test_kill_9_leaves_no_orphan_and_nothing_in_dev_shm(default_model_dir: str, tmp_path, victims: str) -> None:
+    server = start_server(["--model", default_model_dir, "--max-model-len", "512"], tmp_path / "server.log")
+    try:
+        engine = server.engine_pid()
+        segments = _our_segments(engine)
+        assert len(segments) >= 4  # two rings and two tensor pools, mapped
+        assert not any(os.path.exists(p) for p in segments)  # names already removed after the handshake
+        os.kill(server.proc.pid, signal.SIGKILL)
+        if victims == "both":
+            os.kill(engine, signal.SIGKILL)
+        server.proc.wait(timeout=10)
+        assert _wait_gone(engine, 10), "the EngineCore outlived its frontend"
+        assert not any(os.path.exists(p) for p in segments)
+    finally:
+        stop_server(server)
