@@ -1,0 +1,179 @@
+"""``python -m bench sweep``: the same ``serve`` workload against several server configurations.
+
+For each ``--config NAME='SERVER ARGS'`` (default: ``shm='--transport shm'``
+and ``zmq='--transport zmq'``) a real ``python -m app`` is started, measured,
+and stopped, one after the other; then a table compares them, with each
+configuration's ratio to the first. A configuration whose server does not
+start, or whose run fails, is reported in the table and the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import shlex
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from bench.report import percentile_key, save_result
+from bench.serve import BACKENDS, add_workload_arguments, run_benchmark
+from bench.server import ManagedServer, ServerStartError
+
+HELP = "start our server once per configuration and compare the same workload across them"
+DEFAULT_CONFIGS = ["shm=--transport shm", "zmq=--transport zmq"]
+
+# (result key, label, True when higher is better); latency rows are added per percentile.
+THROUGHPUT_ROWS = [
+    ("completed", "Successful requests", True),
+    ("failed", "Failed requests", False),
+    ("duration", "Benchmark duration (s)", False),
+    ("request_throughput", "Request throughput (req/s)", True),
+    ("output_throughput", "Output token throughput (tok/s)", True),
+    ("total_token_throughput", "Total token throughput (tok/s)", True),
+    ("max_output_tokens_per_s", "Peak output token throughput (tok/s)", True),
+    ("max_concurrent_requests", "Peak concurrent requests", True),
+]
+LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL"}
+
+
+@dataclass
+class ConfigRun:
+    name: str
+    server_args: list[str]
+    result: dict[str, Any] | None = None
+    error: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_config(text: str) -> tuple[str, list[str]]:
+    name, sep, args = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"--config {text!r}: expected NAME='SERVER ARGS'")
+    return name.strip(), shlex.split(args)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sweep")
+    g.add_argument("--config", action="append", type=parse_config, metavar="NAME='ARGS'",
+                   help="a server configuration (repeatable); default: " + ", ".join(DEFAULT_CONFIGS))
+    g.add_argument("--model", help="model directory for every server (default: the embedded model)")
+    g.add_argument("--server-args", default="", help="arguments given to every server, e.g. '--seed 0'")
+    g.add_argument("--server-timeout", type=float, default=300.0, help="seconds for a server to become healthy")
+    g.add_argument("--endpoint", help="/v1/completions (default) or /v1/chat/completions")
+    g.add_argument("--backend", choices=sorted(BACKENDS), default="openai")
+    add_workload_arguments(parser)
+    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="let requests stop at EOS (the sweep ignores EOS by default)")
+    # A sweep compares transports under load: 64 streams of fixed length by default.
+    parser.set_defaults(
+        num_prompts=256, max_concurrency=64, random_input_len=128, random_output_len=128,
+        ignore_eos=True, disable_tqdm=True,
+    )
+
+
+def serve_args_for(args: argparse.Namespace, base_url: str, model_dir: str, name: str, date: str) -> argparse.Namespace:
+    """The ``serve`` options of one configuration's run."""
+    ns = copy.copy(args)
+    ns.base_url, ns.host, ns.port = base_url, None, None
+    ns.model, ns.served_model_name, ns.tokenizer = None, None, model_dir  # model name from /v1/models
+    ns.ready_check_timeout_sec = 60.0
+    ns.label = name
+    ns.result_filename = f"sweep-{date}-{name}.json"
+    return ns
+
+
+def run_config(config: ConfigRun, args: argparse.Namespace, model_dir: str, date: str) -> None:
+    """Start the configuration's server, run the workload against it, stop it; errors are kept."""
+    server_args = ["--model", model_dir, *shlex.split(args.server_args), *config.server_args]
+    log = Path(args.result_dir) / f"sweep-{date}-{config.name}.server.log"
+    print(f"\n### {config.name}: python -m app {shlex.join(server_args)}")
+    try:
+        with ManagedServer(server_args, log, args.server_timeout) as server:
+            config.result = run_benchmark(serve_args_for(args, server.base_url, model_dir, config.name, date))
+    except ServerStartError as exc:
+        config.error = f"server did not start: {exc}"
+    except (ValueError, RuntimeError, OSError) as exc:
+        config.error = f"benchmark failed: {exc}"
+    if config.error:
+        print(f"### {config.name} FAILED: {config.error}")
+
+
+def table_rows(args: argparse.Namespace) -> list[tuple[str, str, bool]]:
+    percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+    rows = list(THROUGHPUT_ROWS)
+    for name in [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]:
+        label = LATENCY_NAMES[name]
+        rows.append((f"mean_{name}_ms", f"Mean {label} (ms)", False))
+        rows.append((f"median_{name}_ms", f"Median {label} (ms)", False))
+        for p in percentiles:
+            key = percentile_key(p)
+            rows.append((f"{key}_{name}_ms", f"{key.upper()} {label} (ms)", False))
+    return rows
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+def comparison_table(configs: list[ConfigRun], rows: list[tuple[str, str, bool]]) -> str:
+    """A text table of every configuration's numbers and their ratio to the first one's."""
+    base = configs[0]
+    header = ["metric", *(c.name for c in configs), *(f"{c.name}/{base.name}" for c in configs[1:])]
+    body = []
+    for key, label, _ in rows:
+        line = [label]
+        for c in configs:
+            line.append("FAILED" if c.result is None else _cell(c.result.get(key, "")))
+        for c in configs[1:]:
+            a = base.result.get(key) if base.result else None
+            b = c.result.get(key) if c.result else None
+            ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and a
+            line.append(f"{b / a:.3f}" if ok else "-")
+        body.append(line)
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    out = [fmt(header), "  ".join("-" * w for w in widths), *(fmt(r) for r in body)]
+    for c in configs:
+        if c.error:
+            out.append(f"{c.name}: {c.error}")
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    configs = [ConfigRun(name, a) for name, a in (args.config or [parse_config(c) for c in DEFAULT_CONFIGS])]
+    if len({c.name for c in configs}) != len(configs):
+        print("error: --config names must be distinct")
+        return 2
+    model_dir = args.model
+    if model_dir is None:
+        from core.models.default_model import ensure_default_model
+
+        model_dir = ensure_default_model()
+    date = datetime.now().strftime("%Y%m%d-%H%M%S")
+    for config in configs:
+        run_config(config, args, model_dir, date)
+
+    rows = table_rows(args)
+    workload = (
+        f"{args.num_prompts} requests, dataset {args.dataset_name}, max concurrency {args.max_concurrency}, "
+        f"request rate {args.request_rate}, model {model_dir}"
+    )
+    print("\n" + " Sweep comparison ".center(50, "=") + f"\n{workload}\n" + comparison_table(configs, rows))
+    summary = {
+        "date": date,
+        "workload": workload,
+        "configs": [
+            {"name": c.name, "server_args": c.server_args, "error": c.error or None,
+             **{key: (c.result or {}).get(key) for key, _, _ in rows}}
+            for c in configs
+        ],
+    }
+    if args.save_result:
+        path = save_result(summary, args.result_dir, args.result_filename or f"sweep-{date}.json")
+        print(f"sweep summary saved to {path}")
+    return 0 if all(c.result and c.result["completed"] for c in configs) else 1
+
