@@ -113,6 +113,12 @@ def table_rows(args: argparse.Namespace) -> list[tuple[str, str, bool]]:
     return rows
 
 
+def short_error(error: str) -> str:
+    """First and last line of an error (what failed, and the exception that says why)."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+
+
 def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.2f}"
@@ -139,7 +145,7 @@ def comparison_table(configs: list[ConfigRun], rows: list[tuple[str, str, bool]]
     out = [fmt(header), "  ".join("-" * w for w in widths), *(fmt(r) for r in body)]
     for c in configs:
         if c.error:
-            out.append(f"{c.name}: {c.error}")
+            out.append(f"{c.name}: {short_error(c.error)}")
     return "\n".join(out)
 
 
