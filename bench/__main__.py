@@ -20,7 +20,7 @@ SUBCOMMANDS = {
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench", description="ringllm benchmarks (see bench/README.md).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
     for name, module_name in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)

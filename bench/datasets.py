@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -221,6 +220,3 @@ def _warn_mismatch(sampler: TokenTextSampler) -> None:
     if sampler.mismatched:
         print(f"note: {sampler.mismatched} prompts re-tokenize to a length other than asked for")
 
-
-def token_counts(requests: Sequence[SampleRequest]) -> tuple[int, int]:
-    return sum(r.prompt_len for r in requests), sum(r.expected_output_len for r in requests)

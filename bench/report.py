@@ -138,8 +138,6 @@ def default_filename(info: dict[str, Any]) -> str:
     return f"{info.get('backend', 'openai')}-{info.get('request_rate')}qps{concurrency}-{model}-{date}.json"
 
 
-def save_result(result: dict[str, Any], result_dir: str, filename: str) -> Path:
-    path = Path(result_dir) / filename
+def save_result(result: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
-    return path

@@ -178,7 +178,8 @@ class Runner:
                 raise RuntimeError(f"the initial test request to {self.target.url} failed: {result.error.strip()}")
             await asyncio.sleep(READY_RETRY_S)
 
-    async def run(self, requests: list[SampleRequest]) -> tuple[list[RequestResult], float]:
+    async def run(self, requests: list[SampleRequest]) -> tuple[list[RequestResult], float, float]:
+        """The results in request order, the wall-clock duration, and this process's CPU seconds."""
         args = self.args
         limit = args.max_concurrency
         async with make_http_client(limit) as client:
@@ -201,15 +202,15 @@ class Runner:
             offsets = arrival_offsets(len(requests), args.request_rate, args.burstiness, args.seed)
             progress = tqdm(total=len(requests), disable=args.disable_tqdm, desc="requests")
             tasks = []
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             async for request in paced(requests, offsets):
                 task = asyncio.create_task(limited(request))
                 task.add_done_callback(lambda _: progress.update(1))
                 tasks.append(task)
             outputs = await asyncio.gather(*tasks)
-            duration = time.perf_counter() - start
+            duration, client_cpu = time.perf_counter() - start, time.process_time() - cpu_start
             progress.close()
-        return list(outputs), duration
+        return list(outputs), duration, client_cpu
 
 
 def run_info(args: argparse.Namespace, target: Target) -> dict[str, Any]:
@@ -239,7 +240,7 @@ def run_info(args: argparse.Namespace, target: Target) -> dict[str, Any]:
     return info
 
 
-def run_benchmark(args: argparse.Namespace, quiet: bool = False) -> dict[str, Any]:
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark the options describe and return vLLM's result dict."""
     percentiles = _percentiles(args.metric_percentiles)
     selected = _selected_metrics(args.percentile_metrics)
@@ -250,35 +251,39 @@ def run_benchmark(args: argparse.Namespace, quiet: bool = False) -> dict[str, An
     tokenizer = load_tokenizer(target.tokenizer)
     requests = sample_requests(args, tokenizer)
     info = run_info(args, target)
-    if not quiet:
-        print(f"{len(requests)} requests ({args.dataset_name}) -> {target.url}, model {target.model!r}")
+    print(f"{len(requests)} requests ({args.dataset_name}) -> {target.url}, model {target.model!r}")
 
     import uvloop
 
-    outputs, duration = uvloop.run(Runner(target, args).run(requests))
+    outputs, duration, client_cpu = uvloop.run(Runner(target, args).run(requests))
 
     def count_tokens(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
 
     metrics = calculate_metrics(outputs, duration, percentiles, goodput, count_tokens)
     result = build_result(metrics, outputs, duration, selected, info)
-    if not quiet:
-        print(format_console(result, selected, percentiles))
-        failures = format_failures(result["errors"])
-        if failures:
-            print(failures)
-    if args.save_result or args.plot:
-        filename = args.result_filename or default_filename(info)
-        path = save_result(result, args.result_dir, filename) if args.save_result else Path(args.result_dir) / filename
-        if args.save_result:
-            print(f"result saved to {path}")
-        if args.plot:
-            from bench.plot import save_plots
-
-            path.parent.mkdir(parents=True, exist_ok=True)
-            for png in save_plots(result, path.with_suffix("")):
-                print(f"plot saved to {png}")
+    result["client_cpu_s"] = client_cpu  # the harness's own CPU use: it may compete with the server
+    print(format_console(result, selected, percentiles))
+    print(f"benchmark client CPU: {client_cpu:.2f} s ({100 * client_cpu / duration:.0f}% of one core)")
+    failures = format_failures(result["errors"])
+    if failures:
+        print(failures)
+    write_outputs(result, args, info)
     return result
+
+
+def write_outputs(result: dict[str, Any], args: argparse.Namespace, info: dict[str, Any]) -> None:
+    """The result JSON (--save-result) and the PNG plots beside it (--plot)."""
+    path = Path(args.result_dir) / (args.result_filename or default_filename(info))
+    if args.save_result:
+        save_result(result, path)
+        print(f"result saved to {path}")
+    if args.plot:
+        from bench.plot import save_plots
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for png in save_plots(result, path.with_suffix("")):
+            print(f"plot saved to {png}")
 
 
 def run(args: argparse.Namespace) -> int:

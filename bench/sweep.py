@@ -34,6 +34,7 @@ THROUGHPUT_ROWS = [
     ("total_token_throughput", "Total token throughput (tok/s)", True),
     ("max_output_tokens_per_s", "Peak output token throughput (tok/s)", True),
     ("max_concurrent_requests", "Peak concurrent requests", True),
+    ("client_cpu_s", "Benchmark client CPU (s)", False),
 ]
 LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL"}
 
@@ -108,6 +109,8 @@ def table_rows(args: argparse.Namespace) -> list[tuple[str, str, bool]]:
         rows.append((f"mean_{name}_ms", f"Mean {label} (ms)", False))
         rows.append((f"median_{name}_ms", f"Median {label} (ms)", False))
         for p in percentiles:
+            if p == 50:
+                continue  # the median, already there
             key = percentile_key(p)
             rows.append((f"{key}_{name}_ms", f"{key.upper()} {label} (ms)", False))
     return rows
@@ -141,7 +144,10 @@ def comparison_table(configs: list[ConfigRun], rows: list[tuple[str, str, bool]]
             line.append(f"{b / a:.3f}" if ok else "-")
         body.append(line)
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+
+    def fmt(row: list[str]) -> str:  # labels left, numbers right
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+
     out = [fmt(header), "  ".join("-" * w for w in widths), *(fmt(r) for r in body)]
     for c in configs:
         if c.error:
@@ -179,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
         ],
     }
     if args.save_result:
-        path = save_result(summary, args.result_dir, args.result_filename or f"sweep-{date}.json")
+        path = Path(args.result_dir) / (args.result_filename or f"sweep-{date}.json")
+        save_result(summary, path)
         print(f"sweep summary saved to {path}")
     return 0 if all(c.result and c.result["completed"] for c in configs) else 1
 

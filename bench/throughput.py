@@ -61,7 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-json", help="write the numbers to this JSON file")
 
 
-def run_ours(model: str, prompts: list[list[int]], output_len: int, args: argparse.Namespace) -> tuple[SystemRun, list[list[int]]]:
+def run_ours(
+    model: str, prompts: list[list[int]], output_len: int, args: argparse.Namespace
+) -> tuple[SystemRun, list[list[int]]]:
     from app.llm import LLM
     from core.protocol import SamplingParams
 
@@ -138,20 +140,25 @@ def run(args: argparse.Namespace) -> int:
         f"model {model}: {args.num_prompts} prompts x {args.input_len} tokens in, {args.output_len} out; "
         f"dtype {args.dtype}; torch threads {torch.get_num_threads()}"
     )
+    summary: dict[str, Any] = {
+        "model": model, "num_prompts": args.num_prompts, "input_len": args.input_len,
+        "output_len": args.output_len, "dtype": args.dtype, "seed": args.seed,
+    }
     ours, our_outputs = run_ours(model, prompts, args.output_len, args)
     runs = [ours]
-    summary: dict[str, Any] = {"model": model, **{k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len", "dtype", "seed")}}
+    comparison = []
     if not args.skip_hf:
         batch = args.hf_max_batch_size or args.num_prompts
         hf, hf_outputs = run_transformers(model, prompts, args.output_len, batch, args.dtype, pad_id)
         runs.append(hf)
-        same = sum(a == b for a, b in zip(our_outputs, hf_outputs))
+        same = sum(a == b for a, b in zip(our_outputs, hf_outputs, strict=True))
         ratio = ours.output_tokens_per_s / hf.output_tokens_per_s
         summary.update(hf_max_batch_size=batch, ratio_output_tokens_per_s=ratio, identical_outputs=same)
-    print(format_table(runs))
-    if not args.skip_hf:
-        print(f"ratio ours / transformers (output tokens/s): {ratio:.2f}x")
-        print(f"greedy outputs identical token for token: {same} of {len(prompts)}")
+        comparison = [
+            f"ratio ours / transformers (output tokens/s): {ratio:.2f}x",
+            f"greedy outputs identical token for token: {same} of {len(prompts)}",
+        ]
+    print("\n".join([format_table(runs), *comparison]))
     summary["runs"] = [
         {**asdict(r), "requests_per_s": r.requests_per_s, "output_tokens_per_s": r.output_tokens_per_s,
          "total_tokens_per_s": r.total_tokens_per_s}
