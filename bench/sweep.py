@@ -1,17 +1,23 @@
 """``python -m bench sweep``: the same ``serve`` workload against several server configurations.
 
 For each ``--config NAME='SERVER ARGS'`` (default: ``shm='--transport shm'``
-and ``zmq='--transport zmq'``) a real ``python -m app`` is started, measured,
-and stopped, one after the other; then a table compares them, with each
-configuration's ratio to the first. A configuration whose server does not
-start, or whose run fails, is reported in the table and the sweep goes on.
+and ``zmq='--transport zmq'``) a real ``python -m app`` is started. All
+servers are started first and stay up, idle while another one is measured, so
+that with ``--repeats N`` the runs alternate between configurations (A B A B
+...) and a load that drifts on a shared machine hits them all alike. The
+table shows each metric's median over the repeats and each configuration's
+ratio to the first. A configuration whose server does not start, or whose run
+fails, is reported in the table and the sweep goes on.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import shlex
+import statistics
+import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -41,11 +47,18 @@ LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL"}
 
 @dataclass
 class ConfigRun:
+    """One server configuration: its arguments, its server, and the result of each repeat."""
+
     name: str
     server_args: list[str]
-    result: dict[str, Any] | None = None
+    server: ManagedServer | None = None
+    results: list[dict[str, Any]] = field(default_factory=list)
     error: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
+
+    def median(self, key: str) -> Any:
+        """The key's median over the repeats (None without any result)."""
+        values = [r[key] for r in self.results if isinstance(r.get(key), (int, float))]
+        return statistics.median(values) if values else None
 
 
 def parse_config(text: str) -> tuple[str, list[str]]:
@@ -62,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="model directory for every server (default: the embedded model)")
     g.add_argument("--server-args", default="", help="arguments given to every server, e.g. '--seed 0'")
     g.add_argument("--server-timeout", type=float, default=300.0, help="seconds for a server to become healthy")
+    g.add_argument("--repeats", type=int, default=1, help="runs per configuration, alternating between them")
     g.add_argument("--endpoint", help="/v1/completions (default) or /v1/chat/completions")
     g.add_argument("--backend", choices=sorted(BACKENDS), default="openai")
     add_workload_arguments(parser)
@@ -74,30 +88,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def serve_args_for(args: argparse.Namespace, base_url: str, model_dir: str, name: str, date: str) -> argparse.Namespace:
-    """The ``serve`` options of one configuration's run."""
+def serve_args_for(args: argparse.Namespace, config: ConfigRun, model_dir: str, tag: str) -> argparse.Namespace:
+    """The ``serve`` options of one run against one configuration's server."""
+    assert config.server is not None
     ns = copy.copy(args)
-    ns.base_url, ns.host, ns.port = base_url, None, None
+    ns.base_url, ns.host, ns.port = config.server.base_url, None, None
     ns.model, ns.served_model_name, ns.tokenizer = None, None, model_dir  # model name from /v1/models
     ns.ready_check_timeout_sec = 60.0
-    ns.label = name
-    ns.result_filename = f"sweep-{date}-{name}.json"
+    ns.label = config.name
+    ns.result_filename = f"sweep-{tag}.json"
     return ns
 
 
-def run_config(config: ConfigRun, args: argparse.Namespace, model_dir: str, date: str) -> None:
-    """Start the configuration's server, run the workload against it, stop it; errors are kept."""
+def start_server(config: ConfigRun, args: argparse.Namespace, model_dir: str, log_dir: Path) -> None:
+    """Start the configuration's server; a failure is kept as the configuration's error."""
     server_args = ["--model", model_dir, *shlex.split(args.server_args), *config.server_args]
-    log = Path(args.result_dir) / f"sweep-{date}-{config.name}.server.log"
-    print(f"\n### {config.name}: python -m app {shlex.join(server_args)}")
+    print(f"### {config.name}: python -m app {shlex.join(server_args)}")
+    server = ManagedServer(server_args, log_dir / f"{config.name}.log", args.server_timeout)
     try:
-        with ManagedServer(server_args, log, args.server_timeout) as server:
-            config.result = run_benchmark(serve_args_for(args, server.base_url, model_dir, config.name, date))
+        config.server = server.start()
     except ServerStartError as exc:
+        server.stop()
         config.error = f"server did not start: {exc}"
+        print(f"### {config.name} FAILED: {config.error}\n(log: {server.log_path})")
+
+
+def run_once(config: ConfigRun, args: argparse.Namespace, model_dir: str, tag: str) -> None:
+    """One run of the workload against the configuration's server; a failure is kept as its error."""
+    print(f"\n### {config.name}: {tag}")
+    try:
+        config.results.append(run_benchmark(serve_args_for(args, config, model_dir, tag)))
     except (ValueError, RuntimeError, OSError) as exc:
         config.error = f"benchmark failed: {exc}"
-    if config.error:
         print(f"### {config.name} FAILED: {config.error}")
 
 
@@ -129,19 +151,17 @@ def _cell(value: Any) -> str:
 
 
 def comparison_table(configs: list[ConfigRun], rows: list[tuple[str, str, bool]]) -> str:
-    """A text table of every configuration's numbers and their ratio to the first one's."""
+    """A text table of every configuration's medians and their ratio to the first one's."""
     base = configs[0]
     header = ["metric", *(c.name for c in configs), *(f"{c.name}/{base.name}" for c in configs[1:])]
     body = []
     for key, label, _ in rows:
         line = [label]
         for c in configs:
-            line.append("FAILED" if c.result is None else _cell(c.result.get(key, "")))
+            line.append("FAILED" if not c.results else _cell(c.median(key)))
         for c in configs[1:]:
-            a = base.result.get(key) if base.result else None
-            b = c.result.get(key) if c.result else None
-            ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and a
-            line.append(f"{b / a:.3f}" if ok else "-")
+            a, b = base.median(key), c.median(key)
+            line.append(f"{b / a:.3f}" if a and b is not None else "-")
         body.append(line)
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
 
@@ -160,27 +180,39 @@ def run(args: argparse.Namespace) -> int:
     if len({c.name for c in configs}) != len(configs):
         print("error: --config names must be distinct")
         return 2
+    if args.repeats < 1:
+        print("error: --repeats must be at least 1")
+        return 2
     model_dir = args.model
     if model_dir is None:
         from core.models.default_model import ensure_default_model
 
         model_dir = ensure_default_model()
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
-    for config in configs:
-        run_config(config, args, model_dir, date)
+    log_dir = Path(tempfile.mkdtemp(prefix=f"ringllm-sweep-{date}-"))
+    with contextlib.ExitStack() as servers:
+        for config in configs:
+            start_server(config, args, model_dir, log_dir)
+            if config.server is not None:
+                servers.callback(config.server.stop)
+        for repeat in range(args.repeats):
+            for config in configs:
+                if config.server is not None and not config.error:
+                    run_tag = f"-run{repeat + 1}" if args.repeats > 1 else ""
+                    run_once(config, args, model_dir, f"{date}-{config.name}{run_tag}")
 
     rows = table_rows(args)
     workload = (
         f"{args.num_prompts} requests, dataset {args.dataset_name}, max concurrency {args.max_concurrency}, "
-        f"request rate {args.request_rate}, model {model_dir}"
+        f"request rate {args.request_rate}, model {model_dir}; median of {args.repeats} run(s) each"
     )
     print("\n" + " Sweep comparison ".center(50, "=") + f"\n{workload}\n" + comparison_table(configs, rows))
     summary = {
         "date": date,
         "workload": workload,
         "configs": [
-            {"name": c.name, "server_args": c.server_args, "error": c.error or None,
-             **{key: (c.result or {}).get(key) for key, _, _ in rows}}
+            {"name": c.name, "server_args": c.server_args, "error": c.error or None, "runs": len(c.results),
+             **{key: c.median(key) for key, _, _ in rows}}
             for c in configs
         ],
     }
@@ -188,5 +220,4 @@ def run(args: argparse.Namespace) -> int:
         path = Path(args.result_dir) / (args.result_filename or f"sweep-{date}.json")
         save_result(summary, path)
         print(f"sweep summary saved to {path}")
-    return 0 if all(c.result and c.result["completed"] for c in configs) else 1
-
+    return 0 if all(c.results and not c.error and c.median("completed") for c in configs) else 1

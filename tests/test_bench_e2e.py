@@ -70,7 +70,7 @@ def test_bench_sweep_compares_configs_and_reports_a_broken_one(
         "--config", "seqs4=--max-num-seqs 4", "--config", "seqs8=--max-num-seqs 8",
         "--config", "broken=--max-num-seqs 0",
         "--endpoint", "/v1/chat/completions",
-        "--num-prompts", "4", "--max-concurrency", "4",
+        "--num-prompts", "4", "--max-concurrency", "4", "--repeats", "2",
         "--random-input-len", "16", "--random-output-len", "4",
         "--save-result", "--result-dir", str(tmp_path), "--result-filename", "sweep.json",
     ])
@@ -83,5 +83,8 @@ def test_bench_sweep_compares_configs_and_reports_a_broken_one(
     for name in ("seqs4", "seqs8"):
         assert by_name[name]["error"] is None
         assert by_name[name]["completed"] == 4 and by_name[name]["failed"] == 0
-        assert (tmp_path / f"sweep-{summary['date']}-{name}.json").exists()
-    assert by_name["broken"]["completed"] is None and "max_num_seqs" in by_name["broken"]["error"]
+        assert by_name[name]["runs"] == 2
+        for run in (1, 2):
+            assert json.loads((tmp_path / f"sweep-{summary['date']}-{name}-run{run}.json").read_text())["failed"] == 0
+    assert by_name["broken"]["runs"] == 0 and by_name["broken"]["completed"] is None
+    assert "max_num_seqs" in by_name["broken"]["error"]
