@@ -49,8 +49,10 @@ class ManagedServer:
         self.timeout = timeout
         self.proc: subprocess.Popen | None = None
         self.base_url = ""
+        self._deadline = 0.0
 
-    def start(self) -> ManagedServer:
+    def launch(self) -> ManagedServer:
+        """Start the process and return at once (see ``wait_ready``)."""
         port = free_port()
         self.base_url = f"http://127.0.0.1:{port}"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -60,8 +62,13 @@ class ManagedServer:
                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
+        self._deadline = time.monotonic() + self.timeout
+        return self
+
+    def wait_ready(self) -> ManagedServer:
+        """Block until /health answers 200; ServerStartError if the process exits or the time is up."""
+        assert self.proc is not None, "launch() first"
+        while time.monotonic() < self._deadline:
             if self.proc.poll() is not None:
                 raise ServerStartError(
                     f"server exited with code {self.proc.returncode}:\n{log_tail(self.log_path)}"
@@ -74,6 +81,9 @@ class ManagedServer:
             time.sleep(0.2)
         self.stop()
         raise ServerStartError(f"server not healthy after {self.timeout:.0f} s:\n{log_tail(self.log_path)}")
+
+    def start(self) -> ManagedServer:
+        return self.launch().wait_ready()
 
     def stop(self) -> None:
         """SIGTERM (graceful shutdown of server and engine), SIGKILL if it hangs."""

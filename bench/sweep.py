@@ -2,9 +2,10 @@
 
 For each ``--config NAME='SERVER ARGS'`` (default: ``shm='--transport shm'``
 and ``zmq='--transport zmq'``) a real ``python -m app`` is started. All
-servers are started first and stay up, idle while another one is measured, so
-that with ``--repeats N`` the runs alternate between configurations (A B A B
-...) and a load that drifts on a shared machine hits them all alike. The
+servers are started first (side by side, which saves start-up time) and stay
+up, idle while another one is measured, so that with ``--repeats N`` the runs
+alternate between configurations (A B A B ...) and a load that drifts on a
+shared machine hits them all alike. The
 table shows each metric's median over the repeats and each configuration's
 ratio to the first. A configuration whose server does not start, or whose run
 fails, is reported in the table and the sweep goes on.
@@ -100,17 +101,20 @@ def serve_args_for(args: argparse.Namespace, config: ConfigRun, model_dir: str, 
     return ns
 
 
-def start_server(config: ConfigRun, args: argparse.Namespace, model_dir: str, log_dir: Path) -> None:
-    """Start the configuration's server; a failure is kept as the configuration's error."""
-    server_args = ["--model", model_dir, *shlex.split(args.server_args), *config.server_args]
-    print(f"### {config.name}: python -m app {shlex.join(server_args)}")
-    server = ManagedServer(server_args, log_dir / f"{config.name}.log", args.server_timeout)
-    try:
-        config.server = server.start()
-    except ServerStartError as exc:
-        server.stop()
-        config.error = f"server did not start: {exc}"
-        print(f"### {config.name} FAILED: {config.error}\n(log: {server.log_path})")
+def start_servers(configs: list[ConfigRun], args: argparse.Namespace, model_dir: str, log_dir: Path) -> None:
+    """Start every configuration's server (all launched, then awaited); failures become errors."""
+    for config in configs:
+        server_args = ["--model", model_dir, *shlex.split(args.server_args), *config.server_args]
+        print(f"### {config.name}: python -m app {shlex.join(server_args)}")
+        config.server = ManagedServer(server_args, log_dir / f"{config.name}.log", args.server_timeout).launch()
+    for config in configs:
+        assert config.server is not None
+        try:
+            config.server.wait_ready()
+        except ServerStartError as exc:
+            config.server.stop()
+            config.error = f"server did not start: {exc}"
+            print(f"### {config.name} FAILED: {config.error}\n(log: {config.server.log_path})")
 
 
 def run_once(config: ConfigRun, args: argparse.Namespace, model_dir: str, tag: str) -> None:
@@ -192,12 +196,11 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix=f"ringllm-sweep-{date}-"))
     with contextlib.ExitStack() as servers:
         for config in configs:
-            start_server(config, args, model_dir, log_dir)
-            if config.server is not None:
-                servers.callback(config.server.stop)
+            servers.callback(lambda c=config: c.server and c.server.stop())
+        start_servers(configs, args, model_dir, log_dir)
         for repeat in range(args.repeats):
             for config in configs:
-                if config.server is not None and not config.error:
+                if not config.error:
                     run_tag = f"-run{repeat + 1}" if args.repeats > 1 else ""
                     run_once(config, args, model_dir, f"{date}-{config.name}{run_tag}")
 
