@@ -5,15 +5,17 @@ token ids) and the same output lengths: greedy decoding, EOS ignored (ours:
 ``ignore_eos``; transformers: ``min_new_tokens = max_new_tokens``). Ours gets
 every prompt at once and lets its scheduler batch them; transformers gets
 batches of ``--hf-max-batch-size``. Each side first runs a small warmup
-generation, outside the timing. Reported: requests/s, output and total tokens/s
-of both, the ratio, and how many greedy outputs agree token for token (a
-sanity check: float rounding can legitimately split long greedy runs).
+generation, outside the timing; with ``--repeats N`` the timed runs alternate
+between the two and the median is reported. Reported: requests/s, output and
+total tokens/s of both, the ratio, and how many greedy outputs agree token for
+token (a sanity check: float rounding can legitimately split long greedy runs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -57,61 +59,76 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, help="ours: most sequences per step")
     parser.add_argument("--max-num-batched-tokens", type=int, help="ours: token budget per step")
     parser.add_argument("--max-model-len", type=int, help="ours: context length")
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs of each system, alternating; median")
     parser.add_argument("--skip-hf", action="store_true", help="measure ours only")
     parser.add_argument("--output-json", help="write the numbers to this JSON file")
 
 
-def run_ours(
-    model: str, prompts: list[list[int]], output_len: int, args: argparse.Namespace
-) -> tuple[SystemRun, list[list[int]]]:
-    from app.llm import LLM
-    from core.protocol import SamplingParams
+class OursOffline:
+    """Our offline ``LLM``: every prompt submitted at once, batched by the scheduler."""
 
-    engine_args: dict[str, Any] = {"dtype": args.dtype, "seed": args.seed}
-    for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-        if getattr(args, name) is not None:
-            engine_args[name] = getattr(args, name)
-    llm = LLM(model, **engine_args)
-    try:
-        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-        llm.generate(prompts[:1], SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True))
-        start = time.perf_counter()
-        results = llm.generate(prompts, params)
-        elapsed = time.perf_counter() - start
-    finally:
-        llm.shutdown()
-    outputs = [r.token_ids for r in results]
-    run = SystemRun("ringllm LLM", elapsed, len(prompts), sum(map(len, prompts)), sum(map(len, outputs)))
-    return run, outputs
+    name = "ringllm LLM"
+
+    def __init__(self, model: str, args: argparse.Namespace) -> None:
+        from app.llm import LLM
+
+        engine_args: dict[str, Any] = {"dtype": args.dtype, "seed": args.seed}
+        for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(args, key) is not None:
+                engine_args[key] = getattr(args, key)
+        self.llm = LLM(model, **engine_args)
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        from core.protocol import SamplingParams
+
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        return [r.token_ids for r in self.llm.generate(prompts, params)]
+
+    def close(self) -> None:
+        self.llm.shutdown()
 
 
-def run_transformers(
-    model: str, prompts: list[list[int]], output_len: int, batch_size: int, dtype: str, pad_id: int
-) -> tuple[SystemRun, list[list[int]]]:
-    import torch
-    from transformers import AutoModelForCausalLM
+class TransformersOffline:
+    """transformers ``generate`` in batches of ``batch_size``, greedy, EOS suppressed until the end."""
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype), local_files_only=True).eval()
+    name = "transformers generate"
 
-    def generate(batch: list[list[int]], new_tokens: int) -> list[list[int]]:
+    def __init__(self, model: str, args: argparse.Namespace, pad_id: int) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model, dtype=getattr(torch, args.dtype), local_files_only=True
+        ).eval()
+        self.batch_size = args.hf_max_batch_size or args.num_prompts
+        self.pad_id = pad_id
+
+    def _batch(self, batch: list[list[int]], new_tokens: int) -> list[list[int]]:
         width = max(map(len, batch))  # left padding keeps every prompt's end aligned
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        with torch.inference_mode():
-            out = hf.generate(
+        ids = self.torch.tensor([[self.pad_id] * (width - len(p)) + p for p in batch])
+        mask = self.torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with self.torch.inference_mode():
+            out = self.model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                do_sample=False, pad_token_id=pad_id, use_cache=True,
+                do_sample=False, pad_token_id=self.pad_id, use_cache=True,
             )
         return out[:, width:].tolist()
 
-    generate(prompts[:1], WARMUP_TOKENS)
-    outputs: list[list[int]] = []
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        outputs: list[list[int]] = []
+        for i in range(0, len(prompts), self.batch_size):
+            outputs += self._batch(prompts[i : i + self.batch_size], new_tokens)
+        return outputs
+
+    def close(self) -> None:
+        pass
+
+
+def timed(system: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
     start = time.perf_counter()
-    for i in range(0, len(prompts), batch_size):
-        outputs += generate(prompts[i : i + batch_size], output_len)
-    elapsed = time.perf_counter() - start
-    run = SystemRun("transformers generate", elapsed, len(prompts), sum(map(len, prompts)), sum(map(len, outputs)))
-    return run, outputs
+    outputs = system.generate(prompts, new_tokens)
+    return time.perf_counter() - start, outputs
 
 
 def format_table(runs: list[SystemRun]) -> str:
@@ -138,31 +155,46 @@ def run(args: argparse.Namespace) -> int:
 
     print(
         f"model {model}: {args.num_prompts} prompts x {args.input_len} tokens in, {args.output_len} out; "
-        f"dtype {args.dtype}; torch threads {torch.get_num_threads()}"
+        f"dtype {args.dtype}; torch threads {torch.get_num_threads()}; median of {args.repeats} run(s)"
     )
+    systems: list[Any] = [OursOffline(model, args)]
+    if not args.skip_hf:
+        systems.append(TransformersOffline(model, args, pad_id))
+    try:
+        for system in systems:
+            system.generate(prompts[:1], WARMUP_TOKENS)
+        times: list[list[float]] = [[] for _ in systems]
+        outputs: list[list[list[int]]] = [[] for _ in systems]
+        for _ in range(args.repeats):  # alternate, so that a drifting load hits both alike
+            for i, system in enumerate(systems):
+                elapsed, outputs[i] = timed(system, prompts, args.output_len)
+                times[i].append(elapsed)
+    finally:
+        for system in systems:
+            system.close()
+    runs = [
+        SystemRun(system.name, statistics.median(t), len(prompts), sum(map(len, prompts)), sum(map(len, out)))
+        for system, t, out in zip(systems, times, outputs, strict=True)
+    ]
     summary: dict[str, Any] = {
         "model": model, "num_prompts": args.num_prompts, "input_len": args.input_len,
-        "output_len": args.output_len, "dtype": args.dtype, "seed": args.seed,
+        "output_len": args.output_len, "dtype": args.dtype, "seed": args.seed, "repeats": args.repeats,
+        "torch_threads": torch.get_num_threads(),
     }
-    ours, our_outputs = run_ours(model, prompts, args.output_len, args)
-    runs = [ours]
-    comparison = []
-    if not args.skip_hf:
-        batch = args.hf_max_batch_size or args.num_prompts
-        hf, hf_outputs = run_transformers(model, prompts, args.output_len, batch, args.dtype, pad_id)
-        runs.append(hf)
-        same = sum(a == b for a, b in zip(our_outputs, hf_outputs, strict=True))
-        ratio = ours.output_tokens_per_s / hf.output_tokens_per_s
-        summary.update(hf_max_batch_size=batch, ratio_output_tokens_per_s=ratio, identical_outputs=same)
-        comparison = [
-            f"ratio ours / transformers (output tokens/s): {ratio:.2f}x",
-            f"greedy outputs identical token for token: {same} of {len(prompts)}",
-        ]
-    print("\n".join([format_table(runs), *comparison]))
+    lines = [format_table(runs)]
+    if len(runs) == 2:
+        ratio = runs[0].output_tokens_per_s / runs[1].output_tokens_per_s
+        same = sum(a == b for a, b in zip(outputs[0], outputs[1], strict=True))
+        summary.update(
+            hf_max_batch_size=systems[1].batch_size, ratio_output_tokens_per_s=ratio, identical_outputs=same
+        )
+        lines.append(f"ratio ours / transformers (output tokens/s): {ratio:.2f}x")
+        lines.append(f"greedy outputs identical token for token: {same} of {len(prompts)}")
+    print("\n".join(lines))
     summary["runs"] = [
-        {**asdict(r), "requests_per_s": r.requests_per_s, "output_tokens_per_s": r.output_tokens_per_s,
-         "total_tokens_per_s": r.total_tokens_per_s}
-        for r in runs
+        {**asdict(r), "all_elapsed_s": t, "requests_per_s": r.requests_per_s,
+         "output_tokens_per_s": r.output_tokens_per_s, "total_tokens_per_s": r.total_tokens_per_s}
+        for r, t in zip(runs, times, strict=True)
     ]
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
