@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,16 +256,22 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
     import uvloop
 
+    load_before = os.getloadavg()[0]
     outputs, duration, client_cpu = uvloop.run(Runner(target, args).run(requests))
+    load_after = os.getloadavg()[0]
 
     def count_tokens(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
 
     metrics = calculate_metrics(outputs, duration, percentiles, goodput, count_tokens)
     result = build_result(metrics, outputs, duration, selected, info)
-    result["client_cpu_s"] = client_cpu  # the harness's own CPU use: it may compete with the server
+    # The harness's own CPU use and the machine's load: on a shared machine, what else competed.
+    result.update(client_cpu_s=client_cpu, load_avg_before=load_before, load_avg_after=load_after)
     print(format_console(result, selected, percentiles))
-    print(f"benchmark client CPU: {client_cpu:.2f} s ({100 * client_cpu / duration:.0f}% of one core)")
+    print(
+        f"benchmark client CPU: {client_cpu:.2f} s ({100 * client_cpu / duration:.0f}% of one core); "
+        f"load average {load_before:.2f} before, {load_after:.2f} after"
+    )
     failures = format_failures(result["errors"])
     if failures:
         print(failures)

@@ -6,8 +6,9 @@ servers are started first (side by side, which saves start-up time) and stay
 up, idle while another one is measured, so that with ``--repeats N`` the runs
 alternate between configurations (A B A B ...) and a load that drifts on a
 shared machine hits them all alike. The
-table shows each metric's median over the repeats and each configuration's
-ratio to the first. A configuration whose server does not start, or whose run
+table shows each metric's median over the repeats (or, with ``--aggregate
+best``, the run with the best output throughput: the least disturbed one on a
+shared machine) and each configuration's ratio to the first. A configuration whose server does not start, or whose run
 fails, is reported in the table and the sweep goes on.
 """
 
@@ -56,8 +57,16 @@ class ConfigRun:
     results: list[dict[str, Any]] = field(default_factory=list)
     error: str = ""
 
-    def median(self, key: str) -> Any:
-        """The key's median over the repeats (None without any result)."""
+    aggregate: str = "median"
+
+    def value(self, key: str) -> Any:
+        """The key's median over the repeats, or its value in the best run (None without any result).
+
+        The best run is the one with the highest output throughput: on a shared
+        machine, the run that other processes disturbed least.
+        """
+        if self.aggregate == "best" and self.results:
+            return max(self.results, key=lambda r: r["output_throughput"]).get(key)
         values = [r[key] for r in self.results if isinstance(r.get(key), (int, float))]
         return statistics.median(values) if values else None
 
@@ -77,6 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--server-args", default="", help="arguments given to every server, e.g. '--seed 0'")
     g.add_argument("--server-timeout", type=float, default=300.0, help="seconds for a server to become healthy")
     g.add_argument("--repeats", type=int, default=1, help="runs per configuration, alternating between them")
+    g.add_argument("--aggregate", choices=["median", "best"], default="median",
+                   help="over the repeats: each metric's median, or the run with the best output throughput")
     g.add_argument("--endpoint", help="/v1/completions (default) or /v1/chat/completions")
     g.add_argument("--backend", choices=sorted(BACKENDS), default="openai")
     add_workload_arguments(parser)
@@ -162,9 +173,9 @@ def comparison_table(configs: list[ConfigRun], rows: list[tuple[str, str, bool]]
     for key, label, _ in rows:
         line = [label]
         for c in configs:
-            line.append("FAILED" if not c.results else _cell(c.median(key)))
+            line.append("FAILED" if not c.results else _cell(c.value(key)))
         for c in configs[1:]:
-            a, b = base.median(key), c.median(key)
+            a, b = base.value(key), c.value(key)
             line.append(f"{b / a:.3f}" if a and b is not None else "-")
         body.append(line)
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
@@ -174,13 +185,18 @@ def comparison_table(configs: list[ConfigRun], rows: list[tuple[str, str, bool]]
 
     out = [fmt(header), "  ".join("-" * w for w in widths), *(fmt(r) for r in body)]
     for c in configs:
+        if len(c.results) > 1:
+            runs = ", ".join(f"{r['output_throughput']:.0f}" for r in c.results)
+            out.append(f"{c.name}: output tok/s of each run: {runs}")
+    for c in configs:
         if c.error:
             out.append(f"{c.name}: {short_error(c.error)}")
     return "\n".join(out)
 
 
 def run(args: argparse.Namespace) -> int:
-    configs = [ConfigRun(name, a) for name, a in (args.config or [parse_config(c) for c in DEFAULT_CONFIGS])]
+    pairs = args.config or [parse_config(c) for c in DEFAULT_CONFIGS]
+    configs = [ConfigRun(name, a, aggregate=args.aggregate) for name, a in pairs]
     if len({c.name for c in configs}) != len(configs):
         print("error: --config names must be distinct")
         return 2
@@ -207,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     rows = table_rows(args)
     workload = (
         f"{args.num_prompts} requests, dataset {args.dataset_name}, max concurrency {args.max_concurrency}, "
-        f"request rate {args.request_rate}, model {model_dir}; median of {args.repeats} run(s) each"
+        f"request rate {args.request_rate}, model {model_dir}; {args.aggregate} of {args.repeats} run(s) each"
     )
     print("\n" + " Sweep comparison ".center(50, "=") + f"\n{workload}\n" + comparison_table(configs, rows))
     summary = {
@@ -215,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
         "workload": workload,
         "configs": [
             {"name": c.name, "server_args": c.server_args, "error": c.error or None, "runs": len(c.results),
-             **{key: c.median(key) for key, _, _ in rows}}
+             **{key: c.value(key) for key, _, _ in rows}}
             for c in configs
         ],
     }
@@ -223,4 +239,4 @@ def run(args: argparse.Namespace) -> int:
         path = Path(args.result_dir) / (args.result_filename or f"sweep-{date}.json")
         save_result(summary, path)
         print(f"sweep summary saved to {path}")
-    return 0 if all(c.results and not c.error and c.median("completed") for c in configs) else 1
+    return 0 if all(c.results and not c.error and c.value("completed") for c in configs) else 1

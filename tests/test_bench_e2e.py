@@ -70,13 +70,14 @@ def test_bench_sweep_compares_configs_and_reports_a_broken_one(
         "--config", "seqs4=--max-num-seqs 4", "--config", "seqs8=--max-num-seqs 8",
         "--config", "broken=--max-num-seqs 0",
         "--endpoint", "/v1/chat/completions",
-        "--num-prompts", "4", "--max-concurrency", "4", "--repeats", "2",
+        "--num-prompts", "4", "--max-concurrency", "4", "--repeats", "2", "--aggregate", "best",
         "--random-input-len", "16", "--random-output-len", "4",
         "--save-result", "--result-dir", str(tmp_path), "--result-filename", "sweep.json",
     ])
     out = capsys.readouterr().out
     assert rc == 1, out  # one configuration failed
     assert "Sweep comparison" in out and "seqs8/seqs4" in out and "broken/seqs4" in out
+    assert "seqs4: output tok/s of each run: " in out
     assert "broken: server did not start: server exited with code 1: ... ValueError" in out
     summary = json.loads((tmp_path / "sweep.json").read_text())
     by_name = {c["name"]: c for c in summary["configs"]}
