@@ -68,7 +68,11 @@ class ConfigRun:
         if self.aggregate == "best" and self.results:
             return max(self.results, key=lambda r: r["output_throughput"]).get(key)
         values = [r[key] for r in self.results if isinstance(r.get(key), (int, float))]
-        return statistics.median(values) if values else None
+        if not values:
+            return None
+        if all(isinstance(v, int) for v in values):  # counts stay whole: the lower middle value
+            return statistics.median_low(values)
+        return statistics.median(values)
 
 
 def parse_config(text: str) -> tuple[str, list[str]]:
