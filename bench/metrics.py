@@ -10,8 +10,10 @@ Per successful request (all times client side):
 
 Throughputs divide by the benchmark's wall-clock duration: completed requests,
 output tokens (from ``usage``) and input + output tokens. The peak output rate
-and peak concurrency use one-second buckets from the first send, counting one
-token per content chunk, as vLLM does. Statistics of an empty list are 0.
+and peak concurrency use one-second buckets from the first send, as vLLM's;
+vLLM counts one token per content chunk, we spread each request's tokens
+over its chunks (the same when every chunk holds one token, right when a
+server packs several). Statistics of an empty list are 0.
 """
 
 from __future__ import annotations
@@ -96,24 +98,31 @@ def request_tpot(result: RequestResult, num_tokens: int) -> float:
     return (result.latency - result.ttft) / (num_tokens - 1) if num_tokens > 1 else 0.0
 
 
-def per_second_activity(outputs: Sequence[RequestResult]) -> tuple[np.ndarray, np.ndarray]:
-    """Content chunks received, and requests in flight, in each second since the first send.
+def per_second_activity(
+    outputs: Sequence[RequestResult], output_lens: Sequence[int] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Output tokens received, and requests in flight, in each second since the first send.
 
-    Only successful requests count. A request is in flight in every bucket
-    from the one it was sent in to the one its last chunk arrived in.
+    Only successful requests count. Each content chunk brings its request's
+    output tokens divided by its number of chunks (one per chunk without
+    ``output_lens``), so a server that packs several tokens into a chunk is
+    not undercounted. A request is in flight in every bucket from the one it
+    was sent in to the one its last chunk arrived in.
     """
-    done = [o for o in outputs if o.success]
+    lens = list(output_lens) if output_lens is not None else [None] * len(outputs)
+    done = [(o, n) for o, n in zip(outputs, lens) if o.success]
     if not done:
         return np.zeros(0), np.zeros(0, dtype=np.int64)
-    t0 = min(o.start_time for o in done)
-    end = max(o.start_time + o.latency for o in done)
+    t0 = min(o.start_time for o, _ in done)
+    end = max(o.start_time + o.latency for o, _ in done)
     buckets = int(math.ceil(end - t0)) + 1
     tokens = np.zeros(buckets)
     in_flight = np.zeros(buckets, dtype=np.int64)
-    for o in done:
+    for o, n in done:
         chunk_times = o.start_time + o.ttft + np.concatenate(([0.0], np.cumsum(o.itl)))
         idx = (chunk_times - t0).astype(np.int64)
-        np.add.at(tokens, idx[(idx >= 0) & (idx < buckets)], 1)
+        per_chunk = 1.0 if n is None else n / len(chunk_times)
+        np.add.at(tokens, idx[(idx >= 0) & (idx < buckets)], per_chunk)
         first, last = int(o.start_time - t0), int(o.start_time + o.latency - t0)
         in_flight[first : last + 1] += 1
     return tokens, in_flight
@@ -158,7 +167,7 @@ def calculate_metrics(
         good = sum(all(values[i] <= slo for values, slo in limits) for i in range(completed))
         request_goodput = good / duration
 
-    tokens_per_s, in_flight = per_second_activity(outputs)
+    tokens_per_s, in_flight = per_second_activity(outputs, output_lens)
     per_request_tpots = [request_tpot(o, n) if o.success else 0.0 for o, n in zip(outputs, output_lens)]
     return BenchmarkMetrics(
         completed=completed,

@@ -84,6 +84,14 @@ def test_peak_tokens_and_concurrency_in_one_second_buckets() -> None:
     assert m.max_concurrent_requests == 2
 
 
+def test_peak_spreads_a_requests_tokens_over_its_chunks() -> None:
+    packed = RequestResult(4, True, 0.0, 0.5, [0.2, 1.0], 1.7, 6)  # 6 tokens in chunks at 0.5, 0.7, 1.7
+    tokens, _ = per_second_activity([packed], [6])
+    assert tokens.tolist() == [4.0, 2.0, 0.0]
+    assert per_second_activity([packed])[0].tolist() == [2.0, 1.0, 0.0]  # vLLM's count: chunks
+    assert calculate_metrics([packed], 2.0).max_output_tokens_per_s == 4.0
+
+
 def test_output_len_falls_back_to_tokenizer_then_chunks() -> None:
     r = RequestResult(3, True, 0.0, 0.1, [0.1, 0.1], 0.3, None, "abcd")
     assert output_len(r, lambda text: len(text)) == 4
