@@ -105,7 +105,7 @@ class Target:
 def resolve_target(args: argparse.Namespace) -> Target:
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     endpoint = args.endpoint or BACKENDS[args.backend]
-    model = args.served_model_name or args.model or first_served_model(base_url)
+    model = args.served_model_name or args.model or first_served_model(base_url, args.ready_check_timeout_sec)
     tokenizer = args.tokenizer
     if tokenizer is None and args.model and Path(args.model).is_dir():
         tokenizer = args.model
@@ -118,13 +118,20 @@ def resolve_target(args: argparse.Namespace) -> Target:
     return Target(base_url, endpoint, model, tokenizer)
 
 
-def first_served_model(base_url: str) -> str:
-    try:
-        response = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30, trust_env=False)
-        response.raise_for_status()
-        return response.json()["data"][0]["id"]
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-        raise ValueError(f"--model not given and {base_url}/v1/models did not name one: {exc}") from None
+def first_served_model(base_url: str, timeout: float) -> str:
+    """The first model id of /v1/models, waiting up to ``timeout`` seconds for the server to listen."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            response = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30, trust_env=False)
+            response.raise_for_status()
+            return response.json()["data"][0]["id"]
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise ValueError(f"--model not given and {base_url} did not answer within {timeout:.0f} s") from None
+            time.sleep(READY_RETRY_S)
+        except (httpx.HTTPStatusError, KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"--model not given and {base_url}/v1/models did not name one: {exc}") from None
 
 
 def _percentiles(text: str) -> list[float]:
@@ -165,19 +172,22 @@ class Runner:
         return await stream_request(client, self.target.url, self.payload(request), request.prompt_len)
 
     async def wait_until_ready(self, client: httpx.AsyncClient, request: SampleRequest) -> None:
-        """One test request; retried while the server cannot be reached, an error if it fails."""
+        """Wait until the server answers at all, then send one test request, which must succeed."""
         timeout = self.args.ready_check_timeout_sec
         if timeout <= 0:
             return
         deadline = time.monotonic() + timeout
         while True:
-            result = await self.send(client, request)
-            if result.success:
-                return
-            unreachable = "ConnectError" in result.error or "ConnectTimeout" in result.error
-            if not unreachable or time.monotonic() > deadline:
-                raise RuntimeError(f"the initial test request to {self.target.url} failed: {result.error.strip()}")
-            await asyncio.sleep(READY_RETRY_S)
+            try:
+                await client.get(self.target.base_url)  # any HTTP answer: something is listening
+                break
+            except httpx.TransportError as exc:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.target.base_url} did not answer within {timeout:.0f} s: {exc}") from None
+                await asyncio.sleep(READY_RETRY_S)
+        result = await self.send(client, request)
+        if not result.success:
+            raise RuntimeError(f"the initial test request to {self.target.url} failed: {result.error.strip()}")
 
     async def run(self, requests: list[SampleRequest]) -> tuple[list[RequestResult], float, float]:
         """The results in request order, the wall-clock duration, and this process's CPU seconds."""
