@@ -107,7 +107,7 @@ class _StreamTimer:
         if message == "[DONE]":
             return False
         data = json.loads(message)
-        if "error" in data:
+        if data.get("error"):
             self.result.error = f"error event: {json.dumps(data['error'])[:MAX_ERROR_BODY]}"
             return False
         text = _content(data, self.chat)
