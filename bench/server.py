@@ -1,0 +1,107 @@
+"""Start and stop a real ``python -m app`` process for a benchmark.
+
+The server runs as a subprocess of this interpreter on a free local port,
+with its output in a log file; it is ready once ``/health`` answers 200. If
+it exits or stays unhealthy, ``ServerStartError`` says so with the end of
+its log, so that a caller (``bench sweep``) can report it and go on.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+LOG_TAIL_LINES = 15
+STOP_TIMEOUT_S = 30.0
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class ManagedServer:
+    """``with ManagedServer(args, log_path) as server: ... server.base_url ...``"""
+
+    def __init__(self, args: list[str], log_path: Path, timeout: float = 300.0) -> None:
+        self.args = args
+        self.log_path = log_path
+        self.timeout = timeout
+        self.proc: subprocess.Popen | None = None
+        self.base_url = ""
+        self._deadline = 0.0
+
+    def launch(self) -> ManagedServer:
+        """Start the process and return at once (see ``wait_ready``)."""
+        port = free_port()
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "app", "--host", "127.0.0.1", "--port", str(port), *self.args],
+                cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        self._deadline = time.monotonic() + self.timeout
+        return self
+
+    def wait_ready(self) -> ManagedServer:
+        """Block until /health answers 200; ServerStartError if the process exits or the time is up."""
+        assert self.proc is not None, "launch() first"
+        while time.monotonic() < self._deadline:
+            if self.proc.poll() is not None:
+                raise ServerStartError(
+                    f"server exited with code {self.proc.returncode}:\n{log_tail(self.log_path)}"
+                )
+            try:
+                if httpx.get(self.base_url + "/health", timeout=1, trust_env=False).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise ServerStartError(f"server not healthy after {self.timeout:.0f} s:\n{log_tail(self.log_path)}")
+
+    def start(self) -> ManagedServer:
+        return self.launch().wait_ready()
+
+    def stop(self) -> None:
+        """SIGTERM (graceful shutdown of server and engine), SIGKILL if it hangs."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> ManagedServer:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
