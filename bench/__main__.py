@@ -16,6 +16,8 @@ SUBCOMMANDS = {
     "serve": "bench.serve",
     "sweep": "bench.sweep",
     "throughput": "bench.throughput",
+    "ipc": "bench.ipc",
+    "sched": "bench.sched",
 }
 
 

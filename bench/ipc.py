@@ -311,6 +311,9 @@ def render_table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+HELP = "the frontend<->engine transport alone: shm rings vs ZeroMQ, with an echo engine"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transports", nargs="+", default=["shm", "zmq"], choices=["shm", "zmq"])
     parser.add_argument("--iterations", type=int, default=2000, help="hot round trips per small payload")
@@ -321,7 +324,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-save", action="store_true", help="print only, write no JSON")
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.iterations, args.idle_iterations, args.idle_seconds = 300, 20, 1.0
     import uvloop
@@ -344,14 +347,4 @@ def run(args: argparse.Namespace) -> dict:
         path = out_dir / f"ipc-{time.strftime('%Y%m%d-%H%M%S')}.json"
         path.write_text(json.dumps(record, indent=2))
         print(f"\nwrote {path}")
-    return record
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench ipc", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,6 +1,6 @@
 """Benchmarks of issue 4: prefix-cache TTFT, scheduler cost per step, async scheduling.
 
-    python -m bench.sched_bench [ttft|sched|async|all] [--repeats N] [--torch-threads N]
+    python -m bench sched [ttft|sched|async|all] [--repeats N] [--torch-threads N]
 
 Every figure is a ratio against a baseline measured in the same run, with
 the two sides interleaved, because the machines these run on are shared and
@@ -227,8 +227,10 @@ BENCHES: dict[str, Callable[[argparse.Namespace], dict[str, float]]] = {
 }
 
 
-def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
-    parser = argparse.ArgumentParser(prog="python -m bench.sched_bench", description=__doc__.split("\n\n")[0])
+HELP = "scheduler and KV cache: prefix-cache TTFT, scheduler cost per step, async scheduling"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("which", nargs="?", default="all", choices=[*BENCHES, "all"])
     parser.add_argument("--repeats", type=int, default=5, help="runs per side for ttft and async")
     parser.add_argument("--steps", type=int, default=200, help="scheduler steps measured per case")
@@ -238,14 +240,14 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         help="torch intra-op threads (default: torch's own); 1 is steadier when other processes "
         "share the cores, since spinning OMP workers then stall every small op",
     )
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     if args.torch_threads is not None:
         import torch
 
         torch.set_num_threads(args.torch_threads)
     names = list(BENCHES) if args.which == "all" else [args.which]
-    return {name: BENCHES[name](args) for name in names}
-
-
-if __name__ == "__main__":
-    main()
+    for name in names:
+        BENCHES[name](args)
+    return 0
