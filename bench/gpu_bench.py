@@ -248,27 +248,35 @@ def gpu_time_per_step(step: Callable[[], Any], steps: int) -> tuple[float, float
     return device_us / steps / 1e3, count / steps
 
 
-def measure_mp_decode(model_dir: str, args: BenchArgs, enforce_eager: bool, batch: int, vocab: int) -> float:
-    """Milliseconds per decode step through a spawned EngineCore and the shm transport."""
+def measure_mp_decode(model_dir: str, args: BenchArgs, enforce_eager: bool, vocab: int) -> dict[int, float]:
+    """Milliseconds per decode step, per batch size, through one spawned EngineCore and the shm transport."""
     from core.client import SyncMPClient
 
     client = SyncMPClient(engine_config(model_dir, args, enforce_eager))
+    produced: dict[str, int] = {}
+
+    def collect() -> None:
+        for o in client.get_output().outputs:
+            produced[o.request_id] = produced.get(o.request_id, 0) + len(o.new_token_ids)
+
+    results: dict[int, float] = {}
     try:
-        budget = 8 + args.decode_steps * 2
-        for i, prompt in enumerate(_prompts(batch, args.decode_prompt_len, vocab, 99)):
-            client.add_request(_request(f"m{i}", prompt, budget))
-        produced: dict[str, int] = {}
-        while len(produced) < batch or min(produced.values()) < 5:
-            for o in client.get_output().outputs:
-                produced[o.request_id] = produced.get(o.request_id, 0) + len(o.new_token_ids)
-        before = sum(produced.values())
-        start = time.perf_counter()
-        while sum(produced.values()) - before < args.decode_steps * batch:
-            for o in client.get_output().outputs:
-                produced[o.request_id] = produced.get(o.request_id, 0) + len(o.new_token_ids)
-        return (time.perf_counter() - start) / args.decode_steps * 1e3
+        for batch in args.batch_sizes:
+            ids = [f"m{batch}-{i}" for i in range(batch)]
+            prompts = _prompts(batch, args.decode_prompt_len, vocab, 99 + batch)
+            for req_id, prompt in zip(ids, prompts):
+                client.add_request(_request(req_id, prompt, 8 + args.decode_steps * 2))
+            while min(produced.get(r, 0) for r in ids) < 5:
+                collect()
+            before = sum(produced[r] for r in ids)
+            start = time.perf_counter()
+            while sum(produced[r] for r in ids) - before < args.decode_steps * batch:
+                collect()
+            results[batch] = (time.perf_counter() - start) / args.decode_steps * 1e3
+            client.abort_requests(ids)
     finally:
         client.shutdown()
+    return results
 
 
 def run_mode(model_dir: str, args: BenchArgs, enforce_eager: bool) -> dict:
@@ -291,10 +299,9 @@ def run_mode(model_dir: str, args: BenchArgs, enforce_eager: bool) -> dict:
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     if args.ipc:
+        runs = [measure_mp_decode(model_dir, args, enforce_eager, vocab) for _ in range(args.repeats)]
         for batch in args.batch_sizes:
-            mp = statistics.median(
-                measure_mp_decode(model_dir, args, enforce_eager, batch, vocab) for _ in range(args.repeats)
-            )
+            mp = statistics.median(r[batch] for r in runs)
             decode[batch]["mp_step_ms"] = mp
             decode[batch]["ipc_ms"] = mp - decode[batch]["step_ms"]
     return {"prefill_tokens_per_s": statistics.median(prefill), "decode": decode}

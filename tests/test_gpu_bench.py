@@ -35,8 +35,9 @@ def test_measuring_code_runs_on_cpu_with_tiny_shapes():
 
 def test_spawned_engine_decode_timing_runs(tmp_path):
     args = gpu_bench.BenchArgs(
-        shape="tiny", dtype="float32", device="cpu", batch_sizes=[2], decode_prompt_len=8, decode_steps=3,
+        shape="tiny", dtype="float32", device="cpu", batch_sizes=[2, 1], decode_prompt_len=8, decode_steps=3,
         max_num_batched_tokens=64, max_model_len=128,
     )
     model_dir = gpu_bench.write_model_dir(tmp_path / "tiny", "tiny", 128, "float32")
-    assert gpu_bench.measure_mp_decode(model_dir, args, enforce_eager=True, batch=2, vocab=512) > 0
+    step_ms = gpu_bench.measure_mp_decode(model_dir, args, enforce_eager=True, vocab=512)
+    assert set(step_ms) == {1, 2} and min(step_ms.values()) > 0

@@ -94,6 +94,9 @@ class ModelRunner:
         self.config = config
         self.hf_config = config.hf_config()
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            # Triton launches on the current device, whatever the tensors' device.
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.block_size = config.block_size
         assert config.max_model_len is not None, "EngineConfig.resolve() first"
@@ -137,18 +140,21 @@ class ModelRunner:
     def determine_num_blocks(self) -> int:
         """Blocks for the KV cache: the override, else the memory budget.
 
-        On CPU the budget is ``kv_cache_memory`` bytes, capped at what
-        ``max_num_seqs`` full-length requests could ever use; on a GPU it is
-        what ``gpu_memory_utilization`` leaves after the weights and the
-        profiled peak of the largest step (core/worker/gpu_memory.py).
+        The budget is ``kv_cache_memory`` bytes when given. Otherwise, on CPU
+        it is DEFAULT_KV_CACHE_MEMORY capped at what ``max_num_seqs``
+        full-length requests could ever use; on a GPU it is what
+        ``gpu_memory_utilization`` leaves after the weights and the profiled
+        peak of the largest step (core/worker/gpu_memory.py).
         """
         if self.config.num_gpu_blocks_override is not None:
             return self.config.num_gpu_blocks_override
         per_block = self.kv_bytes_per_block()
-        if self.device.type == "cuda":
+        if self.config.kv_cache_memory is not None:
+            budget = self.config.kv_cache_memory
+        elif self.device.type == "cuda":
             budget = gpu_kv_cache_budget(self.device, self.config.gpu_memory_utilization, self.profile_run)
         else:
-            budget = self.config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+            budget = DEFAULT_KV_CACHE_MEMORY
         num_blocks = max(budget, 0) // per_block
         cap = self.config.max_num_seqs * self.max_blocks_per_req + 1
         if self.config.kv_cache_memory is None and self.device.type == "cpu":
