@@ -72,9 +72,12 @@ class MPClient:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config.resolve()
         self.transport, spec = ClientTransport.create(self.config.transport)
-        # Large request tensors go out of band through the transport's pool (shm only).
-        self.encoder = MsgpackEncoder(pool=self.transport.pool_writer)
-        self.decoder = MsgpackDecoder(EngineCoreOutputs, pool=self.transport.pool_reader)
+        # Large request tensors go out of band through the transport's pool,
+        # CUDA ones as IPC handles (shm only).
+        self.encoder = MsgpackEncoder(pool=self.transport.pool_writer, cuda_ipc=self.transport.cuda_exporter)
+        self.decoder = MsgpackDecoder(
+            EngineCoreOutputs, pool=self.transport.pool_reader, cuda_ipc=self.transport.cuda_importer
+        )
         ctx = multiprocessing.get_context("spawn")
         self.proc = ctx.Process(
             target=run_engine_core,

@@ -284,7 +284,9 @@ class EngineCoreProc(EngineCore):
         # Typed decoders: no pickle, and a malformed frame raises instead of
         # reaching the scheduler. Only ADD may carry tensors (aux frames or pool).
         decoders = {
-            EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest, pool=self.transport.pool_reader),
+            EngineCoreRequestType.ADD: MsgpackDecoder(
+                EngineCoreRequest, pool=self.transport.pool_reader, cuda_ipc=self.transport.cuda_importer
+            ),
             EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
             EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityCall),
         }
@@ -336,7 +338,7 @@ class EngineCoreProc(EngineCore):
 
     def _process_output_socket(self) -> None:
         """Output thread: encode into one reused buffer; the ring copies it out."""
-        encoder = MsgpackEncoder(pool=self.transport.pool_writer)
+        encoder = MsgpackEncoder(pool=self.transport.pool_writer, cuda_ipc=self.transport.cuda_exporter)
         buf = bytearray(64 * 1024)
         while True:
             item = self.output_queue.get()

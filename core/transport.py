@@ -6,9 +6,11 @@ A message is a list of frames (``[type, body, aux...]`` towards the engine,
 
 - ``shm`` (default): a pair of shared-memory SPSC rings with doorbells
   (``shm.channel``), plus a shared-memory tensor pool per direction for the
-  out-of-band tier of large CPU tensors (``shm.tensors``).
+  out-of-band tier of large CPU tensors (``shm.tensors``); CUDA tensors cross
+  as CUDA IPC handles whose tickets live in the same pools (``shm.cuda_ipc``).
 - ``zmq``: vLLM V1's sockets (ROUTER/DEALER requests, PUSH/PULL outputs,
-  tensors as aux frames), kept as the baseline the rings are measured against.
+  tensors as aux frames, CUDA ones copied to the host first), kept as the
+  baseline the rings are measured against.
 
 ``ClientTransport`` (frontend) creates the channel, hands its picklable spec to
 the spawned engine, watches the engine process, and offers blocking calls
@@ -27,6 +29,7 @@ from typing import Any, Union
 
 from shm.aio import AsyncReceiver, AsyncSender
 from shm.channel import ChannelClosed, ChannelSpec, Duplex, PeerDeadError
+from shm.cuda_ipc import CudaIpcExporter, CudaIpcImporter
 from shm.ring import Frame
 from shm.tensors import TensorPool, TensorPoolReader, TensorPoolWriter
 from shm.zmq_channel import ZmqAsyncReceiver, ZmqAsyncSender, ZmqChannelSpec, ZmqDuplex
@@ -71,6 +74,10 @@ class ClientTransport:
         # Out-of-band tensors: we write the to-engine pool and read the to-client one.
         self.pool_writer = TensorPoolWriter(pools[0]) if pools else None
         self.pool_reader = TensorPoolReader(pools[1]) if pools else None
+        # CUDA tensors: IPC handles, with tickets in those pools. Idle unless a
+        # CUDA tensor is actually sent (nothing here touches CUDA).
+        self.cuda_exporter = CudaIpcExporter(self.pool_writer) if self.pool_writer else None
+        self.cuda_importer = CudaIpcImporter(self.pool_reader) if self.pool_reader else None
         self._async_sender: Any = None
         self._async_receiver: Any = None
 
@@ -166,6 +173,8 @@ class EngineTransport:
         # We read the to-engine pool and write the to-client one.
         self.pool_reader = TensorPoolReader(pools[0]) if pools else None
         self.pool_writer = TensorPoolWriter(pools[1]) if pools else None
+        self.cuda_importer = CudaIpcImporter(self.pool_reader) if self.pool_reader else None
+        self.cuda_exporter = CudaIpcExporter(self.pool_writer) if self.pool_writer else None
 
     @classmethod
     def attach(cls, spec: TransportSpec, parent_pid: int) -> EngineTransport:

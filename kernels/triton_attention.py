@@ -28,7 +28,8 @@ def _write_kv_kernel(
     block_size: tl.constexpr, ROW: tl.constexpr, ROW_PAD: tl.constexpr,
 ):
     t = tl.program_id(0)
-    slot = tl.load(slot_mapping + t)
+    # int64: slot * row size overflows int32 in caches over 2**31 elements.
+    slot = tl.load(slot_mapping + t).to(tl.int64)
     if slot < 0:  # padding token (e.g. a CUDA-graph batch filler)
         return
     offs = tl.arange(0, ROW_PAD)
@@ -42,18 +43,29 @@ def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """key/value [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at ``slot_mapping``."""
+    """key/value [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at ``slot_mapping``.
+
+    Each token's Hkv * D values are copied as one row, so key and value may
+    be strided over tokens (slices of a fused qkv projection are) but each
+    token's heads must be contiguous, as must each cache slot.
+    """
     num_tokens, kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    key = key.contiguous()
-    value = value.contiguous()
+    key, value = _rows_contiguous(key), _rows_contiguous(value)
+    assert k_cache.stride(3) == 1 and k_cache.stride(2) == head_dim and k_cache.stride() == v_cache.stride()
     row = kv_heads * head_dim
     _write_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), value.stride(0), k_cache.stride(0), k_cache.stride(1),
         block_size=k_cache.shape[1], ROW=row, ROW_PAD=triton.next_power_of_2(row),
     )
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] as is when each x[t] is one contiguous row, else a contiguous copy."""
+    rows_ok = x.stride(2) == 1 and (x.stride(1) == x.shape[2] or x.shape[1] == 1)
+    return x if rows_ok else x.contiguous()
 
 
 @triton.jit
@@ -98,7 +110,8 @@ def _paged_attention_kernel(
     for start in range(0, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < kv_end
-        page = tl.load(block_tables + req * stride_bt + n // PAGE, mask=n_ok, other=0)
+        # int64: page * stride_cb overflows int32 once the cache passes 2**31 elements.
+        page = tl.load(block_tables + req * stride_bt + n // PAGE, mask=n_ok, other=0).to(tl.int64)
         kv_off = page[:, None] * stride_cb + (n % PAGE)[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache + kv_off, mask=kv_mask, other=0.0)
@@ -135,6 +148,8 @@ def paged_attention(
         out = torch.empty_like(query)
     if num_tokens == 0:
         return out
+    assert query.stride(2) == 1 and out.stride(2) == 1 and k_cache.stride(3) == 1
+    assert k_cache.stride() == v_cache.stride()
     # Rows per tile must reach 16 for tl.dot; decode tiles hold one token.
     block_q = max(16 // qpk_pad, 1) if meta.max_query_len == 1 else max(64 // qpk_pad, 1)
     grid = (meta.num_reqs, kv_heads, triton.cdiv(meta.max_query_len, block_q))

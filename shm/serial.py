@@ -33,7 +33,8 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-from shm.tensors import CudaIpcExporter, CudaIpcImporter, PoolHandle, TensorPoolReader, TensorPoolWriter
+from shm.cuda_ipc import CudaIpcExporter, CudaIpcImporter
+from shm.tensors import PoolHandle, TensorPoolReader, TensorPoolWriter
 
 INLINE_THRESHOLD = 256
 EXT_RAW_TENSOR = 1

@@ -17,17 +17,14 @@ Region layout (64-byte aligned, so tensors are cache-line and SIMD aligned)::
 
     [u64 state | u64 nbytes | padding to 64 | nbytes of data | padding to 64]
 
-CUDA tensors use CUDA IPC (``CudaIpcExporter``/``CudaIpcImporter``): the
-producer exports a memory handle and keeps the tensor alive until the
-consumer has copied it into its own memory and released its ticket, a data-less
-region of the same pool. This path needs a GPU and is not exercised by the
-test suite on CPU-only machines.
+CUDA tensors cross as CUDA IPC handles instead (``shm.cuda_ipc``); each
+one holds a *ticket*, a data-less region of the same pool whose state tells
+the producer when the consumer is done with the tensor.
 """
 
 from __future__ import annotations
 
 import mmap
-import sys
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -164,8 +161,16 @@ class TensorPoolWriter:
         """A data-less region whose state tells when the consumer is done (CUDA IPC)."""
         offset = self._allocate(0)
         if offset is not None:
-            self.pool._words[self.pool._state_index(offset)] = _IN_USE
+            index = self.pool._state_index(offset)
+            self.pool._words[index + 1] = 0
+            if _WEAK_MEMORY:
+                _fence()
+            self.pool._words[index] = _IN_USE
         return offset
+
+    def cancel_ticket(self, offset: int) -> None:
+        """Reclaim a ticket that was never sent (its consumer will never release it)."""
+        self.pool._words[self.pool._state_index(offset)] = _RELEASED
 
     def is_released(self, offset: int) -> bool:
         return self.pool._words[self.pool._state_index(offset)] == _RELEASED
@@ -207,8 +212,14 @@ class TensorPoolReader:
         weakref.finalize(array, self._release_index, index)
         return array
 
-    def release(self, offset: int) -> None:
-        """Hand a region (or a CUDA IPC ticket) back to the producer."""
+    def check_ticket(self, offset: int) -> None:
+        """ValueError unless ``offset`` names a ticket in use (it came off the wire)."""
+        if type(offset) is not int:
+            raise ValueError(f"CUDA IPC ticket {offset!r} is not an offset")
+        self._check(PoolHandle(offset, 0))
+
+    def release_ticket(self, offset: int) -> None:
+        """Tell the producer the consumer is done with a ticket's tensor (see check_ticket)."""
         self._release_index(self.pool._state_index(offset))
 
     def _release_index(self, index: int) -> None:
@@ -217,47 +228,3 @@ class TensorPoolReader:
         if _WEAK_MEMORY:
             _fence()
         self.pool._words[index] = _RELEASED
-
-
-# ---------------------------------------------------------------------- CUDA
-
-
-class CudaIpcExporter:
-    """Producer side of CUDA tensors: an IPC handle out, the tensor kept alive until released."""
-
-    def __init__(self, tickets: TensorPoolWriter) -> None:
-        self._tickets = tickets
-        self._alive: dict[int, Any] = {}  # ticket offset -> tensor
-
-    def export(self, tensor: Any) -> list | None:
-        """[ticket, the 8 fields of ``_share_cuda_``, storage offset, shape, stride, dtype], or None
-        when no ticket is free (the caller then copies the tensor to the host)."""
-        for ticket in [t for t in self._alive if self._tickets.is_released(t)]:
-            del self._alive[ticket]
-        ticket = self._tickets.take_ticket()
-        if ticket is None:
-            return None
-        shared = list(tensor.untyped_storage()._share_cuda_())
-        self._alive[ticket] = tensor
-        return [
-            ticket, shared, tensor.storage_offset(), list(tensor.shape), list(tensor.stride()),
-            str(tensor.dtype).removeprefix("torch."),
-        ]
-
-
-class CudaIpcImporter:
-    """Consumer side: open the handle, copy into our own memory, release the ticket."""
-
-    def __init__(self, tickets: TensorPoolReader) -> None:
-        self._tickets = tickets
-
-    def import_(self, desc: list) -> Any:
-        torch = sys.modules["torch"]
-        ticket, shared, storage_offset, shape, stride, dtype = desc
-        try:
-            storage = torch.UntypedStorage._new_shared_cuda(*shared)
-            view = torch.empty(0, dtype=getattr(torch, dtype), device=storage.device)
-            view.set_(storage, storage_offset, shape, stride)
-            return view.clone()
-        finally:
-            self._tickets.release(ticket)

@@ -113,6 +113,7 @@ def test_prompt_embeds_travel_out_of_band_and_the_pool_is_handed_back(tiny_llama
     client = SyncMPClient(_config(tiny_llama_dir, "shm"))
     try:
         writer = client.transport.pool_writer
+        assert client.encoder.cuda_ipc is client.transport.cuda_exporter is not None  # CUDA tensors: IPC
         embeds = torch.randn(100, 64, generator=torch.Generator().manual_seed(0))
         client.add_request(_request("e1", embeds=embeds))
         client.add_request(_request("e2", embeds=embeds.clone()))

@@ -130,7 +130,7 @@ class Request:
             # Placeholder ids are all alike, so the embeddings themselves must
             # key the prefix cache: fold their digest into the salt, which is
             # part of every block hash.
-            digest = hashlib.sha256(embeds.contiguous().view(torch.uint8).numpy()).hexdigest()
+            digest = hashlib.sha256(embeds.contiguous().view(torch.uint8).cpu().numpy()).hexdigest()
             cache_salt = f"{cache_salt or ''}|prompt_embeds:{digest}"
         return cls(
             request_id=request.request_id,

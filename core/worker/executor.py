@@ -13,6 +13,12 @@ the runner and its persistent ``InputBatch`` are touched only by the thread
 that executes batches (after start-up, the worker thread when there is one),
 and batches run one at a time in submission order, which is what lets the
 scheduler hand out a batch that depends on the one still running.
+
+On a GPU the runner returns as soon as a step's work is enqueued, with its
+sampled ids still being copied to the host (``AsyncModelRunnerOutput``). The
+Future's ``result()`` materialises them on the thread that asks (the engine
+thread, before ``update_from_output``), so the worker thread goes straight
+on to the next batch.
 """
 
 from __future__ import annotations
@@ -21,7 +27,38 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from core.config import EngineConfig
 from core.sched.output import ModelRunnerOutput, SchedulerOutput
+from core.worker.async_output import AsyncModelRunnerOutput
 from core.worker.model_runner import ModelRunner
+
+
+def _materialise(output: ModelRunnerOutput | AsyncModelRunnerOutput) -> ModelRunnerOutput:
+    return output.get_output() if isinstance(output, AsyncModelRunnerOutput) else output
+
+
+class OutputFuture(Future):
+    """The worker thread's Future, whose ``result()`` also waits for the sampled ids.
+
+    It is done when the worker is done with the batch (the GPU may still be
+    running it); ``result()`` then blocks, on the caller's thread, until the
+    ids have reached the host.
+    """
+
+    def __init__(self, inner: Future) -> None:
+        super().__init__()
+        inner.add_done_callback(self._resolve)
+
+    def _resolve(self, inner: Future) -> None:
+        if inner.cancelled():
+            self.cancel()
+            return
+        exc = inner.exception()
+        if exc is not None:
+            self.set_exception(exc)
+        else:
+            self.set_result(inner.result())
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        return _materialise(super().result(timeout))
 
 
 class UniProcExecutor:
@@ -46,13 +83,13 @@ class UniProcExecutor:
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
         if self._worker is not None:
-            future = self._worker.submit(self.runner.execute_model, scheduler_output)
+            future = OutputFuture(self._worker.submit(self.runner.execute_model, scheduler_output))
             return future if non_block else future.result()
         if not non_block:
-            return self.runner.execute_model(scheduler_output)
+            return _materialise(self.runner.execute_model(scheduler_output))
         future = Future()
         try:
-            future.set_result(self.runner.execute_model(scheduler_output))
+            future.set_result(_materialise(self.runner.execute_model(scheduler_output)))
         except BaseException as exc:  # surfaced by future.result() in step()
             future.set_exception(exc)
         return future
@@ -62,5 +99,6 @@ class UniProcExecutor:
             # A batch still in flight finishes before the tensors go away.
             self._worker.shutdown(wait=True)
             self._worker = None
+        self.runner.decode_graphs = None  # graphs hold the caches' addresses and their own pool
         self.runner.kv_caches = []
         self.runner.model = None

@@ -97,8 +97,11 @@ class InputBatch:
         self.block_table[row, start : start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
 
-    def append_token(self, row: int, token_id: int) -> None:
+    def append_token(self, row: int, token_id: int) -> bool:
+        """Append a sampled token; False (and nothing kept) once the row is at max_model_len."""
         n = self.num_tokens[row]
-        if n < self.max_model_len:
-            self.token_ids[row, n] = token_id
-            self.num_tokens[row] = n + 1
+        if n >= self.max_model_len:
+            return False
+        self.token_ids[row, n] = token_id
+        self.num_tokens[row] = n + 1
+        return True

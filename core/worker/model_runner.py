@@ -3,30 +3,59 @@
 Prefill chunks and decodes are laid out back to back (no padding); every
 index computation is vectorised with numpy over the persistent batch so the
 per-step host cost grows with the tokens scheduled, not with context length.
+
+One runner serves both devices; on a GPU it differs in what is needed to
+keep the GPU busy (all of it switched by the device, never by a copy of the
+runner):
+
+- inputs are staged in pinned host buffers and copied without blocking
+  into persistent device buffers (core/worker/input_buffers.py);
+- sampled ids stay on the device; their copy to the host runs on a side
+  stream and is waited for only by whoever reads them
+  (core/worker/async_output.py), and the next step takes them as inputs
+  straight from device memory;
+- decode-only steps replay CUDA graphs (core/worker/cuda_graphs.py) unless
+  ``enforce_eager``;
+- the KV cache gets the GPU memory left after weights and a profiled peak
+  step (core/worker/gpu_memory.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from core.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from core.models.loader import load_model
+from core.protocol import SamplingParams
 from core.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
+from core.worker.async_output import PLACEHOLDER_TOKEN_ID, AsyncModelRunnerOutput, DeferredTokens, SampledTokens
+from core.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
+from core.worker.gpu_memory import gpu_kv_cache_budget
 from core.worker.input_batch import InputBatch
+from core.worker.input_buffers import InputBuffers
 from core.worker.sampler import Sampler, SamplingMetadata
 from kernels.metadata import AttentionMetadata
+
+logger = logging.getLogger("ringllm.runner")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device, with an explicit index on CUDA (streams, events and memory queries want one)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dtype:
@@ -40,20 +69,55 @@ def resolve_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dty
     return _DTYPES.get(ckpt, torch.bfloat16) if ckpt != "float32" else torch.bfloat16
 
 
+@dataclass
+class _StepInputs:
+    """One step's inputs on the device, plus the host values the rest of the step needs."""
+
+    req_ids: list[str]
+    rows: np.ndarray  # persistent-batch row of each scheduled request
+    seq_lens: np.ndarray  # context length of each request after this step
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    inputs_embeds: torch.Tensor | None
+    sample: np.ndarray  # indices into req_ids of the requests that sample a token
+    logits_indices: torch.Tensor | None  # hidden-state row of each of those
+    decode_size: int | None  # padded batch size of a decode-only step, None otherwise
+
+
 class ModelRunner:
+    # Tests switch this on to run the GPU path's padded decode batches (without
+    # capture) and deferred sampled tokens on the CPU; on a GPU they are always on.
+    emulate_gpu_paths = False
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.hf_config = config.hf_config()
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            # Triton launches on the current device, whatever the tensors' device.
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.block_size = config.block_size
         assert config.max_model_len is not None, "EngineConfig.resolve() first"
         self.max_model_len = config.max_model_len
         self.max_blocks_per_req = math.ceil(self.max_model_len / self.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, self.max_model_len, self.max_blocks_per_req)
+        self.buffers = InputBuffers(
+            max(config.max_num_batched_tokens, config.max_num_seqs),
+            config.max_num_seqs,
+            self.max_blocks_per_req,
+            self.device,
+        )
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        on_gpu = self.device.type == "cuda"
+        self.defer_sampled_tokens = on_gpu or self.emulate_gpu_paths
+        self.deferred = DeferredTokens()
+        self._copy_stream = torch.cuda.Stream(self.device) if on_gpu else None
+        # Set up with the KV cache, which the graphs read in place.
+        self.decode_graphs: DecodeGraphs | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -61,32 +125,37 @@ class ModelRunner:
         torch.manual_seed(self.config.seed)
         self.model = load_model(self.config, self.device, self.dtype)
 
-    def kv_bytes_per_block(self) -> int:
+    def _kv_shape(self) -> tuple[int, int, int]:
+        """(block_size, kv_heads, head_dim) of one cache block of one layer."""
         hf = self.hf_config
         heads = hf["num_attention_heads"]
         kv_heads = hf.get("num_key_value_heads") or heads
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        return self.block_size, kv_heads, head_dim
+
+    def kv_bytes_per_block(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * hf["num_hidden_layers"] * self.block_size * kv_heads * head_dim * elem
+        return 2 * self.hf_config["num_hidden_layers"] * math.prod(self._kv_shape()) * elem
 
     def determine_num_blocks(self) -> int:
         """Blocks for the KV cache: the override, else the memory budget.
 
-        On CPU the budget is ``kv_cache_memory`` bytes, capped at what
-        ``max_num_seqs`` full-length requests could ever use; on a GPU it is
-        the share of free memory ``gpu_memory_utilization`` allows.
+        The budget is ``kv_cache_memory`` bytes when given. Otherwise, on CPU
+        it is DEFAULT_KV_CACHE_MEMORY capped at what ``max_num_seqs``
+        full-length requests could ever use; on a GPU it is what
+        ``gpu_memory_utilization`` leaves after the weights and the profiled
+        peak of the largest step (core/worker/gpu_memory.py).
         """
         if self.config.num_gpu_blocks_override is not None:
             return self.config.num_gpu_blocks_override
         per_block = self.kv_bytes_per_block()
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * self.config.gpu_memory_utilization) - (total - free)
-            # Leave room for activations of the largest batch.
-            budget -= 2 * self.config.max_num_batched_tokens * self.hf_config["vocab_size"] * 4
+        if self.config.kv_cache_memory is not None:
+            budget = self.config.kv_cache_memory
+        elif self.device.type == "cuda":
+            budget = gpu_kv_cache_budget(self.device, self.config.gpu_memory_utilization, self.profile_run)
         else:
-            budget = self.config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
-        num_blocks = budget // per_block
+            budget = DEFAULT_KV_CACHE_MEMORY
+        num_blocks = max(budget, 0) // per_block
         cap = self.config.max_num_seqs * self.max_blocks_per_req + 1
         if self.config.kv_cache_memory is None and self.device.type == "cpu":
             num_blocks = min(num_blocks, cap)
@@ -98,33 +167,97 @@ class ModelRunner:
             )
         return int(num_blocks)
 
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """The largest step the scheduler can send, on dummy inputs: its activation peak.
+
+        ``max_num_batched_tokens`` prompt tokens spread over ``max_num_seqs``
+        requests, then logits and top-k/top-p sampling (which sorts the
+        vocabulary) for each of them. Every slot is -1, so nothing is written,
+        and attention reads a one-block scratch cache instead of the real one,
+        which does not exist yet.
+        """
+        cfg = self.config
+        total = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * self.max_model_len)
+        num_reqs = min(cfg.max_num_seqs, total)
+        counts = np.full(num_reqs, total // num_reqs, dtype=np.int64)
+        counts[: total % num_reqs] += 1
+        cu = np.cumsum(counts)
+        b = self.buffers
+        b.wait_for_copies()
+        b.input_ids.np[:total] = 0
+        b.positions.np[:total] = np.arange(total) - np.repeat(cu - counts, counts)
+        b.slot_mapping.np[:total] = -1
+        b.query_start_loc.np[0] = 0
+        b.query_start_loc.np[1 : num_reqs + 1] = cu
+        b.seq_lens.np[:num_reqs] = counts
+        b.block_tables.np[:num_reqs] = 0
+        b.logits_indices.np[:num_reqs] = cu - 1
+        meta = self._metadata(total, num_reqs, max_query_len=int(counts.max()))
+        input_ids, positions = b.input_ids.to_device(total), b.positions.to_device(total)
+        logits_indices = b.logits_indices.to_device(num_reqs)
+        b.copies_issued()
+        scratch = torch.zeros((1, *self._kv_shape()), dtype=self.dtype, device=self.device)
+        caches = [(scratch, scratch)] * self.hf_config["num_hidden_layers"]
+        hidden = self.model(input_ids, positions, caches, meta)
+        logits = self.model.compute_logits(hidden[logits_indices])
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+        self.sampler(logits, SamplingMetadata.from_params([params] * num_reqs))
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        hf = self.hf_config
-        heads = hf["num_attention_heads"]
-        kv_heads = hf.get("num_key_value_heads") or heads
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-        shape = (num_blocks, self.block_size, kv_heads, head_dim)
+        shape = (num_blocks, *self._kv_shape())
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
             )
-            for _ in range(hf["num_hidden_layers"])
+            for _ in range(self.hf_config["num_hidden_layers"])
         ]
+        capture = self.device.type == "cuda" and not self.config.enforce_eager
+        if capture or self.emulate_gpu_paths:
+            sizes = decode_batch_sizes(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+            self.decode_graphs = DecodeGraphs(sizes)
+        if capture:
+            self.capture_decode_graphs()
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self) -> None:
+        """Capture every padded decode size over all-filler inputs (which write nothing)."""
+        graphs = self.decode_graphs
+        assert graphs is not None
+        start = time.perf_counter()
+        b = self.buffers
+        for size in reversed(graphs.sizes):
+            b.wait_for_copies()
+            b.query_start_loc.np[0] = 0
+            b.fill_decode_padding(0, size)
+            meta = self._metadata(size, size, max_query_len=1)
+            b.input_ids.to_device(size)
+            b.positions.to_device(size)
+            b.copies_issued()
+            graphs.capture(size, lambda: self._decode_forward(size, meta))
+        logger.info(
+            "captured CUDA graphs for decode batch sizes %s in %.1fs",
+            graphs.sizes, time.perf_counter() - start,
+        )
 
     # ------------------------------------------------------------------ step
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
+        deferred = self.deferred
         for req_id in so.finished_req_ids:
             batch.remove_request(req_id)
+            deferred.discard(req_id)
         for req_id in so.preempted_req_ids:
             batch.remove_request(req_id)
+            deferred.discard(req_id)
         for new in so.scheduled_new_reqs:
             if new.prompt_embeds is not None:
                 embeds = new.prompt_embeds.to(self.device, self.dtype)
                 new = dataclasses.replace(new, prompt_embeds=embeds)
             batch.add_request(new)
+            deferred.discard(new.req_id)
         cached = so.scheduled_cached_reqs
         for req_id, blocks, computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
@@ -133,89 +266,187 @@ class ModelRunner:
             batch.num_computed_tokens[batch.req_id_to_index[req_id]] = computed
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
+        step = self._prepare_inputs(so)
+        if step.decode_size is not None:
+            assert self.decode_graphs is not None
+            size, meta = step.decode_size, step.meta
+            hidden = self.decode_graphs.run(size, lambda: self._decode_forward(size, meta))
+        else:
+            hidden = self.model(
+                step.input_ids, step.positions, self.kv_caches, step.meta, inputs_embeds=step.inputs_embeds
+            )
+        batch = self.input_batch
+        batch.num_computed_tokens[step.rows] = step.seq_lens
+        if step.logits_indices is None:
+            return ModelRunnerOutput(
+                req_ids=step.req_ids,
+                req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
+                sampled_token_ids=[[] for _ in step.req_ids],
+            )
+        logits = self.model.compute_logits(hidden[step.logits_indices])
+        sample_rows = step.rows[step.sample]
+        metadata = SamplingMetadata.from_rows([batch.sampling[r] for r in sample_rows])
+        return self._sampled_output(step, sample_rows, self.sampler(logits, metadata))
+
+    def _decode_forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
+        """The model over the first ``size`` rows of the static buffers (what a decode graph records)."""
+        b = self.buffers
+        return self.model(b.input_ids.device[:size], b.positions.device[:size], self.kv_caches, meta)
+
+    def _sampled_output(
+        self, step: _StepInputs, sample_rows: np.ndarray, token_ids: torch.Tensor
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """Append the sampled tokens to the persistent batch and report them.
+
+        With deferred tokens the batch gets placeholders and the output is
+        materialised later (core/worker/async_output.py); otherwise the ids
+        are read now.
+        """
+        batch = self.input_batch
+        req_ids = step.req_ids
+        if not self.defer_sampled_tokens:
+            sampled: list[list[int]] = [[] for _ in req_ids]
+            for i, row, tok in zip(step.sample.tolist(), sample_rows.tolist(), token_ids.tolist()):
+                batch.append_token(row, tok)
+                sampled[i] = [tok]
+            return ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=sampled,
+            )
+        tokens = SampledTokens(token_ids, self._copy_stream)
+        for k, (i, row) in enumerate(zip(step.sample.tolist(), sample_rows.tolist())):
+            position = int(batch.num_tokens[row])
+            if batch.append_token(row, PLACEHOLDER_TOKEN_ID):
+                self.deferred.add(req_ids[i], tokens, k, position)
+        return AsyncModelRunnerOutput(req_ids, step.sample.tolist(), tokens)
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> _StepInputs:
+        """Stage this step's inputs in the host buffers and send them to the device."""
         batch = self.input_batch
         req_ids = list(so.num_scheduled_tokens)
-        rows = np.fromiter((batch.req_id_to_index[r] for r in req_ids), np.int64, len(req_ids))
-        counts = np.fromiter(so.num_scheduled_tokens.values(), np.int64, len(req_ids))
-
+        num_reqs = len(req_ids)
+        rows = np.fromiter((batch.req_id_to_index[r] for r in req_ids), np.int64, num_reqs)
+        counts = np.fromiter(so.num_scheduled_tokens.values(), np.int64, num_reqs)
         cu = np.cumsum(counts)
         total = int(cu[-1])
-        tok_req = np.repeat(np.arange(len(rows)), counts)
-        offsets = np.arange(total) - np.repeat(cu - counts, counts)
+        starts = cu - counts
+        tok_req = np.repeat(np.arange(num_reqs), counts)
         computed = batch.num_computed_tokens[rows]
-        positions = computed[tok_req] + offsets
-        tok_rows = rows[tok_req]
-        input_ids = batch.token_ids[tok_rows, positions]
-        bs = self.block_size
-        slots = batch.block_table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = computed + counts
-        max_seq_len = int(seq_lens.max())
-        block_tables = batch.block_table[rows, : math.ceil(max_seq_len / bs)]
-        query_start_loc = np.concatenate(([0], cu))
+        max_query_len = int(counts.max())
+        # Sample only where the chunk reaches the end of the known tokens.
+        sample = np.nonzero(seq_lens >= batch.num_tokens[rows])[0]
+        embeds_rows = self._prompt_embeds_rows(rows, computed)
 
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(dev, non_blocking=True),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)).to(dev, non_blocking=True),
-            max_query_len=int(counts.max()),
-            max_seq_len=max_seq_len,
-            query_start_loc_cpu=query_start_loc.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-        )
-        input_ids_t = torch.from_numpy(input_ids).to(dev, non_blocking=True)
-        hidden = self.model(
-            input_ids_t,
-            torch.from_numpy(positions).to(dev, non_blocking=True),
-            self.kv_caches,
-            meta,
-            inputs_embeds=self._inputs_embeds(input_ids_t, rows, computed, counts, cu),
-        )
-        batch.num_computed_tokens[rows] = seq_lens
+        decode_size = None
+        if max_query_len == 1 and not embeds_rows and self.decode_graphs is not None:
+            decode_size = self.decode_graphs.padded_size(num_reqs)
+        num_tokens = num_padded_reqs = decode_size or total
+        if decode_size is None:
+            num_padded_reqs = num_reqs
 
-        # Sample only where the chunk reached the end of the known tokens.
-        sample_mask = seq_lens >= batch.num_tokens[rows]
-        sampled: list[list[int]] = [[] for _ in req_ids]
-        if sample_mask.any():
-            pick = np.nonzero(sample_mask)[0]
-            logits = self.model.compute_logits(hidden[torch.from_numpy(cu[pick] - 1).to(dev)])
-            sample_rows = rows[pick]
-            metadata = SamplingMetadata.from_rows([batch.sampling[r] for r in sample_rows])
-            token_ids = self.sampler(logits, metadata).tolist()
-            for i, row, tok in zip(pick, sample_rows, token_ids):
-                batch.append_token(int(row), tok)
-                sampled[i] = [tok]
-        return ModelRunnerOutput(
+        b = self.buffers
+        b.wait_for_copies()
+        positions = b.positions.np[:total]
+        np.add(computed[tok_req], np.arange(total) - starts[tok_req], out=positions)
+        tok_rows = rows[tok_req]
+        b.input_ids.np[:total] = batch.token_ids[tok_rows, positions]
+        bs = self.block_size
+        b.slot_mapping.np[:total] = batch.block_table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        b.query_start_loc.np[0] = 0
+        b.query_start_loc.np[1 : num_reqs + 1] = cu
+        b.seq_lens.np[:num_reqs] = seq_lens
+        np.take(batch.block_table, rows, axis=0, out=b.block_tables.np[:num_reqs])
+        if decode_size is not None:
+            b.fill_decode_padding(num_reqs, decode_size)
+        b.logits_indices.np[: sample.size] = cu[sample] - 1
+
+        meta = self._metadata(num_tokens, num_padded_reqs, max_query_len)
+        input_ids = b.input_ids.to_device(num_tokens)
+        positions_t = b.positions.to_device(num_tokens)
+        logits_indices = b.logits_indices.to_device(sample.size) if sample.size else None
+        if self.deferred:
+            self._fill_deferred_inputs(input_ids, req_ids, computed, counts, starts)
+        b.copies_issued()
+        return _StepInputs(
             req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
+            rows=rows,
+            seq_lens=seq_lens,
+            input_ids=input_ids,
+            positions=positions_t,
+            meta=meta,
+            inputs_embeds=self._inputs_embeds(input_ids, embeds_rows, computed, counts, starts),
+            sample=sample,
+            logits_indices=logits_indices,
+            decode_size=decode_size,
         )
+
+    def _metadata(self, num_tokens: int, num_reqs: int, max_query_len: int) -> AttentionMetadata:
+        """Attention metadata over the first rows of the (already filled) buffers."""
+        b = self.buffers
+        seq_lens_cpu = b.seq_lens.np[:num_reqs].tolist()
+        return AttentionMetadata(
+            slot_mapping=b.slot_mapping.to_device(num_tokens),
+            query_start_loc=b.query_start_loc.to_device(num_reqs + 1),
+            seq_lens=b.seq_lens.to_device(num_reqs),
+            block_tables=b.block_tables.to_device(num_reqs),
+            max_query_len=max_query_len,
+            max_seq_len=max(seq_lens_cpu),
+            query_start_loc_cpu=b.query_start_loc.np[: num_reqs + 1].tolist(),
+            seq_lens_cpu=seq_lens_cpu,
+        )
+
+    def _fill_deferred_inputs(
+        self,
+        input_ids: torch.Tensor,
+        req_ids: list[str],
+        computed: np.ndarray,
+        counts: np.ndarray,
+        starts: np.ndarray,
+    ) -> None:
+        """Overwrite placeholder inputs with their sampled ids, device to device."""
+        b = self.buffers
+        used = 0
+        for tokens, dst, src in self.deferred.take_inputs(req_ids, computed, counts, starts):
+            n = len(dst)
+            b.deferred_dst.np[used : used + n] = dst
+            b.deferred_src.np[used : used + n] = src
+            dst_t = b.deferred_dst.to_device(used + n)[used:]
+            src_t = b.deferred_src.to_device(used + n)[used:]
+            input_ids.index_copy_(0, dst_t, tokens.device_ids.index_select(0, src_t))
+            used += n
+
+    def _prompt_embeds_rows(self, rows: np.ndarray, computed: np.ndarray) -> list[tuple[int, int]]:
+        """(index, row) of the scheduled requests whose chunk still covers prompt embeddings."""
+        embeds = self.input_batch.prompt_embeds
+        return [
+            (i, row)
+            for i, row in enumerate(rows.tolist())
+            if embeds[row] is not None and computed[i] < embeds[row].shape[0]
+        ]
 
     def _inputs_embeds(
         self,
         input_ids: torch.Tensor,
-        rows: np.ndarray,
+        embeds_rows: list[tuple[int, int]],
         computed: np.ndarray,
         counts: np.ndarray,
-        cu: np.ndarray,
+        starts: np.ndarray,
     ) -> torch.Tensor | None:
         """Token embeddings with the prompt rows of embedding prompts swapped in;
         None when no scheduled token comes from a prompt given as embeddings."""
-        batch = self.input_batch
-        inputs_embeds = None
-        for i, row in enumerate(rows.tolist()):
-            embeds = batch.prompt_embeds[row]
-            if embeds is None or computed[i] >= embeds.shape[0]:
-                continue
-            if inputs_embeds is None:
-                inputs_embeds = self.model.get_input_embeddings()(input_ids)
+        if not embeds_rows:
+            return None
+        inputs_embeds = self.model.get_input_embeddings()(input_ids)
+        for i, row in embeds_rows:
+            embeds = self.input_batch.prompt_embeds[row]
             # The chunk covers positions computed[i]..; its first `take` are prompt rows.
-            start = int(cu[i] - counts[i])
+            start = int(starts[i])
             take = int(min(counts[i], embeds.shape[0] - computed[i]))
             inputs_embeds[start : start + take] = embeds[int(computed[i]) : int(computed[i]) + take]
         return inputs_embeds

@@ -74,13 +74,25 @@ class Sampler:
         if metadata.all_greedy:
             return greedy_ids
         device = logits.device
-        logits = logits / metadata.temperature.to(device)[:, None]
+        logits = logits / to_device(metadata.temperature, device)[:, None]
         if not (metadata.no_top_k and metadata.no_top_p):
-            logits = apply_top_k_top_p(logits, metadata.top_k.to(device), metadata.top_p.to(device))
+            logits = apply_top_k_top_p(logits, to_device(metadata.top_k, device), to_device(metadata.top_p, device))
         probs = logits.softmax(dim=-1)
         sampled = (probs / exponential_noise(probs, metadata.generators)).argmax(dim=-1)
-        greedy = torch.tensor(metadata.greedy, device=device)
+        greedy = to_device(torch.tensor(metadata.greedy), device)
         return torch.where(greedy, greedy_ids, sampled)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without making the host wait for the GPU.
+
+    A plain ``.to("cuda")`` from pageable memory synchronises the stream,
+    which would stall the host until the forward pass it just enqueued has
+    run; a pinned copy with ``non_blocking`` is only enqueued.
+    """
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -106,5 +118,5 @@ def exponential_noise(probs: torch.Tensor, generators: Sequence[torch.Generator 
     for i, gen in enumerate(generators):
         if gen is not None:
             row = torch.empty(probs.shape[-1], dtype=probs.dtype, device=gen.device)
-            noise[i] = row.exponential_(generator=gen).to(probs.device)
+            noise[i] = to_device(row.exponential_(generator=gen), probs.device)
     return noise
