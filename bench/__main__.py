@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "throughput": "bench.throughput",
     "ipc": "bench.ipc",
     "sched": "bench.sched",
+    "gpu": "bench.gpu",
 }
 
 

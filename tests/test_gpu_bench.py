@@ -1,4 +1,4 @@
-"""bench/gpu_bench.py: refuses to run without a GPU, and its measuring code
+"""bench/gpu.py: refuses to run without a GPU, and its measuring code
 runs end to end on the CPU with tiny shapes (the figures are meaningless
 there; the point is that the benchmark itself works before a GPU is lent)."""
 
@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench import gpu_bench
+from bench import gpu as gpu_bench
+from bench.__main__ import main as bench_main
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
 def test_without_a_gpu_it_says_so_and_measures_nothing(capsys):
-    assert gpu_bench.main([]) == 2
+    assert bench_main(["gpu"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
@@ -22,7 +23,7 @@ def test_measuring_code_runs_on_cpu_with_tiny_shapes():
         decode_prompt_len=8, decode_steps=4, profile_steps=2, max_num_batched_tokens=64, max_model_len=128,
         ipc=False, repeats=1,
     )
-    results = gpu_bench.run(args)
+    results = gpu_bench.measure(args)
     assert set(results["modes"]) == {"cuda_graphs", "eager"}
     for figures in results["modes"].values():
         assert figures["prefill_tokens_per_s"] > 0

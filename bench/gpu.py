@@ -1,6 +1,6 @@
 """GPU benchmark of issue 6: a Llama-shaped dummy model with CUDA graphs on and off.
 
-    python -m bench.gpu_bench [--shape 1b|tiny] [--batch-sizes 1,8,32,64] [--async-scheduling] [--json PATH]
+    python -m bench gpu [--shape 1b|tiny] [--batch-sizes 1,8,32,64] [--async-scheduling] [--json PATH]
 
 Needs a CUDA GPU; without one it says so and exits with status 2. The model
 is a generated config.json with Llama 3.2 1B's shapes (16 layers, hidden
@@ -307,7 +307,7 @@ def run_mode(model_dir: str, args: BenchArgs, enforce_eager: bool) -> dict:
     return {"prefill_tokens_per_s": statistics.median(prefill), "decode": decode}
 
 
-def run(args: BenchArgs) -> dict:
+def measure(args: BenchArgs) -> dict:
     """Every mode's figures, plus what they ran on."""
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
@@ -338,8 +338,10 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu_bench", description=__doc__.split("\n\n")[0])
+HELP = "the GPU path: prefill/decode throughput with CUDA graphs on and off (needs a CUDA GPU)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = BenchArgs()
     parser.add_argument("--shape", choices=sorted(SHAPES), default=defaults.shape)
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=defaults.dtype)
@@ -353,10 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-ipc", action="store_true", help="skip the spawned-engine (shm transport) runs")
     parser.add_argument("--repeats", type=int, default=defaults.repeats)
     parser.add_argument("--json", help="also write the results here")
-    ns = parser.parse_args(argv)
+
+
+def run(ns: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print(
-            "bench.gpu_bench measures the GPU path and needs a CUDA GPU; torch.cuda.is_available() "
+            "bench gpu measures the GPU path and needs a CUDA GPU; torch.cuda.is_available() "
             "is False on this machine, so nothing was measured.",
             file=sys.stderr,
         )
@@ -367,12 +371,9 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=ns.max_num_batched_tokens, gpu_memory_utilization=ns.gpu_memory_utilization,
         async_scheduling=ns.async_scheduling, ipc=not ns.no_ipc, repeats=ns.repeats,
     )
-    results = run(args)
+    results = measure(args)
     print(format_table(results))
     if ns.json:
         Path(ns.json).write_text(json.dumps(results, indent=1))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
