@@ -155,17 +155,17 @@ def _percentile(values: list[float], q: float) -> float:
 class Measurement:
     rtt_hot_us: list[float] = field(default_factory=list)
     rtt_idle_us: list[float] = field(default_factory=list)
-    pipelined_msgs_per_s: float = 0.0
-    pipelined_bytes_per_s: float = 0.0
+    pipelined_rates: list[float] = field(default_factory=list)  # msgs/s, one per round
 
-    def summary(self) -> dict[str, float]:
+    def summary(self, wire_bytes: int) -> dict[str, float]:
+        rate = statistics.median(self.pipelined_rates)
         return {
             "rtt_hot_p50_us": statistics.median(self.rtt_hot_us),
             "rtt_hot_p99_us": _percentile(self.rtt_hot_us, 99),
             "rtt_idle_p50_us": statistics.median(self.rtt_idle_us),
             "rtt_idle_p99_us": _percentile(self.rtt_idle_us, 99),
-            "pipelined_msgs_per_s": self.pipelined_msgs_per_s,
-            "pipelined_bytes_per_s": self.pipelined_bytes_per_s,
+            "pipelined_msgs_per_s": rate,
+            "pipelined_bytes_per_s": rate * wire_bytes,
         }
 
 
@@ -219,56 +219,76 @@ class EchoClient:
         self.transport.close()
 
 
-def _wire_bytes(client: EchoClient, payload: Payload, obj: Any) -> int:
+def _wire_bytes(obj: Any) -> int:
     frames = MsgpackEncoder().encode(obj)  # without the pool: every byte counted once
     return sum(len(memoryview(f).cast("B")) for f in frames)
 
 
-async def measure_payload(client: EchoClient, payload: Payload, iterations: int, idle_iterations: int) -> Measurement:
-    obj = payload.make()
-    payload.wire_bytes = _wire_bytes(client, payload, obj)
+async def measure_round(
+    client: EchoClient, payload: Payload, obj: Any, iterations: int, idle_iterations: int, into: Measurement
+) -> None:
+    """One round of every measurement for one payload, appended to ``into``."""
     heavy = payload.wire_bytes > (1 << 20)
-    hot, idle = (max(iterations // 50, 10), max(idle_iterations // 5, 5)) if heavy else (iterations, idle_iterations)
-    result = Measurement()
+    hot, idle = (max(iterations // 50, 4), max(idle_iterations // 5, 2)) if heavy else (iterations, idle_iterations)
     for _ in range(min(hot, 20)):  # warm-up: pools, buffers, code paths
         await client.round_trip(client.frames(payload, obj))
     for _ in range(hot):
         # Encoding is inside the timed span: the frontend pays it for every message.
         start = time.perf_counter()
         await client.round_trip(client.frames(payload, obj))
-        result.rtt_hot_us.append((time.perf_counter() - start) * 1e6)
+        into.rtt_hot_us.append((time.perf_counter() - start) * 1e6)
         gc.collect(0) if heavy else None
     for _ in range(idle):
         await asyncio.sleep(0.02)  # long enough for both receivers to go to sleep
         start = time.perf_counter()
         await client.round_trip(client.frames(payload, obj))
-        result.rtt_idle_us.append((time.perf_counter() - start) * 1e6)
-    count = max(hot * 4, 20) if heavy else max(iterations * 10, 1000)
-    result.pipelined_msgs_per_s = await client.pipelined(payload, obj, count)
-    result.pipelined_bytes_per_s = result.pipelined_msgs_per_s * payload.wire_bytes
-    return result
+        into.rtt_idle_us.append((time.perf_counter() - start) * 1e6)
+    count = max(hot * 4, 16) if heavy else max(iterations * 10, 1000)
+    into.pipelined_rates.append(await client.pipelined(payload, obj, count))
 
 
-async def measure_transport(kind: str, iterations: int, idle_iterations: int, idle_seconds: float) -> dict:
-    client = EchoClient(kind)
+async def measure_all(kinds: list[str], rounds: int, iterations: int, idle_iterations: int, idle_seconds: float) -> dict:
+    """Every transport's echo engine stays up; rounds alternate between them
+    (A B A B ...), so that a load drifting on a shared machine hits all alike.
+    Latency samples are pooled over the rounds, rates are their medians."""
+    clients = {kind: EchoClient(kind) for kind in kinds}
     try:
-        results = {}
+        measured = {kind: {} for kind in kinds}
         for payload in PAYLOADS:
-            results[payload.name] = (await measure_payload(client, payload, iterations, idle_iterations)).summary()
-        # Idle: a receive is pending on our loop and the echo blocks in recv.
-        pending = asyncio.ensure_future(client.transport.recv_async())
+            obj = payload.make()
+            payload.wire_bytes = _wire_bytes(obj)
+            per_kind = {kind: Measurement() for kind in kinds}
+            for _ in range(rounds):
+                for kind in kinds:
+                    await measure_round(clients[kind], payload, obj, iterations // rounds,
+                                        max(idle_iterations // rounds, 1), per_kind[kind])
+            for kind in kinds:
+                measured[kind][payload.name] = per_kind[kind].summary(payload.wire_bytes)
+            del obj
+        # Idle: every process at once, each frontend with a receive pending on
+        # our loop and each echo blocked in recv.
+        pending = [asyncio.ensure_future(c.transport.recv_async()) for c in clients.values()]
         await asyncio.sleep(0.5)
-        pids = [os.getpid(), client.proc.pid]
-        before = [_cpu_seconds(p) for p in pids]
+        pids = {kind: c.proc.pid for kind, c in clients.items()}
+        before = {kind: _cpu_seconds(pid) for kind, pid in pids.items()}
+        frontend_before = _cpu_seconds(os.getpid())
         await asyncio.sleep(idle_seconds)
-        used = [_cpu_seconds(p) - b for p, b in zip(pids, before)]
-        pending.cancel()
-        await asyncio.gather(pending, return_exceptions=True)
-        idle = {"idle_cpu_percent_frontend": 100 * used[0] / idle_seconds,
-                "idle_cpu_percent_engine": 100 * used[1] / idle_seconds}
-        return {"payloads": results, **idle}
+        frontend = 100 * (_cpu_seconds(os.getpid()) - frontend_before) / idle_seconds
+        for p in pending:
+            p.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        return {
+            kind: {
+                "payloads": measured[kind],
+                "idle_cpu_percent_engine": 100 * (_cpu_seconds(pids[kind]) - before[kind]) / idle_seconds,
+                # One frontend process holds every transport's client here.
+                "idle_cpu_percent_frontend": frontend,
+            }
+            for kind in kinds
+        }
     finally:
-        client.close()
+        for client in clients.values():
+            client.close()
 
 
 # ------------------------------------------------------------------- report
@@ -307,7 +327,7 @@ def render_table(results: dict[str, dict]) -> str:
     for key, label in (("idle_cpu_percent_frontend", "idle CPU frontend (%)"),
                        ("idle_cpu_percent_engine", "idle CPU engine (%)")):
         values = [results[k][key] for k in kinds]
-        lines.append(f"{'idle 5 s':<18} {label:<24}" + "".join(f"{v:>14.2f}" for v in values))
+        lines.append(f"{'idle':<18} {label:<24}" + "".join(f"{v:>14.2f}" for v in values))
     return "\n".join(lines)
 
 
@@ -316,8 +336,9 @@ HELP = "the frontend<->engine transport alone: shm rings vs ZeroMQ, with an echo
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transports", nargs="+", default=["shm", "zmq"], choices=["shm", "zmq"])
-    parser.add_argument("--iterations", type=int, default=2000, help="hot round trips per small payload")
-    parser.add_argument("--idle-iterations", type=int, default=100, help="round trips from idle per payload")
+    parser.add_argument("--iterations", type=int, default=3000, help="hot round trips per small payload")
+    parser.add_argument("--idle-iterations", type=int, default=150, help="round trips from idle per payload")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations between the transports")
     parser.add_argument("--idle-seconds", type=float, default=5.0, help="idle CPU measurement window")
     parser.add_argument("--quick", action="store_true", help="a short run (fewer iterations, 1 s idle)")
     parser.add_argument("--result-dir", default=str(RESULTS_DIR))
@@ -326,18 +347,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.quick:
-        args.iterations, args.idle_iterations, args.idle_seconds = 300, 20, 1.0
+        args.iterations, args.idle_iterations, args.idle_seconds, args.rounds = 300, 20, 1.0, 1
     import uvloop
 
-    results = {}
-    for kind in args.transports:
-        results[kind] = uvloop.run(measure_transport(kind, args.iterations, args.idle_iterations, args.idle_seconds))
+    results = uvloop.run(
+        measure_all(args.transports, args.rounds, args.iterations, args.idle_iterations, args.idle_seconds)
+    )
     print(render_table(results))
     record = {
         "benchmark": "ipc",
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "machine": {"cpus": os.cpu_count(), "python": os.sys.version.split()[0]},
         "what": "echo engine process (typed decode + re-encode per message, no scheduler or model)",
+        "rounds": args.rounds,
         "payload_bytes": {p.name: p.wire_bytes for p in PAYLOADS},
         "results": results,
     }
