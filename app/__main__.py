@@ -10,6 +10,7 @@ seconds (hypercorn's graceful timeout), then shut the engine down.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import socket
@@ -17,6 +18,7 @@ import sys
 
 from app.cli import build_engine_config, load_chat_template, make_parser
 from core.config import EngineConfig
+from core.heap import freeze_startup_heap
 
 logger = logging.getLogger("ringllm")
 
@@ -55,6 +57,7 @@ async def serve(
     engine = AsyncLLM.from_config(config, chat_template)
     try:
         app = build_app(engine, engine.served_model_name, engine.max_model_len, api_key, chat_template)
+        freeze_startup_heap()
         host, port = sock.getsockname()[:2]
         hypercorn_config = HypercornConfig()
         hypercorn_config.bind = [f"fd://{sock.detach()}"]  # hypercorn owns the socket from here
@@ -66,6 +69,9 @@ async def serve(
     finally:
         logger.info("shutting down")
         engine.shutdown()
+        # Hand the frozen start-up heap back to the collector, so that the
+        # interpreter's teardown frees it (extensions report leaks otherwise).
+        gc.unfreeze()
 
 
 def main(argv: list[str] | None = None) -> None:

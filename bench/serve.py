@@ -107,8 +107,9 @@ def resolve_target(args: argparse.Namespace) -> Target:
     endpoint = args.endpoint or BACKENDS[args.backend]
     model = args.served_model_name or args.model or first_served_model(base_url, args.ready_check_timeout_sec)
     tokenizer = args.tokenizer
-    if tokenizer is None and args.model and Path(args.model).is_dir():
-        tokenizer = args.model
+    for candidate in (args.model, model):  # a served name may be the model's own directory
+        if tokenizer is None and candidate and Path(candidate).is_dir():
+            tokenizer = candidate
     if tokenizer is None and model == DEFAULT_MODEL_NAME:
         from core.models.default_model import ensure_default_model
 

@@ -31,6 +31,7 @@ import msgspec
 import torch
 
 from core.config import EngineConfig
+from core.heap import freeze_startup_heap
 from core.protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutput,
@@ -357,6 +358,7 @@ class EngineCoreProc(EngineCore):
     # --------------------------------------------------------------- busy loop
 
     def run_busy_loop(self) -> None:
+        freeze_startup_heap()
         while self._handle_shutdown():
             self._process_input_queue()
             self._process_engine_step()
