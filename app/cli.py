@@ -120,7 +120,10 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     given = {name: getattr(args, name) for name in _ENGINE_FIELDS if getattr(args, name, None) is not None}
     model = args.model
     if model is None:
-        from core.models.default_model import SERVED_NAME, ensure_default_model  # builds files on first use
+        from core.models.default_model import (  # builds files on first use
+            SERVED_NAME,
+            ensure_default_model,
+        )
 
         model = ensure_default_model()
         given.setdefault("served_model_name", SERVED_NAME)

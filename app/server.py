@@ -31,7 +31,13 @@ from app.errors import (
     OpenAIError,
     error_body,
 )
-from app.serving import EngineLike, EventStreamResponse, OpenAIServing, as_openai_error, json_response
+from app.serving import (
+    EngineLike,
+    EventStreamResponse,
+    OpenAIServing,
+    as_openai_error,
+    json_response,
+)
 from core.protocol import SchedulerStats
 
 logger = logging.getLogger("ringllm.server")

@@ -21,10 +21,27 @@ from typing import Any
 import httpx
 
 from bench.arrival import arrival_offsets, paced
-from bench.client import RequestResult, build_payload, is_chat, make_http_client, stream_request
-from bench.datasets import SampleRequest, add_dataset_arguments, load_tokenizer, sample_requests
+from bench.client import (
+    RequestResult,
+    build_payload,
+    is_chat,
+    make_http_client,
+    stream_request,
+)
+from bench.datasets import (
+    SampleRequest,
+    add_dataset_arguments,
+    load_tokenizer,
+    sample_requests,
+)
 from bench.metrics import LATENCY_METRICS, calculate_metrics, parse_goodput
-from bench.report import build_result, default_filename, format_console, format_failures, save_result
+from bench.report import (
+    build_result,
+    default_filename,
+    format_console,
+    format_failures,
+    save_result,
+)
 
 HELP = "benchmark a running OpenAI-compatible server (as vllm bench serve)"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

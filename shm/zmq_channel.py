@@ -17,7 +17,6 @@ sentinel fd beside the socket, so a dead peer is noticed at once.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import time

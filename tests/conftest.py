@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -22,14 +17,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.server import REPO, ManagedServer  # noqa: E402 (after the Triton switch)
+from shm.tensors import TensorPool, TensorPoolReader, TensorPoolWriter  # noqa: E402
+
 STORIES_DIR = REPO.parent / "shared" / "models" / "stories260K"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -65,14 +56,12 @@ def stories_dir() -> str:
     return str(STORIES_DIR)
 
 
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    base_url: str
-    log_path: Path
+class Server(ManagedServer):
+    """A real ``python -m app`` subprocess (bench's launcher) plus what tests look at."""
 
     def engine_pid(self) -> int:
         """The spawned EngineCore: the server's child running multiprocessing's spawn_main."""
+        assert self.proc is not None
         children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
         for pid in children:
             try:
@@ -87,47 +76,39 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
 
-def start_server(args: list[str], log_path: Path, env: dict | None = None, timeout: float = 120.0) -> Server:
-    port = free_port()
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app", "--host", "127.0.0.1", "--port", str(port), *args],
-        cwd=REPO,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
-    )
-    server = Server(proc, f"http://127.0.0.1:{port}", log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}:\n{server.log()}")
-        try:
-            if httpx.get(server.base_url + "/health", timeout=1).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError(f"server did not become healthy:\n{server.log()}")
+def start_server(args: list[str], log_path: Path, timeout: float = 120.0) -> Server:
+    server = Server(args, log_path, timeout)
+    try:
+        return server.start()
+    except BaseException:
+        server.stop()
+        raise
 
 
 def stop_server(server: Server) -> None:
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-        try:
-            server.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
-            server.proc.wait()
+    server.stop()
+
+
+@contextlib.contextmanager
+def tensor_pool_pair(capacity: int) -> Iterator[tuple[TensorPoolWriter, TensorPoolReader]]:
+    """A producer's and a consumer's view of one pool, as two processes would hold them."""
+    pool = TensorPool.create(capacity)
+    peer = TensorPool.attach(pool.name)
+    pool.unlink()
+    try:
+        yield TensorPoolWriter(pool), TensorPoolReader(peer)
+    finally:
+        gc.collect()
+        peer.close()
+        pool.close()
 
 
 @pytest.fixture
 def server_factory(tmp_path: Path) -> Iterator:
     servers: list[Server] = []
 
-    def make(args: list[str], env: dict | None = None) -> Server:
-        server = start_server(args, tmp_path / f"server{len(servers)}.log", env)
+    def make(args: list[str]) -> Server:
+        server = start_server(args, tmp_path / f"server{len(servers)}.log")
         servers.append(server)
         return server
 

@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 
 from bench.client import RequestResult
-from bench.metrics import calculate_metrics, output_len, parse_goodput, per_second_activity
+from bench.metrics import (
+    calculate_metrics,
+    output_len,
+    parse_goodput,
+    per_second_activity,
+)
 from bench.report import build_result, format_console, format_failures, percentile_key
 
 DURATION = 2.0

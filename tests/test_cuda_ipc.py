@@ -8,7 +8,6 @@ GPU: real tensors to a second process and back.
 
 from __future__ import annotations
 
-import gc
 import multiprocessing
 import os
 
@@ -20,6 +19,7 @@ from shm.channel import ChannelSpec, Duplex
 from shm.cuda_ipc import CudaIpcExporter, CudaIpcImporter
 from shm.serial import MsgpackDecoder, MsgpackEncoder
 from shm.tensors import TensorPool, TensorPoolReader, TensorPoolWriter
+from tests.conftest import tensor_pool_pair
 
 SHARED = (0, b"\x01" * 64, 4096, 512, b"/torch_ipc_refcount", 7, b"\x02" * 64, True)
 
@@ -48,13 +48,8 @@ class FakeCudaTensor:
 
 @pytest.fixture
 def tickets():
-    pool = TensorPool.create(1 << 12)
-    peer = TensorPool.attach(pool.name)
-    pool.unlink()
-    yield TensorPoolWriter(pool), TensorPoolReader(peer)
-    gc.collect()
-    peer.close()
-    pool.close()
+    with tensor_pool_pair(1 << 12) as pair:
+        yield pair
 
 
 def _over_the_wire(desc: list) -> list:

@@ -16,7 +16,15 @@ from core.client import SyncMPClient
 from core.config import EngineConfig
 from core.protocol import EngineCoreRequest, SamplingParams
 from core.worker.cuda_graphs import DecodeGraphs
-from tests.test_engine_features import BASE, CHUNKED, generate, greedy, llama, reference, tokens  # noqa: F401
+from tests.test_engine_features import (  # noqa: F401
+    BASE,
+    CHUNKED,
+    generate,
+    greedy,
+    llama,
+    reference,
+    tokens,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

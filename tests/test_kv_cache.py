@@ -6,7 +6,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.kv.block_pool import NULL_BLOCK_ID, BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from core.kv.block_pool import (
+    NULL_BLOCK_ID,
+    BlockPool,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+)
 from core.kv.kv_cache_manager import KVCacheManager
 from core.protocol import SamplingParams
 from core.sched.request import Request

@@ -10,8 +10,19 @@ import asyncio
 
 import pytest
 
-from app.output_processor import OutputProcessor, RequestOutput, RequestOutputCollector, find_stop_string
-from core.protocol import EngineCoreOutput, EngineCoreRequest, EngineDeadError, FinishReason, SamplingParams
+from app.output_processor import (
+    OutputProcessor,
+    RequestOutput,
+    RequestOutputCollector,
+    find_stop_string,
+)
+from core.protocol import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineDeadError,
+    FinishReason,
+    SamplingParams,
+)
 from tests.test_detokenizer import build_byte_level_tokenizer
 
 TEXT = " The cat sat on the mat. The end came soon after, and then more text."

@@ -9,6 +9,7 @@ test_e2e_server.py).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import socket
@@ -24,7 +25,13 @@ from app.cli import build_engine_config, load_chat_template, parse_args, parse_s
 from app.input_processor import InputProcessor
 from app.output_processor import OutputProcessor, RequestOutput, RequestOutputCollector
 from app.server import build_app
-from core.protocol import EngineCoreOutput, EngineCoreRequest, EngineDeadError, FinishReason, SchedulerStats
+from core.protocol import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineDeadError,
+    FinishReason,
+    SchedulerStats,
+)
 from tests.test_detokenizer import build_byte_level_tokenizer
 
 MODEL = "fake-model"
@@ -430,7 +437,7 @@ def test_cli_builds_engine_config(tmp_path) -> None:
     assert config.block_size == 16 and config.max_num_seqs == 64  # unset: EngineConfig's defaults
     assert (args.host, args.port, args.api_key is None or isinstance(args.api_key, str)) == ("127.0.0.1", 0, True)
     assert parse_size("2G") == 2 * 10**9 and parse_size("1024") == 1024
-    with pytest.raises(Exception):
+    with pytest.raises(argparse.ArgumentTypeError):
         parse_size("lots")
     template = tmp_path / "t.jinja"
     template.write_text(CHAT_TEMPLATE)

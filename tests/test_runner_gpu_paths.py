@@ -20,13 +20,25 @@ import torch
 from core.client import InprocClient
 from core.config import EngineConfig
 from core.sched.output import ModelRunnerOutput
-from core.worker.async_output import AsyncModelRunnerOutput, DeferredTokens, SampledTokens
+from core.worker.async_output import (
+    AsyncModelRunnerOutput,
+    DeferredTokens,
+    SampledTokens,
+)
 from core.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
 from core.worker.executor import OutputFuture
 from core.worker.gpu_memory import kv_cache_budget
 from core.worker.input_buffers import InputBuffers
 from core.worker.model_runner import ModelRunner
-from tests.test_engine_features import BASE, CHUNKED, generate, greedy, llama, reference, tokens  # noqa: F401
+from tests.test_engine_features import (  # noqa: F401
+    BASE,
+    CHUNKED,
+    generate,
+    greedy,
+    llama,
+    reference,
+    tokens,
+)
 
 
 @pytest.fixture

@@ -24,7 +24,12 @@ import pytest
 
 from core.config import EngineConfig
 from core.kv.block_pool import BlockPool
-from core.protocol import EngineCoreEventType, EngineCoreOutput, FinishReason, SamplingParams
+from core.protocol import (
+    EngineCoreEventType,
+    EngineCoreOutput,
+    FinishReason,
+    SamplingParams,
+)
 from core.sched.output import ModelRunnerOutput, SchedulerOutput
 from core.sched.request import Request, RequestStatus
 from core.sched.scheduler import Scheduler

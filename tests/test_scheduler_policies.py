@@ -7,7 +7,11 @@ import pytest
 
 from core.protocol import EngineCoreEventType, FinishReason, SamplingParams
 from core.sched.request import Request, RequestStatus
-from core.sched.request_queue import FCFSRequestQueue, PriorityRequestQueue, create_request_queue
+from core.sched.request_queue import (
+    FCFSRequestQueue,
+    PriorityRequestQueue,
+    create_request_queue,
+)
 from tests.test_scheduler import Harness, default_token, expected_outputs, make_config
 
 

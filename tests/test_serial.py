@@ -23,8 +23,14 @@ from core.protocol import (
     UtilityOutput,
 )
 from shm.channel import ChannelSpec, Duplex
-from shm.serial import _POOL_HANDLE, EXT_RAW_TENSOR, EXT_SHM_TENSOR, MsgpackDecoder, MsgpackEncoder
-from shm.tensors import TensorPool, TensorPoolReader, TensorPoolWriter
+from shm.serial import (
+    _POOL_HANDLE,
+    EXT_RAW_TENSOR,
+    EXT_SHM_TENSOR,
+    MsgpackDecoder,
+    MsgpackEncoder,
+)
+from tests.conftest import tensor_pool_pair
 
 
 class TensorMessage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -220,13 +226,8 @@ def test_tensors_travel_between_processes() -> None:
 @pytest.fixture
 def pool_pair():
     """A producer and a consumer view of one small pool, as two processes would have."""
-    pool = TensorPool.create(1 << 16)
-    peer = TensorPool.attach(pool.name)
-    pool.unlink()
-    yield TensorPoolWriter(pool), TensorPoolReader(peer)
-    gc.collect()
-    peer.close()
-    pool.close()
+    with tensor_pool_pair(1 << 16) as pair:
+        yield pair
 
 
 def test_pool_tier_is_zero_copy_and_released_when_collected(pool_pair) -> None:

@@ -34,8 +34,17 @@ import torch
 from core.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from core.models.loader import load_model
 from core.protocol import SamplingParams
-from core.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
-from core.worker.async_output import PLACEHOLDER_TOKEN_ID, AsyncModelRunnerOutput, DeferredTokens, SampledTokens
+from core.sched.output import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+from core.worker.async_output import (
+    PLACEHOLDER_TOKEN_ID,
+    AsyncModelRunnerOutput,
+    DeferredTokens,
+    SampledTokens,
+)
 from core.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
 from core.worker.gpu_memory import gpu_kv_cache_budget
 from core.worker.input_batch import InputBatch
@@ -235,7 +244,7 @@ class ModelRunner:
             b.input_ids.to_device(size)
             b.positions.to_device(size)
             b.copies_issued()
-            graphs.capture(size, lambda: self._decode_forward(size, meta))
+            graphs.capture(size, lambda size=size, meta=meta: self._decode_forward(size, meta))
         logger.info(
             "captured CUDA graphs for decode batch sizes %s in %.1fs",
             graphs.sizes, time.perf_counter() - start,
