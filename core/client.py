@@ -85,7 +85,11 @@ class MPClient:
             name="EngineCore",
             daemon=True,
         )
-        self.proc.start()
+        try:
+            self.proc.start()
+        except BaseException:
+            self.transport.close()  # nobody will attach: remove the segments now
+            raise
         self.transport.set_peer(self.proc.is_alive, self.proc.sentinel)
         self.engine_dead: EngineDeadError | None = None
         self._closing = False  # set by shutdown(): the engine's exit is expected

@@ -173,3 +173,18 @@ def test_kill_9_leaves_no_orphan_and_nothing_in_dev_shm(default_model_dir: str, 
         assert not any(os.path.exists(p) for p in segments)
     finally:
         stop_server(server)
+
+
+def test_a_failed_spawn_leaves_nothing_in_dev_shm(tiny_llama_dir: str, monkeypatch) -> None:
+    import multiprocessing.context
+
+    from shm.segment import SHM_DIR
+
+    def refuse(self) -> None:
+        raise OSError("no more processes")
+
+    before = set(os.listdir(SHM_DIR))
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", refuse)
+    with pytest.raises(OSError, match="no more processes"):
+        SyncMPClient(_config(tiny_llama_dir, "shm"))
+    assert {n for n in os.listdir(SHM_DIR) if n.startswith("ringllm-")} <= before
