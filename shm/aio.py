@@ -131,8 +131,9 @@ class AsyncReceiver(_AsyncEnd):
                 await asyncio.sleep(0)
             return frames
         self._burst = 0
-        if self.spin_s > 0:
-            spin_end = time.perf_counter() + self.spin_s
+        spin_s = receiver.spin_budget(self.spin_s)
+        if spin_s > 0:
+            spin_end = time.perf_counter() + spin_s
             while time.perf_counter() < spin_end:
                 await asyncio.sleep(0)  # one loop iteration: other tasks run meanwhile
                 frames = receiver.try_recv()

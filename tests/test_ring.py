@@ -247,6 +247,37 @@ def test_ring_rejects_interleaving_a_half_written_message() -> None:
         ShmRing.attach("not-a-ring")
 
 
+def test_no_spin_only_right_after_waking_an_idle_peer() -> None:
+    """The receiver skips its spin after its sender rang a peer that had been quiet,
+    and spins again once messages flow (else a ping-pong that fell asleep once
+    would ring and sleep at every message from then on)."""
+    creator, spec = Duplex.create(1 << 16)
+    attacher = Duplex.attach(spec)
+    creator.unlink()
+    try:
+        receiver, sender = creator.receiver, creator.sender
+        assert receiver.partner is sender
+        spin = receiver.spin_s
+        assert spin > 0 and receiver.spin_budget(spin) == spin  # nothing rung yet
+
+        attacher.receiver.ring.begin_sleep()  # the peer goes to sleep on its input
+        sender.send([b"request"])  # ... so this send rings it awake
+        assert receiver.spin_budget(spin) == 0.0
+        assert attacher.receiver.try_recv() == [b"request"]
+
+        attacher.sender.send([b"reply"])
+        assert receiver.recv(timeout=1) == [b"reply"]  # a message just arrived: not quiet
+        attacher.receiver.ring.end_sleep()
+        attacher.receiver.ring.begin_sleep()
+        sender.send([b"next"])  # rings again, but the peer answered a moment ago
+        assert sender.woke_consumer_at > time.perf_counter() - 1
+        assert receiver.spin_budget(spin) == spin
+        attacher.receiver.ring.end_sleep()
+    finally:
+        attacher.close()
+        creator.close()
+
+
 def test_messages_arrive_once_in_order_byte_identical(echo: EchoPeer) -> None:
     rng = random.Random(1)
     messages: list[list] = [
