@@ -208,3 +208,17 @@ def test_cli_flags_reach_the_engine_config() -> None:
     assert (config.enable_prefix_caching, config.async_scheduling, config.scheduling_policy) == (
         False, True, "priority"
     )
+
+
+def test_seeded_sampling_is_unchanged_by_preemption(llama, reference) -> None:
+    """A preempted request keeps its generator: after recompute it continues the
+    random stream instead of replaying it from the seed."""
+    _, path = llama
+    prompts, greedy_tokens = reference
+    tiny = dict(max_model_len=80, num_gpu_blocks_override=28, max_num_batched_tokens=48)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=1.0, top_p=0.95, seed=7, ignore_eos=True)
+    (roomy,), roomy_sched = generate(path, prompts, params, **tiny | {"num_gpu_blocks_override": None})
+    (cramped,), sched = generate(path, prompts, params, **tiny)
+    assert roomy_sched.num_preemptions == 0 and sched.num_preemptions > 0
+    assert tokens(cramped) == tokens(roomy)
+    assert all(s != g for s, g in zip(tokens(roomy), greedy_tokens))  # really sampled

@@ -20,7 +20,8 @@ from core.sched.output import NewRequestData
 
 @dataclass
 class RowSampling:
-    """Sampling state of one row; the generator is seeded once per request."""
+    """Sampling state of one row; the generator is seeded once per request and
+    survives preemption (see ``InputBatch.park_request``)."""
 
     params: SamplingParams
     generator: torch.Generator | None
@@ -40,6 +41,8 @@ class InputBatch:
         self.sampling: list[RowSampling] = []
         # Prompts given as embeddings (None for token prompts), on the model's device.
         self.prompt_embeds: list[torch.Tensor | None] = []
+        # Seeded generators of preempted requests, until they resume or finish.
+        self.parked_generators: dict[str, torch.Generator] = {}
 
     @property
     def num_reqs(self) -> int:
@@ -47,7 +50,7 @@ class InputBatch:
 
     def add_request(self, new: NewRequestData) -> None:
         if new.req_id in self.req_id_to_index:
-            self.remove_request(new.req_id)
+            self._drop_row(new.req_id)
         row = self.num_reqs
         if row >= self.max_num_reqs:
             raise RuntimeError("persistent batch is full; scheduler exceeded max_num_seqs")
@@ -59,15 +62,31 @@ class InputBatch:
         self.block_table[row, :nb] = new.block_ids
         self.num_blocks[row] = nb
         params = new.sampling_params
-        gen = None
-        if params.seed is not None and not params.greedy:
+        gen = self.parked_generators.pop(new.req_id, None)
+        if gen is None and params.seed is not None and not params.greedy:
             gen = torch.Generator().manual_seed(params.seed)
         self.req_ids.append(new.req_id)
         self.req_id_to_index[new.req_id] = row
         self.sampling.append(RowSampling(params, gen))
         self.prompt_embeds.append(new.prompt_embeds)
 
+    def park_request(self, req_id: str) -> None:
+        """Preempted: drop the row but keep its generator, so that the resumed
+        request continues its random stream where it stopped instead of
+        replaying it from the seed (a seeded request gives the same tokens
+        whether or not it was preempted)."""
+        row = self.req_id_to_index.get(req_id)
+        generator = None if row is None else self.sampling[row].generator
+        self._drop_row(req_id)
+        if generator is not None:
+            self.parked_generators[req_id] = generator
+
     def remove_request(self, req_id: str) -> None:
+        """Finished or aborted: forget the request, parked generator included."""
+        self.parked_generators.pop(req_id, None)
+        self._drop_row(req_id)
+
+    def _drop_row(self, req_id: str) -> None:
         row = self.req_id_to_index.pop(req_id, None)
         if row is None:
             return

@@ -259,7 +259,7 @@ class ModelRunner:
             batch.remove_request(req_id)
             deferred.discard(req_id)
         for req_id in so.preempted_req_ids:
-            batch.remove_request(req_id)
+            batch.park_request(req_id)
             deferred.discard(req_id)
         for new in so.scheduled_new_reqs:
             if new.prompt_embeds is not None:
