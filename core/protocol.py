@@ -166,7 +166,13 @@ class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """A snapshot of the scheduler, attached to outputs for the frontend's metrics."""
+    """A snapshot of the scheduler, attached to outputs for the frontend's metrics.
+
+    The counters (prefix cache queries and hits, preemptions) are totals since
+    the engine started, not per-interval deltas as in vLLM:
+    a snapshot that is dropped or merged then loses nothing, and they map
+    directly onto Prometheus counters.
+    """
 
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
