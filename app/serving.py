@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -228,7 +228,7 @@ class OpenAIServing:
             )
         )
 
-    async def _stream_completion(
+    def _stream_completion(
         self, request: EngineCoreRequest, include_usage: bool
     ) -> AsyncGenerator[bytes, None]:
         created = now()
@@ -241,19 +241,10 @@ class OpenAIServing:
                 )
             )
 
-        try:
-            last = None
-            async with self._outputs(request) as outputs:
-                async for out in outputs:
-                    _check_output(out)
-                    last = out
-                    if out.text or out.finished:
-                        yield chunk([CompletionChoice(0, out.text, None, out.finish_reason, out.stop_reason)])
-            if include_usage and last is not None:
-                yield chunk([], _usage(last))
-            yield DONE_EVENT
-        except Exception as exc:  # noqa: BLE001 - reported to the client as an event
-            yield sse_event(as_openai_error(exc).to_response())
+        def choice(out: RequestOutput) -> CompletionChoice:
+            return CompletionChoice(0, out.text, None, out.finish_reason, out.stop_reason)
+
+        return self._stream_events(request, include_usage, chunk, choice)
 
     # -------------------------------------------------------- chat completions
 
@@ -293,7 +284,7 @@ class OpenAIServing:
             )
         )
 
-    async def _stream_chat(
+    def _stream_chat(
         self, request: EngineCoreRequest, include_usage: bool
     ) -> AsyncGenerator[bytes, None]:
         created = now()
@@ -306,23 +297,41 @@ class OpenAIServing:
                 )
             )
 
+        def choice(out: RequestOutput) -> ChatChunkChoice:
+            delta = DeltaMessage(content=out.text) if out.text else DeltaMessage()
+            return ChatChunkChoice(0, delta, None, out.finish_reason, out.stop_reason)
+
+        opening = chunk([ChatChunkChoice(0, DeltaMessage(role="assistant", content=""))])
+        return self._stream_events(request, include_usage, chunk, choice, opening)
+
+    # ----------------------------------------------------------------- engine
+
+    async def _stream_events(
+        self,
+        request: EngineCoreRequest,
+        include_usage: bool,
+        chunk: Callable[..., bytes],
+        choice: Callable[[RequestOutput], Any],
+        opening: bytes | None = None,
+    ) -> AsyncGenerator[bytes, None]:
+        """The SSE body of one request: ``opening`` if any, a chunk per delta with
+        text (or the finish), usage if asked for, then ``[DONE]``. A failure after
+        the response has started becomes an error event in OpenAI's format."""
         try:
-            yield chunk([ChatChunkChoice(0, DeltaMessage(role="assistant", content=""))])
+            if opening is not None:
+                yield opening
             last = None
             async with self._outputs(request) as outputs:
                 async for out in outputs:
                     _check_output(out)
                     last = out
                     if out.text or out.finished:
-                        delta = DeltaMessage(content=out.text) if out.text else DeltaMessage()
-                        yield chunk([ChatChunkChoice(0, delta, None, out.finish_reason, out.stop_reason)])
+                        yield chunk([choice(out)])
             if include_usage and last is not None:
                 yield chunk([], _usage(last))
             yield DONE_EVENT
         except Exception as exc:  # noqa: BLE001 - reported to the client as an event
             yield sse_event(as_openai_error(exc).to_response())
-
-    # ----------------------------------------------------------------- engine
 
     def _outputs(self, request: EngineCoreRequest) -> contextlib.aclosing:
         """The request's output deltas, to iterate in ``async with``.
