@@ -89,6 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="model directory for every server (default: the embedded model)")
     g.add_argument("--server-args", default="", help="arguments given to every server, e.g. '--seed 0'")
     g.add_argument("--server-timeout", type=float, default=300.0, help="seconds for a server to become healthy")
+    g.add_argument("--log-dir", help="keep each server's log here (default: a temporary directory, removed "
+                   "afterwards; a server that fails to start has its log's tail in the report either way)")
     g.add_argument("--repeats", type=int, default=1, help="runs per configuration, alternating between them")
     g.add_argument("--aggregate", choices=["median", "best"], default="median",
                    help="over the repeats: each metric's median, or the run with the best output throughput")
@@ -129,7 +131,8 @@ def start_servers(configs: list[ConfigRun], args: argparse.Namespace, model_dir:
         except ServerStartError as exc:
             config.server.stop()
             config.error = f"server did not start: {exc}"
-            print(f"### {config.name} FAILED: {config.error}\n(log: {config.server.log_path})")
+            kept = f"\n(log: {config.server.log_path})" if args.log_dir else ""
+            print(f"### {config.name} FAILED: {config.error}{kept}")
 
 
 def run_once(config: ConfigRun, args: argparse.Namespace, model_dir: str, tag: str) -> None:
@@ -213,8 +216,11 @@ def run(args: argparse.Namespace) -> int:
 
         model_dir = ensure_default_model()
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
-    log_dir = Path(tempfile.mkdtemp(prefix=f"ringllm-sweep-{date}-"))
     with contextlib.ExitStack() as servers:
+        if args.log_dir:
+            log_dir = Path(args.log_dir)
+        else:
+            log_dir = Path(servers.enter_context(tempfile.TemporaryDirectory(prefix=f"ringllm-sweep-{date}-")))
         for config in configs:
             servers.callback(lambda c=config: c.server and c.server.stop())
         start_servers(configs, args, model_dir, log_dir)
