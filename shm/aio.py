@@ -154,6 +154,9 @@ class AsyncReceiver(_AsyncEnd):
             if frames is not None:
                 return frames
             if not self.peer_alive():
+                frames = receiver.try_recv()  # its last words, written just before it died
+                if frames is not None:
+                    return frames
                 raise PeerDeadError(f"peer of ring {ring.name} is gone")
 
 
