@@ -54,7 +54,7 @@ async def serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    engine = AsyncLLM.from_config(config, chat_template)
+    engine = AsyncLLM(config, chat_template)
     try:
         app = build_app(engine, engine.served_model_name, engine.max_model_len, api_key, chat_template)
         freeze_startup_heap()

@@ -16,40 +16,32 @@ from collections.abc import AsyncGenerator
 
 from app.input_processor import InputProcessor, load_tokenizer
 from app.output_processor import OutputProcessor, RequestOutput, RequestOutputCollector
-from core.client import AsyncMPClient
+from core.client import AsyncEngineCoreClient, AsyncInprocClient, AsyncMPClient
 from core.config import EngineConfig
-from core.protocol import EngineCoreRequest, EngineDeadError
+from core.protocol import EngineCoreRequest, EngineDeadError, SchedulerStats
 
 logger = logging.getLogger("ringllm.frontend")
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, chat_template: str | None = None) -> None:
-        self.config = config.resolve()
-        self.tokenizer = load_tokenizer(self.config.tokenizer)
-        self.engine_core = AsyncMPClient(self.config)
+    """``in_process`` runs the EngineCore on this event loop instead of in its
+    own process (``AsyncInprocClient``): no IPC, for tests of the layers above."""
+
+    def __init__(self, config: EngineConfig, chat_template: str | None = None, *, in_process: bool = False) -> None:
+        self.config = config = config.resolve()
+        assert config.tokenizer is not None and config.served_model_name is not None
+        self.tokenizer = load_tokenizer(config.tokenizer)
+        self.engine_core: AsyncEngineCoreClient = (AsyncInprocClient if in_process else AsyncMPClient)(config)
         self.max_model_len = self.engine_core.max_model_len
-        self.served_model_name = self.config.served_model_name
+        self.served_model_name = config.served_model_name
         self.chat_template = chat_template
-        self.input_processor = InputProcessor(
-            self.tokenizer, self.max_model_len, self.config.hf_config()["vocab_size"],
-            hidden_size=self.config.hf_config()["hidden_size"],
-            enable_prompt_embeds=self.config.enable_prompt_embeds,
-        )
+        self.input_processor = InputProcessor.from_config(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._output_handler: asyncio.Task | None = None
-
-    @classmethod
-    def from_config(cls, config: EngineConfig, chat_template: str | None = None) -> AsyncLLM:
-        return cls(config, chat_template)
 
     @property
     def is_dead(self) -> bool:
         return self.engine_core.engine_dead is not None
-
-    @property
-    def errored(self) -> bool:
-        return self.is_dead
 
     def _ensure_output_handler(self) -> None:
         if self._output_handler is None:
@@ -99,16 +91,13 @@ class AsyncLLM:
             except EngineDeadError:
                 pass
 
-    async def abort(self, request_id: str) -> None:
-        await self._abort_quietly(request_id)
-
-    async def get_scheduler_stats(self):
-        return await self.engine_core.call_utility_async("get_scheduler_stats")
+    async def get_scheduler_stats(self) -> SchedulerStats:
+        return await self.engine_core.get_scheduler_stats_async()
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Empty the engine's prefix cache; False when refused (requests are
         running and ``reset_running_requests`` was not given)."""
-        return bool(await self.engine_core.call_utility_async("reset_prefix_cache", reset_running_requests))
+        return await self.engine_core.reset_prefix_cache_async(reset_running_requests)
 
     def shutdown(self) -> None:
         if self._output_handler is not None:

@@ -19,7 +19,9 @@ import jinja2
 import msgspec
 import torch
 
+from core.config import EngineConfig
 from core.protocol import EngineCoreRequest, SamplingParams
+from core.validation import ModelLimits, validate_request
 
 
 def load_tokenizer(path: str) -> Any:
@@ -45,22 +47,10 @@ def _generation_eos_ids(tokenizer: Any) -> list[int]:
 class InputProcessor:
     """Tokenizes prompts and checks requests against the model's limits."""
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        max_model_len: int,
-        vocab_size: int | None = None,
-        *,
-        hidden_size: int | None = None,
-        enable_prompt_embeds: bool = False,
-    ) -> None:
+    def __init__(self, tokenizer: Any, limits: ModelLimits) -> None:
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.hidden_size = hidden_size
-        self.enable_prompt_embeds = enable_prompt_embeds
-        # Token ids are checked against the model's embedding table, which is
-        # often padded beyond the tokenizer's vocabulary.
-        self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
+        self.limits = limits
+        self.max_model_len = limits.max_model_len
         eos_ids = _generation_eos_ids(tokenizer)
         self.eos_token_id: int | None = tokenizer.eos_token_id
         if self.eos_token_id is None and eos_ids:
@@ -69,18 +59,24 @@ class InputProcessor:
         # ones besides eos_token_id become stop tokens.
         self.extra_eos_ids = [i for i in eos_ids if i != self.eos_token_id]
 
+    @classmethod
+    def from_config(cls, config: EngineConfig, tokenizer: Any | None = None) -> InputProcessor:
+        """The processor for a (resolved) engine config; loads its tokenizer unless given."""
+        config = config.resolve()
+        assert config.tokenizer is not None
+        return cls(tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer), ModelLimits.from_config(config))
+
     # ------------------------------------------------------------- prompts
 
     def tokenize_prompt(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a text prompt (with the tokenizer's BOS), or checked ids."""
+        """Token ids of a text prompt (with the tokenizer's BOS), or the given ids
+        (checked against the vocabulary by ``process``)."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         ids = list(prompt)
         for token_id in ids:
-            if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
-                raise ValueError(
-                    f"Token id {token_id!r} is out of vocabulary (size {self.vocab_size})."
-                )
+            if not isinstance(token_id, int) or isinstance(token_id, bool):
+                raise ValueError(f"Token id {token_id!r} is not an integer.")
         return ids
 
     def apply_chat_template(
@@ -116,11 +112,12 @@ class InputProcessor:
     def load_prompt_embeds(self, data: str) -> torch.Tensor:
         """A prompt given as embeddings: base64 of a ``torch.save``d float tensor
         [tokens, hidden] (a leading batch dimension of 1 is accepted), as vLLM takes it.
+        Its shape and values are checked by ``process``.
 
         Loaded with ``weights_only=True``: tensors and plain containers only,
         never arbitrary pickled objects.
         """
-        if not self.enable_prompt_embeds:
+        if not self.limits.enable_prompt_embeds:
             raise ValueError(
                 "prompt_embeds are not enabled on this server: start it with --enable-prompt-embeds."
             )
@@ -133,12 +130,6 @@ class InputProcessor:
             raise ValueError(f"prompt_embeds must hold one tensor, not {type(embeds).__name__}.")
         if embeds.dim() == 3 and embeds.shape[0] == 1:
             embeds = embeds[0]
-        if embeds.dim() != 2 or (self.hidden_size is not None and embeds.shape[1] != self.hidden_size):
-            raise ValueError(
-                f"prompt_embeds must have shape [tokens, {self.hidden_size}], got {list(embeds.shape)}."
-            )
-        if not embeds.is_floating_point() or not bool(torch.isfinite(embeds).all()):
-            raise ValueError("prompt_embeds must hold finite floating-point numbers.")
         return embeds.detach().contiguous()
 
     # ------------------------------------------------------------ requests
@@ -160,34 +151,12 @@ class InputProcessor:
 
         With ``prompt_embeds`` (from :meth:`load_prompt_embeds`), ``prompt_token_ids`` must be empty.
         """
-        if prompt_embeds is not None and prompt_token_ids:
-            raise ValueError("Give a prompt or prompt_embeds, not both.")
-        prompt_len = len(prompt_token_ids) if prompt_embeds is None else int(prompt_embeds.shape[0])
-        if prompt_len == 0:
-            raise ValueError("The prompt is empty: it must contain at least one token.")
-        if prompt_len >= self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, your prompt has {prompt_len} tokens, which leaves no room for "
-                "the completion. Please reduce the length of the prompt."
-            )
-        if prompt_len + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, you requested {prompt_len + params.max_tokens} tokens "
-                f"({prompt_len} in the prompt, {params.max_tokens} in the completion). "
-                "Please reduce the length of the prompt or of the completion."
-            )
-        params.validate()
-        for token_id in params.stop_token_ids:
-            if not 0 <= token_id < self.vocab_size:
-                raise ValueError(f"Stop token id {token_id} is out of vocabulary.")
         if self.extra_eos_ids and not params.ignore_eos:
             stop_ids = params.stop_token_ids + [
                 i for i in self.extra_eos_ids if i not in params.stop_token_ids
             ]
             params = msgspec.structs.replace(params, stop_token_ids=stop_ids)
-        return EngineCoreRequest(
+        request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             sampling_params=params,
@@ -197,3 +166,5 @@ class InputProcessor:
             cache_salt=cache_salt,
             prompt_embeds=prompt_embeds,
         )
+        validate_request(request, self.limits)
+        return request

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from app.input_processor import InputProcessor, load_tokenizer
+from app.input_processor import InputProcessor
 from app.output_processor import OutputProcessor, RequestOutputCollector
 from core.client import InprocClient
 from core.config import EngineConfig
@@ -32,13 +32,9 @@ class LLM:
 
             model = ensure_default_model()
         self.config = EngineConfig(model=model, **engine_args).resolve()
-        self.tokenizer = load_tokenizer(self.config.tokenizer)
         self.engine = InprocClient(self.config)
-        self.input_processor = InputProcessor(
-            self.tokenizer, self.engine.max_model_len, self.config.hf_config()["vocab_size"],
-            hidden_size=self.config.hf_config()["hidden_size"],
-            enable_prompt_embeds=self.config.enable_prompt_embeds,
-        )
+        self.input_processor = InputProcessor.from_config(self.config)
+        self.tokenizer = self.input_processor.tokenizer
         self._ids = itertools.count()
 
     def generate(
@@ -86,7 +82,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (between generate() calls nothing runs, so it succeeds)."""
-        return bool(self.engine.call_utility("reset_prefix_cache"))
+        return self.engine.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.engine.shutdown()

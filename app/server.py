@@ -10,7 +10,6 @@ requires ``Authorization: Bearer <key>``.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
@@ -32,13 +31,13 @@ from app.errors import (
     error_body,
 )
 from app.serving import (
-    EngineLike,
+    EngineClient,
     EventStreamResponse,
     OpenAIServing,
     as_openai_error,
     json_response,
+    until_disconnect,
 )
-from core.protocol import SchedulerStats
 
 logger = logging.getLogger("ringllm.server")
 
@@ -49,38 +48,23 @@ def error_response(exc: OpenAIError) -> Response:
     return json_response(exc.to_response(), status=exc.status)
 
 
-async def _until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 async def _cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> Response:
     """Run ``work``, cancelling it if the client hangs up first.
 
     A non-streaming completion can run for a long time; without this a
-    client that gave up would still cost its whole generation. Call only
-    after the body has been read, since this consumes ``receive``.
+    client that gave up would still cost its whole generation.
     """
-    work_task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_until_disconnect(request))
-    try:
-        await asyncio.wait((work_task, watch), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not work_task.done():
-            work_task.cancel()
-        await asyncio.gather(work_task, watch, return_exceptions=True)
-    client_gone = watch.done() and not watch.cancelled()
-    if client_gone:
-        finished = not work_task.cancelled() and work_task.exception() is None
-        if finished and isinstance(response := work_task.result(), EventStreamResponse):
-            await response.events.aclose()  # never started: nothing reached the engine
-        return Response(status_code=499)  # nobody is listening any more
-    return work_task.result()
+    gone, response = await until_disconnect(request.receive, work)
+    if not gone:
+        assert response is not None
+        return response
+    if isinstance(response, EventStreamResponse):
+        await response.events.aclose()  # never started: nothing reached the engine
+    return Response(status_code=499)  # nobody is listening any more
 
 
 def build_app(
-    engine: EngineLike,
+    engine: EngineClient,
     served_model_name: str,
     max_model_len: int,
     api_key: str | None = None,
@@ -123,22 +107,14 @@ def build_app(
         return await _cancel_on_disconnect(request, serving.create_chat_completion(body))
 
     async def engine_stats(request: Request) -> Response:
-        get_stats = getattr(engine, "get_scheduler_stats", None)
-        if get_stats is None:
-            raise NotFoundError("This engine reports no statistics.")
-        stats = await get_stats()
-        if not isinstance(stats, SchedulerStats):  # it crossed the wire as a msgpack array
-            stats = msgspec.convert(stats, SchedulerStats)
+        stats = await engine.get_scheduler_stats()
         return json_response(msgspec.structs.asdict(stats))
 
     async def reset_prefix_cache(request: Request) -> Response:
-        reset = getattr(engine, "reset_prefix_cache", None)
-        if reset is None:
-            raise NotFoundError("This engine has no prefix cache to reset.")
         flag = request.query_params.get("reset_running_requests", "false").lower()
         if flag not in ("true", "false", "1", "0"):
             raise BadRequestError("reset_running_requests must be true or false.", "reset_running_requests")
-        if not await reset(flag in ("true", "1")):
+        if not await engine.reset_prefix_cache(flag in ("true", "1")):
             raise ConflictError(
                 "The prefix cache was not reset because requests are running; retry when the "
                 "engine is idle, or pass reset_running_requests=true to preempt them."

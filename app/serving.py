@@ -7,9 +7,10 @@ that is wrong with a request is reported before generation starts, as an
 HTTP error; a failure during a stream becomes an ``error`` event (which
 OpenAI's clients raise as APIError) that ends the stream without [DONE].
 
-The engine is anything with ``input_processor``, ``is_dead``,
-``abort(request_id)`` and ``generate(request)``, an async generator of
-RequestOutput deltas that aborts the request when it is closed early.
+The engine is an ``EngineClient`` (``AsyncLLM``): ``generate(request)`` is an
+async generator of RequestOutput deltas that aborts the request when it is
+closed early. A client that hangs up is noticed by one watcher,
+``until_disconnect``, for streamed and whole responses alike.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Callable
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import torch
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from app.errors import BadRequestError, InternalServerError, NotFoundError, OpenAIError
@@ -46,21 +47,29 @@ from app.protocol import (
     now,
     random_id,
 )
-from core.protocol import EngineCoreRequest, EngineDeadError
+from core.protocol import EngineCoreRequest, EngineDeadError, SchedulerStats
 
 logger = logging.getLogger("ringllm.serving")
+T = TypeVar("T")
 
 _encoder = msgspec.json.Encoder()
 DONE_EVENT = b"data: [DONE]\n\n"
 
 
-class EngineLike(Protocol):
+class EngineClient(Protocol):
+    """What the HTTP layer needs from the engine (implemented by ``AsyncLLM``)."""
+
     input_processor: InputProcessor
-    is_dead: bool
+    chat_template: str | None
+
+    @property
+    def is_dead(self) -> bool: ...
 
     def generate(self, request: EngineCoreRequest) -> AsyncGenerator[RequestOutput, None]: ...
 
-    async def abort(self, request_id: str) -> None: ...
+    async def get_scheduler_stats(self) -> SchedulerStats: ...
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool: ...
 
 
 def json_response(body: Any, status: int = 200) -> Response:
@@ -81,47 +90,63 @@ def as_openai_error(exc: BaseException) -> OpenAIError:
     return InternalServerError(f"{type(exc).__name__}: {exc}")
 
 
-class EventStreamResponse(StreamingResponse):
+async def until_disconnect(receive: Receive, work: Awaitable[T]) -> tuple[bool, T | None]:
+    """Run ``work`` until it ends or the client hangs up, whichever comes first.
+
+    Returns ``(client_gone, result)``: when the client left first, ``work``
+    was cancelled and the result is None (unless it had finished too).
+    Exceptions of ``work`` propagate while the client is still there. Call
+    only after the request body has been read: this consumes ``receive``.
+    """
+    work_task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait((work_task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work_task, watch):
+            task.cancel()
+        await asyncio.gather(work_task, watch, return_exceptions=True)
+    gone = watch.done() and not watch.cancelled()
+    if gone:
+        finished = not work_task.cancelled() and work_task.exception() is None
+        return True, work_task.result() if finished else None
+    return False, work_task.result()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class EventStreamResponse(Response):
     """Server-sent events that stop as soon as the client goes away.
 
-    The body iterator runs beside a task that waits for ``http.disconnect``;
-    whichever ends first cancels the other, and the iterator is closed
-    either way, so the request is aborted in the engine promptly instead of
-    when the next send fails (or never, on a server that drops sends to
-    closed connections silently).
+    The events are sent while ``until_disconnect`` watches for the client
+    leaving; the generator is closed either way, so the request is aborted
+    in the engine promptly instead of when the next send fails (or never,
+    on a server that drops sends to closed connections silently).
     """
 
+    media_type = "text/event-stream"
+
     def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
-        super().__init__(
-            events,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        # No Response.__init__: it would render a body and announce its length.
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.events = events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        pump = asyncio.ensure_future(self._pump(send))
-        watch = asyncio.ensure_future(_wait_for_disconnect(receive))
         try:
-            await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
+            await until_disconnect(receive, self._pump(send))
         finally:
-            pump.cancel()
-            watch.cancel()
-            await asyncio.gather(pump, watch, return_exceptions=True)
             await self.events.aclose()
-        if pump.done() and not pump.cancelled() and pump.exception() is not None:
-            raise pump.exception()  # type: ignore[misc]
 
     async def _pump(self, send: Send) -> None:
         async for event in self.events:
             await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def _wait_for_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 def _decode(body: bytes, request_type: type) -> Any:
@@ -138,7 +163,7 @@ class OpenAIServing:
 
     def __init__(
         self,
-        engine: EngineLike,
+        engine: EngineClient,
         served_model_name: str,
         max_model_len: int,
         chat_template: str | None = None,
@@ -147,9 +172,7 @@ class OpenAIServing:
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         # The server-wide --chat-template; a request's own chat_template wins.
-        if chat_template is None:
-            chat_template = getattr(engine, "chat_template", None)
-        self.chat_template = chat_template
+        self.chat_template = chat_template if chat_template is not None else engine.chat_template
         self.created = now()
 
     @property
@@ -186,7 +209,7 @@ class OpenAIServing:
                 prompt_embeds,
             )
         except ValueError as exc:
-            raise BadRequestError(str(exc)) from None
+            raise BadRequestError(str(exc), getattr(exc, "param", None)) from None
 
     # ------------------------------------------------------------- completions
 

@@ -248,8 +248,10 @@ def gpu_time_per_step(step: Callable[[], Any], steps: int) -> tuple[float, float
     return device_us / steps / 1e3, count / steps
 
 
-def measure_mp_decode(model_dir: str, args: BenchArgs, enforce_eager: bool, vocab: int) -> dict[int, float]:
-    """Milliseconds per decode step, per batch size, through one spawned EngineCore and the shm transport."""
+def measure_mp_decode(model_dir: str, args: BenchArgs, enforce_eager: bool, vocab: int) -> dict[int, dict[str, float]]:
+    """Per batch size, through one spawned EngineCore and the shm transport:
+    milliseconds per decode step and tokens per step (the batch, when every
+    request decoded in every step)."""
     from core.client import SyncMPClient
 
     client = SyncMPClient(engine_config(model_dir, args, enforce_eager))
@@ -259,7 +261,7 @@ def measure_mp_decode(model_dir: str, args: BenchArgs, enforce_eager: bool, voca
         for o in client.get_output().outputs:
             produced[o.request_id] = produced.get(o.request_id, 0) + len(o.new_token_ids)
 
-    results: dict[int, float] = {}
+    results: dict[int, dict[str, float]] = {}
     try:
         for batch in args.batch_sizes:
             ids = [f"m{batch}-{i}" for i in range(batch)]
@@ -269,10 +271,14 @@ def measure_mp_decode(model_dir: str, args: BenchArgs, enforce_eager: bool, voca
             while min(produced.get(r, 0) for r in ids) < 5:
                 collect()
             before = sum(produced[r] for r in ids)
+            steps = 0
             start = time.perf_counter()
             while sum(produced[r] for r in ids) - before < args.decode_steps * batch:
                 collect()
-            results[batch] = (time.perf_counter() - start) / args.decode_steps * 1e3
+                steps += 1
+            elapsed = time.perf_counter() - start
+            tokens = sum(produced[r] for r in ids) - before
+            results[batch] = {"step_ms": elapsed / steps * 1e3, "tokens_per_step": tokens / steps}
             client.abort_requests(ids)
     finally:
         client.shutdown()
@@ -301,7 +307,7 @@ def run_mode(model_dir: str, args: BenchArgs, enforce_eager: bool) -> dict:
     if args.ipc:
         runs = [measure_mp_decode(model_dir, args, enforce_eager, vocab) for _ in range(args.repeats)]
         for batch in args.batch_sizes:
-            mp = statistics.median(r[batch] for r in runs)
+            mp = statistics.median(r[batch]["step_ms"] for r in runs)
             decode[batch]["mp_step_ms"] = mp
             decode[batch]["ipc_ms"] = mp - decode[batch]["step_ms"]
     return {"prefill_tokens_per_s": statistics.median(prefill), "decode": decode}

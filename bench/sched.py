@@ -31,7 +31,7 @@ from collections.abc import Callable
 from core.config import EngineConfig
 from core.protocol import SamplingParams
 from core.sched.output import ModelRunnerOutput
-from core.sched.request import Request
+from core.request import Request
 from core.sched.scheduler import Scheduler
 
 TTFT_PROMPT_LEN = 1900

@@ -27,7 +27,7 @@ from typing import Any
 
 from bench.report import percentile_key, save_result
 from bench.serve import BACKENDS, add_workload_arguments, run_benchmark
-from bench.server import ManagedServer, ServerStartError
+from app.launcher import ManagedServer, ServerStartError
 
 HELP = "start our server once per configuration and compare the same workload across them"
 DEFAULT_CONFIGS = ["shm=--transport shm", "zmq=--transport zmq"]

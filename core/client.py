@@ -1,6 +1,13 @@
 """Engine clients: how the frontend reaches an EngineCore.
 
-- ``InprocClient``: the EngineCore lives in this process; ``get_output`` steps it.
+Two interfaces, as in vLLM V1: ``EngineCoreClient`` (blocking) and
+``AsyncEngineCoreClient`` (asyncio), each with the utility calls declared as
+typed methods. Implementations:
+
+- ``InprocClient``: the EngineCore lives in this process; ``get_output`` steps it
+  (the offline ``LLM`` class).
+- ``AsyncInprocClient``: the EngineCore in this process, stepped by a task on
+  the event loop (tests of the HTTP layer against the real engine, no IPC).
 - ``SyncMPClient``: spawned EngineCore process; a reader thread collects outputs.
 - ``AsyncMPClient``: spawned EngineCore process; outputs are read on the event
   loop (the transport's doorbell is registered with ``loop.add_reader``).
@@ -19,19 +26,23 @@ import os
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
 from core.config import EngineConfig
-from core.engine_core import EngineCore, run_engine_core
+from core.engine_core import EngineCore, finished_without_tokens, run_engine_core
 from core.protocol import (
     ENGINE_CORE_DEAD,
+    UTILITY_RESULT_TYPES,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
     EngineDeadError,
+    FinishReason,
     HandshakeReady,
+    SchedulerStats,
+    UtilityOutput,
 )
 from core.transport import ClientTransport, PeerDeadError
 from shm.serial import MsgpackDecoder, MsgpackEncoder
@@ -41,7 +52,76 @@ logger = logging.getLogger("ringllm.client")
 STARTUP_TIMEOUT_S = 300.0
 
 
-class InprocClient:
+class EngineCoreClient(Protocol):
+    """A blocking handle on one EngineCore."""
+
+    max_model_len: int
+    num_gpu_blocks: int
+
+    def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    def abort_requests(self, request_ids: list[str]) -> None: ...
+
+    def get_output(self) -> EngineCoreOutputs: ...
+
+    def call_utility(self, method: str, *args: Any) -> Any: ...
+
+    def get_scheduler_stats(self) -> SchedulerStats: ...
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool: ...
+
+    def shutdown(self) -> None: ...
+
+
+class AsyncEngineCoreClient(Protocol):
+    """An asyncio handle on one EngineCore; ``engine_dead`` is set once it is gone."""
+
+    max_model_len: int
+    num_gpu_blocks: int
+    engine_dead: EngineDeadError | None
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None: ...
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None: ...
+
+    async def get_output_async(self) -> EngineCoreOutputs: ...
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any: ...
+
+    async def get_scheduler_stats_async(self) -> SchedulerStats: ...
+
+    async def reset_prefix_cache_async(self, reset_running_requests: bool = False) -> bool: ...
+
+    def shutdown(self) -> None: ...
+
+
+class _Utilities:
+    """The typed utility calls of ``EngineCoreClient``, over ``call_utility``."""
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        raise NotImplementedError
+
+    def get_scheduler_stats(self) -> SchedulerStats:
+        return self.call_utility("get_scheduler_stats")
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return self.call_utility("reset_prefix_cache", reset_running_requests)
+
+
+class _AsyncUtilities:
+    """The typed utility calls of ``AsyncEngineCoreClient``, over ``call_utility_async``."""
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        raise NotImplementedError
+
+    async def get_scheduler_stats_async(self) -> SchedulerStats:
+        return await self.call_utility_async("get_scheduler_stats")
+
+    async def reset_prefix_cache_async(self, reset_running_requests: bool = False) -> bool:
+        return await self.call_utility_async("reset_prefix_cache", reset_running_requests)
+
+
+class InprocClient(_Utilities):
     """No IPC: for tests and the offline ``LLM`` class."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -66,8 +146,96 @@ class InprocClient:
         self.engine_core.shutdown()
 
 
+class AsyncInprocClient(_AsyncUtilities):
+    """The EngineCore in this process, stepped by a task on the running event loop.
+
+    Each step runs on the loop itself (it blocks the loop for the step's
+    duration) and the task yields between steps, so requests, aborts and
+    consumers interleave with the engine exactly at step boundaries, where
+    the input thread of a real engine process would hand them over. A step
+    that raises kills the engine, as in a separate process: every waiter gets
+    EngineDeadError.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine_core = EngineCore(config)
+        self.max_model_len = self.engine_core.config.max_model_len
+        self.num_gpu_blocks = self.engine_core.num_gpu_blocks
+        self.engine_dead: EngineDeadError | None = None
+        self._outputs: asyncio.Queue[EngineCoreOutputs | Exception] | None = None
+        self._has_work: asyncio.Event | None = None
+        self._stepper: asyncio.Task | None = None
+
+    def _start(self) -> tuple[asyncio.Queue, asyncio.Event]:
+        if self._stepper is None:
+            self._outputs = asyncio.Queue()
+            self._has_work = asyncio.Event()
+            self._stepper = asyncio.get_running_loop().create_task(self._run())
+        assert self._outputs is not None and self._has_work is not None
+        return self._outputs, self._has_work
+
+    async def _run(self) -> None:
+        outputs, has_work = self._start()
+        engine = self.engine_core
+        while True:
+            if not (engine.scheduler.has_requests() or engine.has_batches_in_flight()):
+                has_work.clear()
+                await has_work.wait()
+            try:
+                step_outputs, _ = engine.step_fn()
+            except Exception as exc:  # noqa: BLE001 - the engine is dead, as a crashed process would be
+                logger.error("in-process EngineCore failed", exc_info=exc)
+                self.engine_dead = EngineDeadError(f"EngineCore hit a fatal error: {exc!r}")
+                outputs.put_nowait(self.engine_dead)
+                return
+            out = step_outputs.get(0)
+            if out is not None and out.outputs:
+                outputs.put_nowait(out)
+            await asyncio.sleep(0)
+
+    def _check_alive(self) -> None:
+        if self.engine_dead is not None:
+            raise self.engine_dead
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        outputs, has_work = self._start()
+        self._check_alive()
+        try:
+            self.engine_core.add_request(self.engine_core.preprocess_add_request(request))
+        except ValueError as exc:
+            outputs.put_nowait(finished_without_tokens([request.request_id], FinishReason.ERROR, str(exc)))
+            return
+        has_work.set()
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        self._check_alive()
+        self.engine_core.abort_requests(request_ids)
+        self._start()[1].set()  # the runner must hear of it at the next step
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        outputs, _ = self._start()
+        item = await outputs.get()
+        if isinstance(item, Exception):
+            outputs.put_nowait(item)  # every later caller fails too
+            raise item
+        return item
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        self._check_alive()
+        return self.engine_core.call_utility(method, list(args))
+
+    def shutdown(self) -> None:
+        if self._stepper is not None:
+            self._stepper.cancel()
+        self.engine_core.shutdown()
+
+
 class MPClient:
-    """Spawns the EngineCore process, runs the handshake, owns the transport."""
+    """Spawns the EngineCore process, runs the handshake, owns the transport.
+
+    Utility calls wait on a future (thread or asyncio) per ``call_id``; the
+    reply's result is decoded as the type its method declares.
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config.resolve()
@@ -94,6 +262,7 @@ class MPClient:
         self.engine_dead: EngineDeadError | None = None
         self._closing = False  # set by shutdown(): the engine's exit is expected
         self._call_ids = itertools.count()
+        self._pending_utilities: dict[int, tuple[Future | asyncio.Future, Any]] = {}
         try:
             ready = self._handshake()
         except BaseException:
@@ -131,6 +300,33 @@ class MPClient:
             raise EngineDeadError(f"EngineCore died: {detail}".rstrip(": "))
         return self.decoder.decode(frames)
 
+    def _utility_call(self, method: str, args: tuple, future: Future | asyncio.Future) -> tuple:
+        """Register ``future`` for the reply; the UTILITY payload to send."""
+        if method not in UTILITY_RESULT_TYPES:
+            raise ValueError(f"unknown utility method {method!r}")
+        call_id = next(self._call_ids)
+        self._pending_utilities[call_id] = (future, UTILITY_RESULT_TYPES[method])
+        return (0, call_id, method, list(args))
+
+    def _utility_done(self, out: UtilityOutput) -> None:
+        pending = self._pending_utilities.pop(out.call_id, None)
+        if pending is None or pending[0].done():
+            return
+        future, result_type = pending
+        if out.failure_message is not None:
+            future.set_exception(RuntimeError(out.failure_message))
+        else:
+            try:
+                future.set_result(msgspec.msgpack.decode(out.result, type=result_type))
+            except msgspec.DecodeError as exc:
+                future.set_exception(exc)
+
+    def _fail_utilities(self, exc: BaseException) -> None:
+        for future, _ in self._pending_utilities.values():
+            if not future.done():
+                future.set_exception(exc)
+        self._pending_utilities.clear()
+
     def _frames(self, request_type: EngineCoreRequestType, payload: Any) -> list:
         """[type byte, msgpack body, aux frames...]; not thread-safe (the encoder is not)."""
         return [request_type.value, *self.encoder.encode(payload)]
@@ -165,13 +361,12 @@ class MPClient:
         """Wait for whatever reads the transport to stop (it sees the engine exit)."""
 
 
-class SyncMPClient(MPClient):
+class SyncMPClient(MPClient, _Utilities):
     """Blocking client: a reader thread feeds outputs and utility replies."""
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.outputs_queue: queue.Queue[EngineCoreOutputs | Exception] = queue.Queue()
-        self.utility_results: dict[int, Future] = {}
         self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read_outputs, name="EngineCoreOutputReader", daemon=True)
         self._reader.start()
@@ -186,15 +381,11 @@ class SyncMPClient(MPClient):
                 outputs = self._decode_outputs(frames)
             except (PeerDeadError, EngineDeadError, OSError, ValueError) as exc:
                 dead = self._mark_dead(exc)
-                for fut in self.utility_results.values():
-                    fut.set_exception(dead)
-                self.utility_results.clear()
+                self._fail_utilities(dead)
                 self.outputs_queue.put(dead)
                 return
             if outputs.utility_output is not None:
-                fut = self.utility_results.pop(outputs.utility_output.call_id, None)
-                if fut is not None:
-                    _resolve_utility(fut, outputs.utility_output)
+                self._utility_done(outputs.utility_output)
             else:
                 self.outputs_queue.put(outputs)
 
@@ -222,20 +413,17 @@ class SyncMPClient(MPClient):
         return item
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        call_id = next(self._call_ids)
-        fut: Future = Future()
-        self.utility_results[call_id] = fut
-        self._send(EngineCoreRequestType.UTILITY, (0, call_id, method, list(args)))
-        return fut.result()
+        future: Future = Future()
+        self._send(EngineCoreRequestType.UTILITY, self._utility_call(method, args, future))
+        return future.result()
 
 
-class AsyncMPClient(MPClient):
+class AsyncMPClient(MPClient, _AsyncUtilities):
     """asyncio client: outputs are read on the loop, without a thread."""
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.outputs_queue: asyncio.Queue[EngineCoreOutputs | Exception] | None = None
-        self.utility_results: dict[int, asyncio.Future] = {}
         self._reader_task: asyncio.Task | None = None
         self._send_lock: asyncio.Lock | None = None
 
@@ -255,16 +443,11 @@ class AsyncMPClient(MPClient):
                 raise
             except Exception as exc:
                 dead = self._mark_dead(exc)
-                for fut in self.utility_results.values():
-                    if not fut.done():
-                        fut.set_exception(dead)
-                self.utility_results.clear()
+                self._fail_utilities(dead)
                 self.outputs_queue.put_nowait(dead)
                 return
             if outputs.utility_output is not None:
-                fut = self.utility_results.pop(outputs.utility_output.call_id, None)
-                if fut is not None and not fut.done():
-                    _resolve_utility(fut, outputs.utility_output)
+                self._utility_done(outputs.utility_output)
             else:
                 self.outputs_queue.put_nowait(outputs)
 
@@ -296,11 +479,9 @@ class AsyncMPClient(MPClient):
         return item
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
-        call_id = next(self._call_ids)
-        fut = asyncio.get_running_loop().create_future()
-        self.utility_results[call_id] = fut
-        await self._send(EngineCoreRequestType.UTILITY, (0, call_id, method, list(args)))
-        return await fut
+        future = asyncio.get_running_loop().create_future()
+        await self._send(EngineCoreRequestType.UTILITY, self._utility_call(method, args, future))
+        return await future
 
     def shutdown(self) -> None:
         if self._reader_task is not None:
@@ -308,9 +489,3 @@ class AsyncMPClient(MPClient):
         self.transport.stop_async()
         super().shutdown()
 
-
-def _resolve_utility(fut: Any, out: Any) -> None:
-    if out.failure_message is not None:
-        fut.set_exception(RuntimeError(out.failure_message))
-    else:
-        fut.set_result(out.result)

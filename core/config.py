@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import msgspec
 
@@ -14,7 +15,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     """Everything the EngineCore needs to build its model, KV cache and scheduler.
 
     ``model`` is a local Hugging Face directory. Fields left at ``None`` are
-    resolved from the checkpoint by :meth:`resolve` (e.g. ``max_model_len``).
+    resolved from the checkpoint by :meth:`resolve` (e.g. ``max_model_len``),
+    which also keeps the parsed ``config.json`` as ``hf_config``. Entry points
+    resolve once; the pieces they build take the resolved config as it is.
     """
 
     model: str
@@ -40,14 +43,22 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Schedule step N+1 while step N runs on the executor's worker thread.
     async_scheduling: bool = False
     engine_drain_timeout: float = 5.0  # seconds the engine drains on SIGTERM
+    hf_config: dict[str, Any] | None = None  # the checkpoint's config.json, set by resolve()
 
-    def hf_config(self) -> dict:
-        with open(os.path.join(self.model, "config.json")) as f:
-            return json.load(f)
+    @property
+    def resolved(self) -> bool:
+        return self.hf_config is not None
 
     def resolve(self) -> EngineConfig:
-        """Fill in what depends on the checkpoint and check the limits fit together."""
-        hf = self.hf_config()
+        """Fill in what depends on the checkpoint and check the limits fit together.
+
+        A resolved config is returned unchanged, so a component that may be
+        built from either (tests build engines directly) can always call it.
+        """
+        if self.hf_config is not None:
+            return self
+        with open(os.path.join(self.model, "config.json")) as f:
+            hf = json.load(f)
         limit = hf.get("max_position_embeddings", 2048)
         max_model_len = self.max_model_len or limit
         if max_model_len < 1:
@@ -62,6 +73,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         return msgspec.structs.replace(
             self,
+            hf_config=hf,
             max_model_len=max_model_len,
             served_model_name=self.served_model_name or self.model,
             tokenizer=self.tokenizer or self.model,

@@ -24,11 +24,11 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
 import msgspec
-import torch
 
 from core.config import EngineConfig
 from core.heap import freeze_startup_heap
@@ -40,13 +40,15 @@ from core.protocol import (
     EngineCoreRequestType,
     FinishReason,
     HandshakeReady,
+    UTILITY_RESULT_TYPES,
     SchedulerStats,
     UtilityOutput,
 )
 from core.sched.output import ModelRunnerOutput, SchedulerOutput
-from core.sched.request import Request, RequestStatus
+from core.request import Request, RequestStatus
 from core.sched.scheduler import Scheduler
 from core.transport import ChannelClosed, EngineTransport, PeerDeadError
+from core.validation import ModelLimits, validate_request
 from core.worker.executor import UniProcExecutor
 from shm.serial import MsgpackDecoder, MsgpackEncoder
 
@@ -55,22 +57,23 @@ logger = logging.getLogger("ringllm.engine")
 UtilityCall = tuple[int, int, str, list[Any]]  # client_index, call_id, method, args
 
 
+def finished_without_tokens(
+    request_ids: Iterable[str], reason: FinishReason, message: str | None = None
+) -> EngineCoreOutputs:
+    """Outputs that end requests with no new token: rejected, refused or aborted."""
+    outputs = [
+        EngineCoreOutput(request_id=r, new_token_ids=[], finish_reason=reason, stop_reason=message)
+        for r in request_ids
+    ]
+    return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
+
+
 class EngineCore:
     """Owns the scheduler and executor; ``step()`` is one engine iteration."""
 
-    # Methods a client may invoke through UTILITY messages.
-    UTILITY_METHODS = frozenset(
-        {
-            "get_scheduler_stats",
-            "get_num_unfinished_requests",
-            "get_kv_cache_info",
-            "ping",
-            "reset_prefix_cache",
-        }
-    )
-
     def __init__(self, config: EngineConfig) -> None:
         self.config = config.resolve()
+        self.limits = ModelLimits.from_config(self.config)
         self.model_executor = UniProcExecutor(self.config)
         self.num_gpu_blocks = self.model_executor.determine_num_blocks()
         self.model_executor.initialize_kv_cache(self.num_gpu_blocks)
@@ -92,40 +95,15 @@ class EngineCore:
 
     # ---------------------------------------------------------------- requests
 
-    def validate_request(self, request: EngineCoreRequest) -> str | None:
-        """The frontend validates too; the engine never trusts the wire."""
-        hf = self.model_executor.runner.hf_config
-        embeds = request.prompt_embeds
-        if embeds is not None:
-            if not self.config.enable_prompt_embeds:
-                return "prompt_embeds are disabled on this server (--enable-prompt-embeds)"
-            if request.prompt_token_ids:
-                return "a request gives prompt_token_ids or prompt_embeds, not both"
-            if embeds.dim() != 2 or embeds.shape[1] != hf["hidden_size"]:
-                return f"prompt_embeds must have shape [tokens, {hf['hidden_size']}], got {list(embeds.shape)}"
-            if not embeds.is_floating_point() or not bool(torch.isfinite(embeds).all()):
-                return "prompt_embeds must be finite floating-point numbers"
-        elif request.prompt_token_ids:
-            vocab = hf["vocab_size"]
-            if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab:
-                return f"prompt has token ids outside the vocabulary [0, {vocab})"
-        n = request.num_prompt_tokens
-        if n == 0:
-            return "prompt is empty"
-        if n >= self.config.max_model_len:
-            return f"prompt has {n} tokens; max_model_len is {self.config.max_model_len}"
-        return None
-
     def preprocess_add_request(self, request: EngineCoreRequest) -> Request:
         """Validate and build the scheduler's Request; ValueError when it is unacceptable.
 
-        The process's input thread runs this, so the copying and hashing it
-        does (prompt embeddings, prefix-cache block hashes) overlap the model
-        instead of stalling the loop.
+        The frontend has validated it with the same rules, but the engine never
+        trusts the wire. The process's input thread runs this, so the copying
+        and hashing it does (prompt embeddings, prefix-cache block hashes)
+        overlap the model instead of stalling the loop.
         """
-        error = self.validate_request(request)
-        if error is not None:
-            raise ValueError(error)
+        validate_request(request, self.limits)
         return Request.from_engine_core_request(request, self.request_block_hasher)
 
     def add_request(self, request: Request) -> None:
@@ -218,25 +196,14 @@ class EngineCore:
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
 
-    def get_kv_cache_info(self) -> dict[str, int]:
-        return {
-            "num_gpu_blocks": self.num_gpu_blocks,
-            "block_size": self.config.block_size,
-            "max_model_len": self.config.max_model_len,
-            "enable_prefix_caching": int(self.config.enable_prefix_caching),
-            "num_cached_blocks": self.scheduler.kv_cache_manager.block_pool.get_num_cached_blocks(),
-        }
-
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached prefix; refused (False) while requests run,
         unless ``reset_running_requests`` preempts them first."""
         return self.scheduler.reset_prefix_cache(reset_running_requests)
 
-    def ping(self) -> str:
-        return "pong"
-
     def call_utility(self, method: str, args: list[Any]) -> Any:
-        if method not in self.UTILITY_METHODS:
+        """Run one of the methods a client may call (``UTILITY_RESULT_TYPES``)."""
+        if method not in UTILITY_RESULT_TYPES:
             raise ValueError(f"unknown utility method {method!r}")
         return getattr(self, method)(*args)
 
@@ -304,22 +271,23 @@ class EngineCoreProc(EngineCore):
             except (ValueError, msgspec.DecodeError, IndexError) as exc:
                 logger.error("rejected a malformed message from the frontend: %s", exc)
                 continue
-            if item[0] == EngineCoreRequestType.ADD:
-                item = (item[0], self._preprocess_or_reject(item[1]))
-            elif item[0] == EngineCoreRequestType.ABORT:
-                self.aborts_queue.put_nowait(item[1])
+            req_type, payload = item
+            if req_type == EngineCoreRequestType.ADD:
+                try:
+                    item = (req_type, self.preprocess_add_request(payload))
+                except ValueError as exc:
+                    self._reject_request(payload, str(exc))
+                    continue
+            elif req_type == EngineCoreRequestType.ABORT:
+                self.aborts_queue.put_nowait(payload)
             self.input_queue.put_nowait(item)
 
-    def _preprocess_or_reject(self, request: EngineCoreRequest) -> Request | tuple[int, EngineCoreOutputs]:
-        """The Request to schedule, or (client, the output that reports why it cannot run)."""
-        try:
-            return self.preprocess_add_request(request)
-        except ValueError as exc:
-            rejected = EngineCoreOutput(
-                request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ERROR,
-                stop_reason=str(exc),
-            )
-            return request.client_index, EngineCoreOutputs(outputs=[rejected], timestamp=time.monotonic())
+    def _reject_request(self, request: EngineCoreRequest, reason: str) -> None:
+        """A request that cannot run finishes with an error straight away: the
+        output goes to the output thread, the busy loop never sees it."""
+        logger.warning("rejected request %s: %s", request.request_id, reason)
+        outputs = finished_without_tokens([request.request_id], FinishReason.ERROR, reason)
+        self.output_queue.put_nowait((request.client_index, outputs))
 
     @staticmethod
     def _decode_request(
@@ -399,22 +367,16 @@ class EngineCoreProc(EngineCore):
             client_index, call_id, method, args = payload
             out = UtilityOutput(call_id)
             try:
-                out.result = self.call_utility(method, args)
+                out.result = msgspec.Raw(msgspec.msgpack.encode(self.call_utility(method, args)))
             except Exception as exc:
                 out.failure_message = f"utility {method!r} failed: {exc}"
             self.output_queue.put_nowait((client_index, EngineCoreOutputs(utility_output=out)))
         # WAKEUP only unblocks input_queue.get(); nothing else to do.
 
-    def _handle_add(self, request: Request | tuple[int, EngineCoreOutputs]) -> None:
-        if isinstance(request, tuple):  # rejected by the input thread
-            self.output_queue.put_nowait(request)
-        elif not self.is_running():
-            refused = EngineCoreOutput(
-                request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
-                stop_reason="the engine is shutting down",
-            )
-            outputs = EngineCoreOutputs(outputs=[refused], timestamp=time.monotonic())
-            self.output_queue.put_nowait((request.client_index, outputs))
+    def _handle_add(self, request: Request) -> None:
+        if not self.is_running():
+            refused = finished_without_tokens([request.request_id], FinishReason.ABORT, "the engine is shutting down")
+            self.output_queue.put_nowait((request.client_index, refused))
         else:
             self.add_request(request)
 
@@ -439,9 +401,8 @@ class EngineCoreProc(EngineCore):
     def _abort_all_and_report(self) -> None:
         ids = self.scheduler.unfinished_request_ids()
         self.abort_requests(ids)
-        outputs = [EngineCoreOutput(request_id=r, new_token_ids=[], finish_reason=FinishReason.ABORT) for r in ids]
-        if outputs:
-            self.output_queue.put_nowait((0, EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())))
+        if ids:
+            self.output_queue.put_nowait((0, finished_without_tokens(ids, FinishReason.ABORT)))
 
     def request_shutdown(self) -> None:
         """Signal-safe: flip the state and wake the main thread if it is parked."""

@@ -2,7 +2,7 @@
 
 By the time a process starts serving, it holds hundreds of thousands of
 long-lived objects (torch, transformers, tokenizer, model modules). Each full
-collection walks all of them: ~150 ms in the frontend, measured here, which
+collection walks all of them (bench/README.md has the pause it cost), which
 lands on whatever request is in flight (a P99 TTFT spike). Freezing moves
 them to the permanent generation, so later collections only look at objects
 made while serving. vLLM does the same at the end of EngineCore start-up.

@@ -21,13 +21,18 @@ import torch
 
 
 class EngineCoreRequestType(enum.Enum):
-    """First frame of every message sent to the engine."""
+    """First frame of every message sent to the engine.
+
+    WAKEUP is internal to the engine (it unblocks the busy loop on shutdown).
+    vLLM's START_DP_WAVE and EXECUTOR_FAILED have no counterpart here: our
+    models are dense (no data-parallel waves) and the executor runs in the
+    engine process, whose failure already reaches the client as
+    ENGINE_CORE_DEAD.
+    """
 
     ADD = b"\x00"
     ABORT = b"\x01"
-    START_DP_WAVE = b"\x02"
     UTILITY = b"\x03"
-    EXECUTOR_FAILED = b"\x04"
     WAKEUP = b"\x05"
 
 
@@ -158,11 +163,13 @@ class EngineCoreOutput(
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Reply to a UTILITY call; ``failure_message`` is set when it raised."""
+    """Reply to a UTILITY call: its result encoded on its own, which the caller
+    decodes as the type the method declares (``UTILITY_RESULT_TYPES``); or
+    ``failure_message`` when it raised."""
 
     call_id: int
     failure_message: str | None = None
-    result: Any = None
+    result: msgspec.Raw = msgspec.Raw(b"\xc0")  # msgpack nil
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -193,7 +200,15 @@ class EngineCoreOutputs(
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
     utility_output: UtilityOutput | None = None
-    finished_requests: set[str] | None = None
+
+
+# The utility methods a client may call, and the type each one's result is
+# decoded as on the client's side.
+UTILITY_RESULT_TYPES: dict[str, Any] = {
+    "get_scheduler_stats": SchedulerStats,
+    "get_num_unfinished_requests": int,
+    "reset_prefix_cache": bool,
+}
 
 
 class HandshakeReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

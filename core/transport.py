@@ -25,14 +25,15 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Union
 
-from shm.aio import AsyncReceiver, AsyncSender
-from shm.channel import ChannelClosed, ChannelSpec, Duplex, PeerDeadError
+from shm.channel import ChannelSpec, Duplex
 from shm.cuda_ipc import CudaIpcExporter, CudaIpcImporter
+from shm.interface import AsyncRecvEnd, AsyncSendEnd, Channel
 from shm.ring import Frame
 from shm.tensors import TensorPool, TensorPoolReader, TensorPoolWriter
-from shm.zmq_channel import ZmqAsyncReceiver, ZmqAsyncSender, ZmqChannelSpec, ZmqDuplex
+from shm.waiting import ChannelClosed, PeerDeadError
+from shm.zmq_channel import ZmqChannelSpec, ZmqDuplex
 
 __all__ = ["ChannelClosed", "ClientTransport", "EngineTransport", "PeerDeadError", "TRANSPORTS", "TransportSpec"]
 
@@ -65,11 +66,11 @@ class ClientTransport:
     def __init__(
         self,
         kind: str,
-        duplex: Duplex | ZmqDuplex,
+        channel: Channel,
         pools: tuple[TensorPool, TensorPool] | None = None,
     ) -> None:
         self.kind = kind
-        self._duplex = duplex
+        self._channel = channel
         self._pools = pools
         # Out-of-band tensors: we write the to-engine pool and read the to-client one.
         self.pool_writer = TensorPoolWriter(pools[0]) if pools else None
@@ -78,8 +79,7 @@ class ClientTransport:
         # CUDA tensor is actually sent (nothing here touches CUDA).
         self.cuda_exporter = CudaIpcExporter(self.pool_writer) if self.pool_writer else None
         self.cuda_importer = CudaIpcImporter(self.pool_reader) if self.pool_reader else None
-        self._async_sender: Any = None
-        self._async_receiver: Any = None
+        self._async_ends: tuple[AsyncSendEnd, AsyncRecvEnd] | None = None
 
     @classmethod
     def create(cls, kind: str) -> tuple[ClientTransport, TransportSpec]:
@@ -105,54 +105,46 @@ class ClientTransport:
 
     def set_peer(self, alive: Callable[[], bool], sentinel: int | None = None) -> None:
         """How to tell the engine is gone: ``alive()`` and an fd readable once it exits."""
-        self._duplex.set_peer_alive(alive, sentinel)
+        self._channel.set_peer(alive, sentinel)
 
     def engine_attached(self, timeout: float) -> None:
         """Call once the engine said HELLO: finish the connection and drop every name,
         so that nothing is left behind even if both processes are killed."""
-        if isinstance(self._duplex, ZmqDuplex):
-            self._duplex.wait_registered(timeout)
-        self._duplex.unlink()
+        self._channel.peer_attached(timeout)
         for pool in self._pools or ():
             pool.unlink()
 
     # -------------------------------------------------------------- blocking
 
     def send(self, frames: Sequence[Frame], timeout: float | None = None) -> None:
-        self._duplex.sender.send(frames, timeout)
+        self._channel.sender.send(frames, timeout)
 
     def recv(self, timeout: float | None = None) -> list | None:
         """The next message; None after ``timeout`` s; PeerDeadError once the engine is gone."""
-        return self._duplex.receiver.recv(timeout)
+        return self._channel.receiver.recv(timeout)
 
     # -------------------------------------------------------------- asyncio
 
+    def _ends(self) -> tuple[AsyncSendEnd, AsyncRecvEnd]:
+        if self._async_ends is None:
+            self._async_ends = self._channel.async_ends()
+        return self._async_ends
+
     async def send_async(self, frames: Sequence[Frame]) -> None:
-        if self._async_sender is None:
-            if isinstance(self._duplex, ZmqDuplex):
-                self._async_sender = ZmqAsyncSender(self._duplex.sender)
-            else:
-                self._async_sender = AsyncSender(self._duplex.sender)
-        await self._async_sender.send(frames)
+        await self._ends()[0].send(frames)
 
     async def recv_async(self) -> list:
-        if self._async_receiver is None:
-            if isinstance(self._duplex, ZmqDuplex):
-                self._async_receiver = ZmqAsyncReceiver(self._duplex.receiver)
-            else:
-                self._async_receiver = AsyncReceiver(self._duplex.receiver)
-        return await self._async_receiver.recv()
+        return await self._ends()[1].recv()
 
     def stop_async(self) -> None:
         """Unregister from the event loop (call on the loop's thread, at shutdown)."""
-        for end in (self._async_sender, self._async_receiver):
-            if end is not None:
-                end.close()
-        self._async_sender = self._async_receiver = None
+        for end in self._async_ends or ():
+            end.close()
+        self._async_ends = None
 
     def close(self) -> None:
         self.stop_async()
-        self._duplex.close()
+        self._channel.close()
         for pool in self._pools or ():
             pool.unlink()
             pool.close()
@@ -163,11 +155,11 @@ class EngineTransport:
 
     def __init__(
         self,
-        duplex: Duplex | ZmqDuplex,
+        channel: Channel,
         sentinel: int | None,
         pools: tuple[TensorPool, TensorPool] | None = None,
     ) -> None:
-        self._duplex = duplex
+        self._channel = channel
         self._sentinel = sentinel
         self._pools = pools
         # We read the to-engine pool and write the to-client one.
@@ -181,35 +173,35 @@ class EngineTransport:
         _check_kind(spec.kind)
         pools = None
         if isinstance(spec.channel, ZmqChannelSpec):
-            duplex: Duplex | ZmqDuplex = ZmqDuplex.attach(spec.channel)
+            channel: Channel = ZmqDuplex.attach(spec.channel)
         else:
-            duplex = Duplex.attach(spec.channel)
+            channel = Duplex.attach(spec.channel)
             if spec.to_engine_pool and spec.to_client_pool:
                 pools = (TensorPool.attach(spec.to_engine_pool), TensorPool.attach(spec.to_client_pool))
         try:
             sentinel: int | None = os.pidfd_open(parent_pid)
         except (AttributeError, OSError):  # not Linux >= 5.3: liveness polling only
             sentinel = None
-        duplex.set_peer_alive(lambda: os.getppid() == parent_pid, sentinel)
-        return cls(duplex, sentinel, pools)
+        channel.set_peer(lambda: os.getppid() == parent_pid, sentinel)
+        return cls(channel, sentinel, pools)
 
     def send(self, frames: Sequence[Frame]) -> None:
         """Output thread only. PeerDeadError if the frontend is gone and the channel full."""
-        self._duplex.sender.send(frames)
+        self._channel.sender.send(frames)
 
     def recv(self) -> list:
-        """Input thread only: blocks (without spinning) until a message, the frontend's
-        death (PeerDeadError) or ``interrupt_recv`` (ChannelClosed)."""
-        frames = self._duplex.receiver.recv()
+        """Input thread only: blocks until a message, the frontend's death
+        (PeerDeadError) or ``interrupt_recv`` (ChannelClosed)."""
+        frames = self._channel.receiver.recv()
         assert frames is not None  # no timeout given
         return frames
 
     def interrupt_recv(self) -> None:
         """Shutdown: wake the input thread out of ``recv`` so it can exit before ``close``."""
-        self._duplex.receiver.interrupt()
+        self._channel.receiver.interrupt()
 
     def close(self) -> None:
-        self._duplex.close()
+        self._channel.close()
         for pool in self._pools or ():
             pool.close()
         if self._sentinel is not None:

@@ -1,28 +1,30 @@
 """asyncio ends of a channel, for the frontend's event loop.
 
-They use no thread. When the ring is empty the receiver first polls it for
-``spin_s`` while yielding to the loop at every check (other tasks keep
+They use no thread and wait by the policy of ``shm.waiting``, driven on the
+loop: the receiver's spin yields to the loop at every check (other tasks keep
 running; an answer that comes back within microseconds costs no wake-up),
-then publishes the ring's sleeping flag, re-checks, and awaits the doorbell,
-which is registered once with ``loop.add_reader``. A sender that finds the
-ring full does the latter directly. While messages keep flowing the doorbell
-is never rung, so the event loop sees no fd events at all. A timer (``liveness_interval``) bounds every sleep so that a dead peer
-is noticed; a peer sentinel fd, if the endpoint has one, wakes the receiver
-at once. Only the receiver watches the sentinel: an event loop keeps one
-reader per fd, so a second registration would silently replace the first.
+and a sleep awaits the doorbell, which is registered once with
+``loop.add_reader``. While messages keep flowing the doorbell is never rung,
+so the event loop sees no fd events at all. Every sleep is bounded by the
+blocking end's ``poll_interval`` so that a dead peer is noticed; the peer's
+sentinel fd, if it has one, wakes the receiver at once. Only the receiver
+watches the sentinel: an event loop keeps one reader per fd, so a second
+registration would silently replace the first (the sender still sees the
+death through the duplex's shared ``PeerWatch``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from shm.channel import PeerDeadError, Receiver, Sender, _Endpoint
 from shm.doorbell import Doorbell
 from shm.ring import Frame
+from shm.waiting import PeerWatch, drive_async, wait_steps
 
-DEFAULT_LIVENESS_INTERVAL_S = 0.5
+if TYPE_CHECKING:
+    from shm.channel import Receiver, Sender
 
 
 def _wake(fut: asyncio.Future) -> None:
@@ -30,34 +32,26 @@ def _wake(fut: asyncio.Future) -> None:
         fut.set_result(None)
 
 
-class _AsyncEnd:
-    """Doorbell registration and the sleep/liveness logic shared by both async ends."""
+class _LoopSleeper:
+    """One end's sleep on the event loop: until its doorbell rings, the peer's
+    sentinel fires (if watched) or the timeout passes."""
 
-    def __init__(
-        self,
-        endpoint: _Endpoint,
-        bell: Doorbell,
-        peer_alive: Callable[[], bool] | None,
-        liveness_interval: float,
-        watch_sentinel: bool,
-    ) -> None:
-        self._endpoint = endpoint
-        self._watch_sentinel = watch_sentinel
+    def __init__(self, bell: Doorbell, peer: PeerWatch, watch_sentinel: bool) -> None:
         self._bell = bell
-        self._peer_alive = peer_alive or endpoint.peer_alive
-        self.liveness_interval = liveness_interval
+        self._peer = peer
+        self._watch_sentinel = watch_sentinel
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._waiter: asyncio.Future | None = None
         self._sentinel: int | None = None
-        self._sentinel_fired = False
+        self._waiter: asyncio.Future | None = None
 
     def _register(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()
         if self._loop is None:
             loop.add_reader(self._bell.fileno(), self._on_ring)
-            self._sentinel = self._endpoint._sentinel if self._watch_sentinel else None
-            if self._sentinel is not None:
-                loop.add_reader(self._sentinel, self._on_sentinel)
+            sentinel = self._peer.sentinel if self._watch_sentinel else None
+            if sentinel is not None and not self._peer.fired:
+                loop.add_reader(sentinel, self._on_sentinel)
+                self._sentinel = sentinel
             self._loop = loop
         elif self._loop is not loop:
             raise RuntimeError("an async channel end is bound to the event loop that first used it")
@@ -72,32 +66,32 @@ class _AsyncEnd:
         # The sentinel stays readable once the peer is gone: stop watching it.
         assert self._loop is not None and self._sentinel is not None
         self._loop.remove_reader(self._sentinel)
-        self._sentinel_fired = True
+        self._sentinel = None
+        self._peer.fired = True
         if self._waiter is not None:
             _wake(self._waiter)
 
-    async def _sleep(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def sleep(self, timeout: float) -> None:
+        loop = self._register()
         self._waiter = fut = loop.create_future()
-        timer = loop.call_later(self.liveness_interval, _wake, fut)
+        timer = loop.call_later(timeout, _wake, fut)
         try:
             await fut
         finally:
             timer.cancel()
             self._waiter = None
 
-    def peer_alive(self) -> bool:
-        return not self._sentinel_fired and self._peer_alive()
-
     def close(self) -> None:
         """Unregister from the event loop (before the channel's fds are closed)."""
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._bell.fileno())
-            if self._sentinel is not None and not self._sentinel_fired:
+            if self._sentinel is not None:
                 self._loop.remove_reader(self._sentinel)
         self._loop = None
+        self._sentinel = None
 
 
-class AsyncReceiver(_AsyncEnd):
+class AsyncReceiver:
     """``await recv()`` on the event loop. One coroutine receives at a time.
 
     While messages are already waiting, ``recv`` returns without suspending, but
@@ -105,19 +99,10 @@ class AsyncReceiver(_AsyncEnd):
     starve other tasks.
     """
 
-    def __init__(
-        self,
-        receiver: Receiver,
-        peer_alive: Callable[[], bool] | None = None,
-        *,
-        liveness_interval: float = DEFAULT_LIVENESS_INTERVAL_S,
-        max_burst: int = 16,
-        spin_s: float | None = None,
-    ) -> None:
-        super().__init__(receiver, receiver.data_bell, peer_alive, liveness_interval, watch_sentinel=True)
+    def __init__(self, receiver: Receiver, *, max_burst: int = 16) -> None:
         self._receiver = receiver
+        self._sleeper = _LoopSleeper(receiver.data_bell, receiver.peer, watch_sentinel=True)
         self.max_burst = max_burst
-        self.spin_s = receiver.spin_s if spin_s is None else spin_s
         self._burst = 0
 
     async def recv(self) -> list[bytes]:
@@ -131,47 +116,19 @@ class AsyncReceiver(_AsyncEnd):
                 await asyncio.sleep(0)
             return frames
         self._burst = 0
-        spin_s = receiver.spin_budget(self.spin_s)
-        if spin_s > 0:
-            spin_end = time.perf_counter() + spin_s
-            while time.perf_counter() < spin_end:
-                await asyncio.sleep(0)  # one loop iteration: other tasks run meanwhile
-                frames = receiver.try_recv()
-                if frames is not None:
-                    return frames
-        loop = self._register()
-        ring = receiver.ring
-        while True:
-            ring.begin_sleep()
-            try:
-                frames = receiver.try_recv()
-                if frames is not None:
-                    return frames
-                await self._sleep(loop)
-            finally:
-                ring.end_sleep()
-            frames = receiver.try_recv()
-            if frames is not None:
-                return frames
-            if not self.peer_alive():
-                frames = receiver.try_recv()  # its last words, written just before it died
-                if frames is not None:
-                    return frames
-                raise PeerDeadError(f"peer of ring {ring.name} is gone")
+        steps = wait_steps(receiver.try_recv, receiver, receiver.spin_budget(receiver.spin_s))
+        return await drive_async(steps, self._sleeper.sleep)
+
+    def close(self) -> None:
+        self._sleeper.close()
 
 
-class AsyncSender(_AsyncEnd):
+class AsyncSender:
     """``await send(frames)`` on the event loop; concurrent callers are served in order."""
 
-    def __init__(
-        self,
-        sender: Sender,
-        peer_alive: Callable[[], bool] | None = None,
-        *,
-        liveness_interval: float = DEFAULT_LIVENESS_INTERVAL_S,
-    ) -> None:
-        super().__init__(sender, sender.space_bell, peer_alive, liveness_interval, watch_sentinel=False)
+    def __init__(self, sender: Sender) -> None:
         self._sender = sender
+        self._sleeper = _LoopSleeper(sender.space_bell, sender.peer, watch_sentinel=False)
         self._lock: asyncio.Lock | None = None
 
     async def send(self, frames: Sequence[Frame]) -> None:
@@ -179,28 +136,20 @@ class AsyncSender(_AsyncEnd):
         if self._lock is None:
             self._lock = asyncio.Lock()
         lock = self._lock
-        if not lock.locked():
-            if self._sender.try_send(frames):
-                return
-            # Possibly half written (chunked): taking a free lock does not yield,
-            # so nobody can slip another message in before this one is finished.
-        async with lock:
-            await self._send_waiting(frames)
-
-    async def _send_waiting(self, frames: Sequence[Frame]) -> None:
         sender = self._sender
-        loop = self._register()
-        ring = sender.ring
-        while True:
-            ring.begin_space_wait()
-            try:
-                if sender.try_send(frames):
-                    return
-                sender.waits_for_space += 1
-                await self._sleep(loop)
-            finally:
-                ring.end_space_wait()
+        if not lock.locked() and sender.try_send(frames):
+            return
+        # Possibly half written (chunked): taking a free lock does not yield,
+        # so nobody can slip another message in before this one is finished.
+        async with lock:
             if sender.try_send(frames):
                 return
-            if not self.peer_alive():
-                raise PeerDeadError(f"peer of ring {ring.name} is gone while the ring is full")
+            steps = wait_steps(lambda: sender.try_send(frames) or None, sender, 0.0)
+            await drive_async(steps, self._sleep_for_space)
+
+    async def _sleep_for_space(self, timeout: float) -> None:
+        self._sender.waits_for_space += 1
+        await self._sleeper.sleep(timeout)
+
+    def close(self) -> None:
+        self._sleeper.close()

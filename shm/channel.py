@@ -3,23 +3,21 @@
 One direction is a ``ShmRing`` plus two doorbells: *data* (the producer rings
 the consumer) and *space* (the consumer rings a producer that waits for room).
 A ``Duplex`` pairs two directions between a creator (the frontend) and an
-attacher (the spawned engine), described by a picklable ``ChannelSpec``.
+attacher (the spawned engine), described by a picklable ``ChannelSpec``;
+``ReceiverGroup`` lets one thread receive from several rings.
 
-Waiting follows the io_uring need-wakeup pattern: a side that finds nothing to
-do spins briefly, then publishes "I am going to sleep" in the ring header,
-re-checks the ring (so a message published in between is not missed), and
+Waiting follows the io_uring need-wakeup pattern, in the one policy of
+``shm.waiting``: an end that finds nothing to do spins briefly, then
+publishes "I am going to sleep" in the ring header, re-checks the ring, and
 sleeps on its doorbell. The other side makes the doorbell syscall only when
 that flag is set, so a busy channel makes no system calls at all and an idle
-one burns no CPU. The spin calls ``sched_yield`` between attempts: with as many
-runnable processes as cores (2 here) the peer often shares our core, and a
-plain spin would only delay it (measured: ping-pong p50 140 µs spinning, 8 µs
-yielding; pipelined small messages 230k/s vs 600k/s). A receiver does not spin
-at all right after its side's sender woke an idle peer: that peer cannot answer
-within the spin window, and the kernel's sync wake-up of a FIFO reader tends to
-run the woken peer on the waker's CPU, which a spinning waker would keep busy
-(measured: round trip from idle 250 -> 200 µs). Sleeps are bounded
-(``poll_interval``) so that a dead peer is noticed even without a process
-sentinel.
+one burns no CPU. The spin calls ``sched_yield`` between attempts: with as
+many runnable processes as cores the peer often shares our core, and a plain
+spin would only delay it. A receiver does not spin at all right after its
+side's sender woke an idle peer: that peer cannot answer within the spin
+window, and the kernel's sync wake-up of a FIFO reader tends to run the woken
+peer on the waker's CPU, which a spinning waker would keep busy
+(bench/README.md has the measurements behind both choices).
 
 Threading: a ``Sender`` and a ``Receiver`` are each used by one thread at a
 time. The two directions are independent, so a side that both sends and
@@ -37,8 +35,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from shm.aio import AsyncReceiver, AsyncSender
 from shm.doorbell import Doorbell
 from shm.ring import Frame, ShmRing
+from shm.waiting import ChannelClosed, PeerDeadError, PeerWatch, drive_blocking, wait_steps
+
+__all__ = [
+    "ChannelClosed", "ChannelSpec", "DirectionSpec", "Duplex", "PeerDeadError", "Receiver", "ReceiverGroup", "Sender",
+]
 
 DEFAULT_SPIN_S = 50e-6
 DEFAULT_POLL_INTERVAL_S = 0.25
@@ -46,16 +50,32 @@ QUIET_S = 1e-3  # a peer silent this long is taken to be idle (see Receiver.spin
 _POLL_EVENTS = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
 
 
-class PeerDeadError(ConnectionError):
-    """The process at the other end of the channel is gone."""
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
 
 
-class ChannelClosed(ConnectionError):
-    """This side interrupted its own receiver (shutdown): stop using the channel."""
+class _Sleeper:
+    """A ``poll`` over some doorbells and the peers' sentinels: one blocking sleep."""
 
+    def __init__(self, bells: Sequence[Doorbell]) -> None:
+        self._bells = {bell.fileno(): bell for bell in bells}
+        self._poller = select.poll()
+        for fd in self._bells:
+            self._poller.register(fd, _POLL_EVENTS)
+        self._sentinels: dict[int, PeerWatch] = {}
 
-def _always_alive() -> bool:
-    return True
+    def sleep(self, timeout: float, peers: Sequence[PeerWatch]) -> None:
+        """Wait until a bell rings, a peer exits or ``timeout`` s pass; then clear the bells."""
+        for peer in peers:  # a peer may have been given its sentinel since the last sleep
+            if peer.sentinel is not None and peer.sentinel not in self._sentinels:
+                self._poller.register(peer.sentinel, _POLL_EVENTS)
+                self._sentinels[peer.sentinel] = peer
+        for fd, _ in self._poller.poll(max(0, int(timeout * 1000 + 0.999))):
+            bell = self._bells.get(fd)
+            if bell is not None:
+                bell.drain()
+            elif fd in self._sentinels:
+                self._sentinels[fd].fired = True
 
 
 class _Endpoint:
@@ -75,65 +95,48 @@ class _Endpoint:
         self.space_bell = space_bell
         self.spin_s = spin_s
         self.poll_interval = poll_interval
-        self._peer_alive: Callable[[], bool] = _always_alive
-        self._sentinel: int | None = None
-        self._sentinel_fired = False
-        self._poller = select.poll()
-        self._poller.register(self._own_bell().fileno(), _POLL_EVENTS)
+        self.name = f"ring {ring.name}"
+        self.peer = PeerWatch()
+        self._sleeper = _Sleeper([self.own_bell])
 
-    def _own_bell(self) -> Doorbell:
+    @property
+    def own_bell(self) -> Doorbell:
+        """The doorbell this end sleeps on."""
         raise NotImplementedError
 
-    def set_peer(self, alive: Callable[[], bool] | None = None, sentinel: int | None = None) -> None:
-        """How to tell the peer is gone: ``alive()`` is asked at every wake-up from a
-        sleep; ``sentinel`` (an fd that becomes readable when the peer exits, such as
-        ``Process.sentinel`` or a pidfd) also wakes the sleeper at once."""
-        self._peer_alive = alive or _always_alive
-        if self._sentinel is not None:
-            self._poller.unregister(self._sentinel)
-        self._sentinel = sentinel
-        self._sentinel_fired = False
-        if sentinel is not None:
-            self._poller.register(sentinel, _POLL_EVENTS)
-
     def peer_alive(self) -> bool:
-        return not self._sentinel_fired and self._peer_alive()
+        return self.peer.alive()
+
+    def check_open(self) -> None:
+        pass
 
     def _sleep(self, timeout: float) -> None:
-        """Wait on our doorbell (and the peer's sentinel), then clear the doorbell."""
-        for fd, _ in self._poller.poll(max(0, int(timeout * 1000 + 0.999))):
-            if fd == self._sentinel:
-                self._sentinel_fired = True
-        self._own_bell().drain()
-
-    def _wait_budget(self, deadline: float | None) -> float:
-        if deadline is None:
-            return self.poll_interval
-        return min(self.poll_interval, deadline - time.monotonic())
+        self._sleeper.sleep(timeout, (self.peer,))
 
 
 class Sender(_Endpoint):
     """The producing end of one direction."""
 
-    waits_for_space = 0  # how often send() had to sleep because the ring was full
+    waits_for_space = 0  # how often a send had to sleep because the ring was full
     woke_consumer_at = float("-inf")  # perf_counter() of the last doorbell ring
 
-    def _wake_consumer(self) -> None:
-        self.woke_consumer_at = time.perf_counter()
-        self.data_bell.ring()
-
-    def _own_bell(self) -> Doorbell:
+    @property
+    def own_bell(self) -> Doorbell:
         return self.space_bell
 
-    def _notify(self) -> None:
-        if self.ring.consumer_wakeup_due():
-            self._wake_consumer()
+    def begin_wait(self) -> None:
+        self.ring.begin_space_wait()
+
+    def end_wait(self) -> None:
+        self.ring.end_space_wait()
 
     def try_send(self, frames: Sequence[Frame]) -> bool:
         """Write without waiting. After False, a large (chunked) message may be half
         written: retry with the same ``frames`` before sending anything else."""
         done = self.ring.try_write(frames)
-        self._notify()
+        if self.ring.consumer_wakeup_due():
+            self.woke_consumer_at = time.perf_counter()
+            self.data_bell.ring()
         return done
 
     def send(self, frames: Sequence[Frame], timeout: float | None = None) -> None:
@@ -141,40 +144,15 @@ class Sender(_Endpoint):
         then TimeoutError, after which a large message may be half written and the next
         send must pass the same ``frames``). Raises PeerDeadError if the ring stays full
         and the peer is gone; while there is room, a send to a dead peer succeeds."""
-        ring = self.ring
-        if ring.try_write(frames):
-            if ring.consumer_wakeup_due():
-                self._wake_consumer()
+        if self.try_send(frames):
             return
-        self._notify()  # a chunked message may have made progress
-        deadline = None if timeout is None else time.monotonic() + timeout
-        spin_end = time.perf_counter() + self.spin_s
-        while time.perf_counter() < spin_end:
-            os.sched_yield()
-            done = ring.try_write(frames)
-            self._notify()
-            if done:
-                return
-        while True:
-            ring.begin_space_wait()
-            try:
-                done = ring.try_write(frames)
-                self._notify()
-                if done:
-                    return
-                budget = self._wait_budget(deadline)
-                if budget <= 0:
-                    raise TimeoutError(f"ring {ring.name} stayed full for {timeout} s")
-                self.waits_for_space += 1
-                self._sleep(budget)
-            finally:
-                ring.end_space_wait()
-            if not self.peer_alive():
-                done = ring.try_write(frames)
-                self._notify()
-                if done:
-                    return
-                raise PeerDeadError(f"peer of ring {ring.name} is gone while the ring is full")
+        steps = wait_steps(lambda: self.try_send(frames) or None, self, self.spin_s, _deadline(timeout))
+        if drive_blocking(steps, self.sleep_for_space) is None:
+            raise TimeoutError(f"{self.name} stayed full for {timeout} s")
+
+    def sleep_for_space(self, timeout: float) -> None:
+        self.waits_for_space += 1
+        self._sleep(timeout)
 
 
 class Receiver(_Endpoint):
@@ -183,6 +161,20 @@ class Receiver(_Endpoint):
     _interrupted = False
     partner: Sender | None = None  # this side's sender of the other direction, if any
     last_message_at = float("-inf")  # perf_counter() when a message was last returned
+
+    @property
+    def own_bell(self) -> Doorbell:
+        return self.data_bell
+
+    def begin_wait(self) -> None:
+        self.ring.begin_sleep()
+
+    def end_wait(self) -> None:
+        self.ring.end_sleep()
+
+    def check_open(self) -> None:
+        if self._interrupted:
+            raise ChannelClosed(f"receiving from {self.name} was interrupted")
 
     def spin_budget(self, spin_s: float) -> float:
         """``spin_s``, or no spin at all when the peer had been quiet for a while
@@ -197,18 +189,11 @@ class Receiver(_Endpoint):
                 return 0.0
         return spin_s
 
-    def _own_bell(self) -> Doorbell:
-        return self.data_bell
-
     def interrupt(self) -> None:
         """From another thread: make a blocked or later ``recv`` raise ChannelClosed,
         so the thread that receives can finish before the channel is closed."""
         self._interrupted = True
         self.data_bell.ring()
-
-    def _notify(self) -> None:
-        if self.ring.producer_wakeup_due():
-            self.space_bell.ring()
 
     def try_recv(self) -> list[bytes] | None:
         """The next message if one is complete, else None; never waits."""
@@ -223,50 +208,74 @@ class Receiver(_Endpoint):
         """The next message, waiting as long as needed; None after ``timeout`` seconds.
         Raises PeerDeadError once the ring is empty and the peer is gone: whatever the
         peer wrote before dying is delivered first."""
-        frames = self._recv(timeout)
-        if frames is not None:
-            self.last_message_at = time.perf_counter()
-        return frames
-
-    def _recv(self, timeout: float | None) -> list[bytes] | None:
-        ring = self.ring
-        frames = ring.try_read()
-        self._notify()
+        frames = self.try_recv()
         if frames is not None:
             return frames
-        deadline = None if timeout is None else time.monotonic() + timeout
-        spin_end = time.perf_counter() + self.spin_budget(self.spin_s)
-        while time.perf_counter() < spin_end:
-            os.sched_yield()
-            frames = ring.try_read()
-            self._notify()
+        steps = wait_steps(self.try_recv, self, self.spin_budget(self.spin_s), _deadline(timeout))
+        return drive_blocking(steps, self._sleep)
+
+
+class ReceiverGroup:
+    """Several receivers served by one thread: the next message from any of them.
+
+    The rings are read round robin, so a busy peer cannot starve the others;
+    a sleep announces itself on every ring and wakes on any doorbell or any
+    peer's exit. ``recv`` returns ``(index, frames)`` and raises PeerDeadError
+    once any peer is gone and its ring is drained.
+    """
+
+    def __init__(self, receivers: Sequence[Receiver]) -> None:
+        if not receivers:
+            raise ValueError("a receiver group needs at least one receiver")
+        self.receivers = list(receivers)
+        self.spin_s = min(r.spin_s for r in self.receivers)
+        self.poll_interval = min(r.poll_interval for r in self.receivers)
+        self.name = f"a group of {len(self.receivers)} rings"
+        self._next = 0
+        self._interrupted = False
+        self._sleeper = _Sleeper([r.data_bell for r in self.receivers])
+
+    def try_recv(self) -> tuple[int, list[bytes]] | None:
+        receivers = self.receivers
+        n = len(receivers)
+        for k in range(n):
+            index = (self._next + k) % n
+            frames = receivers[index].try_recv()
             if frames is not None:
-                return frames
-        while True:
-            ring.begin_sleep()
-            try:
-                frames = ring.try_read()
-                self._notify()
-                if frames is not None:
-                    return frames
-                budget = self._wait_budget(deadline)
-                if budget <= 0:
-                    return None
-                self._sleep(budget)
-            finally:
-                ring.end_sleep()
-            if self._interrupted:
-                raise ChannelClosed(f"receiving from ring {ring.name} was interrupted")
-            frames = ring.try_read()  # the likely reason we woke: answer it first
-            self._notify()
-            if frames is not None:
-                return frames
-            if not self.peer_alive():
-                frames = ring.try_read()  # its last words, written just before it died
-                self._notify()
-                if frames is not None:
-                    return frames
-                raise PeerDeadError(f"peer of ring {ring.name} is gone")
+                self._next = (index + 1) % n
+                return index, frames
+        return None
+
+    def recv(self, timeout: float | None = None) -> tuple[int, list[bytes]] | None:
+        """The next message of any receiver as (index, frames); None after ``timeout`` s."""
+        got = self.try_recv()
+        if got is not None:
+            return got
+        steps = wait_steps(self.try_recv, self, self.spin_s, _deadline(timeout))
+        return drive_blocking(steps, self._sleep)
+
+    def begin_wait(self) -> None:
+        for receiver in self.receivers:
+            receiver.ring.begin_sleep()
+
+    def end_wait(self) -> None:
+        for receiver in self.receivers:
+            receiver.ring.end_sleep()
+
+    def peer_alive(self) -> bool:
+        return all(r.peer_alive() for r in self.receivers)
+
+    def check_open(self) -> None:
+        if self._interrupted:
+            raise ChannelClosed(f"receiving from {self.name} was interrupted")
+
+    def interrupt(self) -> None:
+        """From another thread: make a blocked or later ``recv`` raise ChannelClosed."""
+        self._interrupted = True
+        self.receivers[0].data_bell.ring()
+
+    def _sleep(self, timeout: float) -> None:
+        self._sleeper.sleep(timeout, [r.peer for r in self.receivers])
 
 
 @dataclass(frozen=True)
@@ -300,6 +309,8 @@ class Duplex:
         self.receiver = receiver
         self.spec = spec
         receiver.partner = sender
+        # One watch for both directions: what one end sees of the peer, the other knows.
+        self.peer = sender.peer = receiver.peer = PeerWatch()
 
     @classmethod
     def create(cls, capacity: int = 1 << 22, **endpoint_options: float) -> tuple[Duplex, ChannelSpec]:
@@ -348,10 +359,17 @@ class Duplex:
         )
         return cls(sender, receiver, spec)
 
-    def set_peer_alive(self, alive: Callable[[], bool] | None, sentinel: int | None = None) -> None:
-        """Liveness of the other process, for both directions (see ``_Endpoint.set_peer``)."""
-        self.sender.set_peer(alive, sentinel)
-        self.receiver.set_peer(alive, sentinel)
+    def set_peer(self, alive: Callable[[], bool] | None, sentinel: int | None = None) -> None:
+        """Liveness of the other process, for both directions (see ``PeerWatch``)."""
+        self.peer.set(alive, sentinel)
+
+    def peer_attached(self, timeout: float) -> None:
+        """Creator side, once the attacher said hello: drop every name (``unlink``)."""
+        self.unlink()
+
+    def async_ends(self) -> tuple[AsyncSender, AsyncReceiver]:
+        """Event-loop ends over this duplex (see ``shm.aio``)."""
+        return AsyncSender(self.sender), AsyncReceiver(self.receiver)
 
     def unlink(self) -> None:
         """Remove every name (segments, FIFOs, their directory). Call it once both sides

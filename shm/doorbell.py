@@ -14,9 +14,6 @@ a full FIFO (EAGAIN) simply means it has already been rung.
 from __future__ import annotations
 
 import os
-import select
-
-_POLLIN = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
 
 
 class Doorbell:
@@ -25,8 +22,6 @@ class Doorbell:
     def __init__(self, path: str, fd: int) -> None:
         self.path = path
         self._fd = fd
-        self._poller = select.poll()
-        self._poller.register(fd, _POLLIN)
 
     @classmethod
     def create(cls, directory: str, name: str) -> Doorbell:
@@ -47,11 +42,6 @@ class Doorbell:
             os.write(self._fd, b"\0")
         except BlockingIOError:
             pass  # the FIFO is full: it has been rung plenty
-
-    def wait(self, timeout: float | None) -> bool:
-        """Block until rung or ``timeout`` seconds pass (None: forever); True if rung."""
-        ms = None if timeout is None else max(0, int(timeout * 1000 + 0.999))
-        return bool(self._poller.poll(ms))
 
     def drain(self) -> None:
         """Consume pending rings, so that the next wait blocks."""

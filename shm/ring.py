@@ -37,7 +37,7 @@ CPython zero-fills the target before writing the value, and the peer can read
 that transient 0 (seen here as ring corruption under load). The counters are
 therefore read and written as items of a ``memoryview`` cast to native "Q",
 which CPython copies with one fixed-size 8-byte memcpy, i.e. one aligned move
-(and is faster than struct, ~100 ns here). The one reordering TSO
+(and is faster than struct). The one reordering TSO
 allows is a store followed by a load of another location, which is exactly the
 "set my sleeping flag, then re-check the counter" / "publish the counter, then
 check the sleeping flag" handshake; both sides put a full fence there. Pure
@@ -79,8 +79,7 @@ _CONT = 1 << 30  # this record continues a chunked message (no frame table)
 _NFRAMES = (1 << 24) - 1
 
 _U32 = struct.Struct("I")
-_U32X2 = struct.Struct("II")
-_REC = struct.Struct("II")
+_U32X2 = struct.Struct("II")  # a record header: body length, info; or two frame lengths
 
 _WEAK_MEMORY = platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686")
 
@@ -255,7 +254,7 @@ class ShmRing:
             if tail + need - self._head_cache > self.capacity:
                 return False
         if rec > room:
-            _REC.pack_into(mm, _DATA + pos, _WRAP, 0)
+            _U32X2.pack_into(mm, _DATA + pos, _WRAP, 0)
             tail += room
             pos = 0
         off = _DATA + pos
@@ -303,7 +302,7 @@ class ShmRing:
                     return False
             off = _DATA + pos
             if room < header + 8:
-                _REC.pack_into(mm, off, _WRAP, 0)
+                _U32X2.pack_into(mm, off, _WRAP, 0)
                 tail += room
             else:
                 payload = min(st.remaining, need - header)
@@ -315,7 +314,7 @@ class ShmRing:
                     )
                     st.first = False
                 else:
-                    _REC.pack_into(mm, off, payload, flags | _CONT)
+                    _U32X2.pack_into(mm, off, payload, flags | _CONT)
                 self._copy_payload(st, off + header, payload)
                 tail += _pad8(header + payload)
                 if last:
@@ -367,11 +366,6 @@ class ShmRing:
         self._space_seq += 1
         self._counters[_SPACE_SEQ] = self._space_seq
 
-    @property
-    def write_pending(self) -> bool:
-        """True while a chunked message is half written."""
-        return self._pending is not None
-
     # --------------------------------------------------------------- consumer
 
     def try_read(self) -> list[bytes] | None:
@@ -387,7 +381,7 @@ class ShmRing:
                     return None
             pos = head & self._mask
             off = _DATA + pos
-            body, info = _REC.unpack_from(mm, off)
+            body, info = _U32X2.unpack_from(mm, off)
             if body == _WRAP:
                 self._publish_head(head + self.capacity - pos)
                 continue

@@ -28,12 +28,13 @@ from __future__ import annotations
 import struct
 import sys
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 import numpy as np
 
 from shm.cuda_ipc import CudaIpcExporter, CudaIpcImporter
+from shm.ring import Frame
 from shm.tensors import PoolHandle, TensorPoolReader, TensorPoolWriter
 
 INLINE_THRESHOLD = 256
@@ -43,7 +44,6 @@ EXT_CUDA_IPC = 3
 
 _POOL_HANDLE = struct.Struct("<QQ")  # offset, nbytes
 
-FrameOut = Union[bytes, bytearray, memoryview]
 
 
 class MsgpackEncoder:
@@ -64,9 +64,9 @@ class MsgpackEncoder:
         self.pool = pool
         self.cuda_ipc = cuda_ipc
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
-        self._aux: list[FrameOut] | None = None
+        self._aux: list[Frame] | None = None
 
-    def encode(self, obj: Any) -> list[FrameOut]:
+    def encode(self, obj: Any) -> list[Frame]:
         """A fresh ``bytes`` main frame followed by aux frames (memoryviews of the tensors)."""
         self._aux = frames = [b""]
         try:
@@ -75,7 +75,7 @@ class MsgpackEncoder:
             self._aux = None
         return frames
 
-    def encode_into(self, obj: Any, buf: bytearray) -> list[FrameOut]:
+    def encode_into(self, obj: Any, buf: bytearray) -> list[Frame]:
         """Like ``encode`` but the main frame is ``buf`` (resized), saving an allocation.
         The caller must not reuse ``buf`` until the frames have been sent."""
         self._aux = frames = [buf]
@@ -126,7 +126,7 @@ class MsgpackEncoder:
         return len(aux) - 1
 
 
-def _check_size(shape: list, itemsize: int, buf: FrameOut) -> None:
+def _check_size(shape: list, itemsize: int, buf: Frame) -> None:
     """Reject headers that disagree with their data (before anything is allocated)."""
     count = 1
     for dim in shape:
@@ -155,9 +155,9 @@ class MsgpackDecoder:
         self._decoder = msgspec.msgpack.Decoder(type, dec_hook=self._dec_hook)
         self.pool = pool
         self.cuda_ipc = cuda_ipc
-        self._frames: Sequence[FrameOut] = ()
+        self._frames: Sequence[Frame] = ()
 
-    def decode(self, frames: Sequence[FrameOut]) -> Any:
+    def decode(self, frames: Sequence[Frame]) -> Any:
         self._frames = frames
         try:
             return self._decoder.decode(frames[0])

@@ -1,17 +1,16 @@
 """The ZeroMQ baseline: vLLM V1's socket pattern behind the channel interface.
 
 It exists so that the shared-memory rings can be measured against what they
-replace, in the same binary (``--transport zmq``). The pattern is the seeds':
+replace, in the same binary (``--transport zmq``). The pattern is vLLM V1's:
 requests go from a ROUTER (creator, the frontend) to a DEALER (attacher, the
 engine, routing id = engine index), outputs from a PUSH (engine) to a PULL
 (frontend); every message is one multipart message; tensors travel as aux
 frames (no out-of-band tier). Both sockets are ``ipc://`` endpoints in a
 private directory whose names are removed once the engine has connected.
 
-The surface mirrors ``shm.channel`` (``Duplex.create/attach``, ``sender.send``,
-``receiver.recv``, ``set_peer_alive``, ``unlink``, ``close``) and
-``shm.aio`` (``AsyncSender``/``AsyncReceiver``), so the engine and clients
-run unchanged over either. Waiting uses ``zmq.Poller`` with the peer's
+``ZmqDuplex`` implements ``shm.interface.Channel`` like the rings' ``Duplex``,
+so the engine and clients run unchanged over either. Waiting follows
+``shm.waiting``'s policy; a sleep is a ``zmq.Poller`` poll with the peer's
 sentinel fd beside the socket, so a dead peer is noticed at once.
 """
 
@@ -26,16 +25,13 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from shm.channel import DEFAULT_POLL_INTERVAL_S, ChannelClosed, PeerDeadError
+from shm.channel import DEFAULT_POLL_INTERVAL_S
 from shm.ring import Frame
+from shm.waiting import ChannelClosed, PeerWatch, drive_async, drive_blocking, wait_steps
 
 ENGINE_IDENTITY = (0).to_bytes(2, "little")  # engine index 0, as vLLM encodes it
 _REGISTER = b""  # the DEALER's first message: lets the ROUTER learn its routing id
 _COPY_THRESHOLD = 64 * 1024  # below this zmq copies frames, as pyzmq advises
-
-
-def _always_alive() -> bool:
-    return True
 
 
 @dataclass(frozen=True)
@@ -48,48 +44,56 @@ class ZmqChannelSpec:
 
 
 class _End:
-    """One socket plus the liveness of the process at the other end."""
+    """One socket plus the liveness of the process at the other end.
 
-    def __init__(self, socket: zmq.Socket, poll_interval: float) -> None:
+    It is a ``shm.waiting.Waiter`` with nothing to announce: zmq's own I/O
+    thread wakes a poller, so a sleep is a poll on the socket and the peer's
+    sentinel, and there is no spin (zmq's latency is far above a spin's).
+    """
+
+    def __init__(self, socket: zmq.Socket, poll_interval: float, event: int) -> None:
         self.socket = socket
         self.poll_interval = poll_interval
-        self.waits_for_space = 0
-        self._alive: Callable[[], bool] = _always_alive
-        self._sentinel: int | None = None
-        self._sentinel_fired = False
+        self.name = "the zmq channel"
+        self.peer = PeerWatch()
+        self._event = event
 
-    def set_peer(self, alive: Callable[[], bool] | None, sentinel: int | None) -> None:
-        self._alive = alive or _always_alive
-        self._sentinel = sentinel
-        self._sentinel_fired = False
+    def begin_wait(self) -> None:
+        pass
+
+    def end_wait(self) -> None:
+        pass
+
+    def check_open(self) -> None:
+        pass
 
     def peer_alive(self) -> bool:
-        return not self._sentinel_fired and self._alive()
+        return self.peer.alive()
 
-    def _wait(self, event: int, timeout: float) -> bool:
-        """Poll the socket for ``event`` and the sentinel; True if the socket is ready."""
+    def _sleep(self, timeout: float) -> None:
+        """Poll the socket for this end's event and the sentinel."""
         poller = zmq.Poller()
-        poller.register(self.socket, event)
-        if self._sentinel is not None:
-            poller.register(self._sentinel, zmq.POLLIN)
+        poller.register(self.socket, self._event)
+        sentinel = self.peer.sentinel
+        if sentinel is not None:
+            poller.register(sentinel, zmq.POLLIN)
         ready = dict(poller.poll(max(0, int(timeout * 1000 + 0.999))))
-        if self._sentinel is not None and ready.get(self._sentinel):
-            self._sentinel_fired = True
-        return bool(ready.get(self.socket, 0) & event)
+        if sentinel is not None and ready.get(sentinel):
+            self.peer.fired = True
 
-    def _budget(self, deadline: float | None) -> float:
-        if deadline is None:
-            return self.poll_interval
-        return min(self.poll_interval, deadline - time.monotonic())
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
 
 
 class ZmqSender(_End):
     """Sends multipart messages; on a ROUTER every message is addressed to ``identity``."""
 
     def __init__(self, socket: zmq.Socket, poll_interval: float, identity: bytes | None) -> None:
-        super().__init__(socket, poll_interval)
+        super().__init__(socket, poll_interval, zmq.POLLOUT)
         self.identity = identity
         self.registered = identity is None
+        self.waits_for_space = 0
 
     def frames_out(self, frames: Sequence[Frame]) -> list:
         out = list(frames)
@@ -105,22 +109,26 @@ class ZmqSender(_End):
     def send(self, frames: Sequence[Frame], timeout: float | None = None) -> None:
         if self.try_send(frames):
             return
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            budget = self._budget(deadline)
-            if budget <= 0:
-                raise TimeoutError(f"zmq socket stayed full for {timeout} s")
-            self.waits_for_space += 1
-            if self._wait(zmq.POLLOUT, budget) and self.try_send(frames):
-                return
-            if not self.peer_alive():
-                raise PeerDeadError("peer of the zmq channel is gone while sending")
+        steps = wait_steps(lambda: self.try_send(frames) or None, self, 0.0, _deadline(timeout))
+        if drive_blocking(steps, self.sleep_for_space) is None:
+            raise TimeoutError(f"zmq socket stayed full for {timeout} s")
+
+    def sleep_for_space(self, timeout: float) -> None:
+        self.waits_for_space += 1
+        self._sleep(timeout)
 
 
 class ZmqReceiver(_End):
     """Receives multipart messages."""
 
     _interrupted = False
+
+    def __init__(self, socket: zmq.Socket, poll_interval: float) -> None:
+        super().__init__(socket, poll_interval, zmq.POLLIN)
+
+    def check_open(self) -> None:
+        if self._interrupted:
+            raise ChannelClosed("receiving from the zmq channel was interrupted")
 
     def interrupt(self) -> None:
         """From another thread: a blocked ``recv`` raises ChannelClosed within one poll
@@ -138,22 +146,7 @@ class ZmqReceiver(_End):
         frames = self.try_recv()
         if frames is not None:
             return frames
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            budget = self._budget(deadline)
-            if budget <= 0:
-                return None
-            if self._wait(zmq.POLLIN, budget):
-                frames = self.try_recv()
-                if frames is not None:
-                    return frames
-            if self._interrupted:
-                raise ChannelClosed("receiving from the zmq channel was interrupted")
-            if not self.peer_alive():
-                frames = self.try_recv()
-                if frames is not None:
-                    return frames
-                raise PeerDeadError("peer of the zmq channel is gone")
+        return drive_blocking(wait_steps(self.try_recv, self, 0.0, _deadline(timeout)), self._sleep)
 
 
 def _copy(frames: Sequence[Frame]) -> bool:
@@ -176,6 +169,7 @@ class ZmqDuplex:
         self.sender = sender
         self.receiver = receiver
         self.spec = spec
+        self.peer = sender.peer = receiver.peer = PeerWatch()
 
     @classmethod
     def create(
@@ -212,23 +206,27 @@ class ZmqDuplex:
         push.connect(spec.output_address)
         return cls(context, ZmqSender(push, poll_interval, identity=None), ZmqReceiver(dealer, poll_interval), spec)
 
-    def wait_registered(self, timeout: float) -> None:
-        """Creator side: block until the engine's DEALER has announced itself."""
+    def peer_attached(self, timeout: float) -> None:
+        """Creator side, once the engine said hello: wait until its DEALER has
+        announced itself (the ROUTER cannot address it before), then remove the
+        socket files."""
         sender = self.sender
-        if sender.registered:
-            return
-        receiver = ZmqReceiver(sender.socket, self.receiver.poll_interval)
-        receiver.set_peer(sender._alive, sender._sentinel)
-        parts = receiver.recv(timeout)
-        if parts is None:
-            raise TimeoutError("the engine's DEALER did not register in time")
-        if parts[0] != ENGINE_IDENTITY:
-            raise RuntimeError(f"unexpected zmq peer {parts[0]!r}")
-        sender.registered = True
+        if not sender.registered:
+            registration = ZmqReceiver(sender.socket, self.receiver.poll_interval)
+            registration.peer = self.peer
+            parts = registration.recv(timeout)
+            if parts is None:
+                raise TimeoutError("the engine's DEALER did not register in time")
+            if parts[0] != ENGINE_IDENTITY:
+                raise RuntimeError(f"unexpected zmq peer {parts[0]!r}")
+            sender.registered = True
+        self.unlink()
 
-    def set_peer_alive(self, alive: Callable[[], bool] | None, sentinel: int | None = None) -> None:
-        self.sender.set_peer(alive, sentinel)
-        self.receiver.set_peer(alive, sentinel)
+    def set_peer(self, alive: Callable[[], bool] | None, sentinel: int | None = None) -> None:
+        self.peer.set(alive, sentinel)
+
+    def async_ends(self) -> tuple[ZmqAsyncSender, ZmqAsyncReceiver]:
+        return ZmqAsyncSender(self.sender), ZmqAsyncReceiver(self.receiver)
 
     def unlink(self) -> None:
         """Remove the ipc socket files (connections already made keep working)."""
@@ -244,22 +242,19 @@ class ZmqDuplex:
 class ZmqAsyncReceiver:
     """``await recv()`` over a shadow asyncio socket; never blocks the loop."""
 
-    def __init__(self, receiver: ZmqReceiver, liveness_interval: float = 0.5) -> None:
+    def __init__(self, receiver: ZmqReceiver) -> None:
         self._receiver = receiver
         self._socket = zmq.asyncio.Socket.from_socket(receiver.socket)
-        self.liveness_interval = liveness_interval
 
     async def recv(self) -> list:
-        while True:
-            frames = self._receiver.try_recv()
-            if frames is not None:
-                return frames
-            events = await self._socket.poll(int(self.liveness_interval * 1000), zmq.POLLIN)
-            if not events and not self._receiver.peer_alive():
-                frames = self._receiver.try_recv()
-                if frames is not None:
-                    return frames
-                raise PeerDeadError("peer of the zmq channel is gone")
+        receiver = self._receiver
+        frames = receiver.try_recv()
+        if frames is not None:
+            return frames
+        return await drive_async(wait_steps(receiver.try_recv, receiver, 0.0), self._poll)
+
+    async def _poll(self, timeout: float) -> None:
+        await self._socket.poll(int(timeout * 1000 + 0.999), zmq.POLLIN)
 
     def close(self) -> None:
         """Unregister from the loop; this also closes the shadowed socket (shutdown only)."""
@@ -269,18 +264,19 @@ class ZmqAsyncReceiver:
 class ZmqAsyncSender:
     """``await send(frames)``; waits for POLLOUT when the peer is slow."""
 
-    def __init__(self, sender: ZmqSender, liveness_interval: float = 0.5) -> None:
+    def __init__(self, sender: ZmqSender) -> None:
         self._sender = sender
         self._socket = zmq.asyncio.Socket.from_socket(sender.socket)
-        self.liveness_interval = liveness_interval
 
     async def send(self, frames: Sequence[Frame]) -> None:
         sender = self._sender
-        while not sender.try_send(frames):
-            sender.waits_for_space += 1
-            events = await self._socket.poll(int(self.liveness_interval * 1000), zmq.POLLOUT)
-            if not events and not sender.peer_alive():
-                raise PeerDeadError("peer of the zmq channel is gone while sending")
+        if sender.try_send(frames):
+            return
+        await drive_async(wait_steps(lambda: sender.try_send(frames) or None, sender, 0.0), self._poll)
+
+    async def _poll(self, timeout: float) -> None:
+        self._sender.waits_for_space += 1
+        await self._socket.poll(int(timeout * 1000 + 0.999), zmq.POLLOUT)
 
     def close(self) -> None:
         """Unregister from the loop; this also closes the shadowed socket (shutdown only)."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,8 +15,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from bench.server import REPO, ManagedServer  # noqa: E402 (after the Triton switch)
-from shm.tensors import TensorPool, TensorPoolReader, TensorPoolWriter  # noqa: E402
+from app.launcher import REPO  # noqa: E402 (after the Triton switch)
+from tests.support.engines import MAX_NEW, hf_greedy, shared_prefix_prompts, tiny_config  # noqa: E402
+from tests.support.servers import Server, start_server, stop_server  # noqa: E402
 
 STORIES_DIR = REPO.parent / "shared" / "models" / "stories260K"
 
@@ -50,57 +49,33 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def llama(tmp_path_factory: pytest.TempPathFactory):
+    """A seeded tiny Llama saved by transformers: (the transformers model, its directory)."""
+    import transformers
+
+    from core.models.default_model import write_tokenizer
+
+    torch.manual_seed(4321)
+    model = transformers.LlamaForCausalLM(tiny_config("llama")).eval().float()
+    path = tmp_path_factory.mktemp("llama-features")
+    model.save_pretrained(path)
+    write_tokenizer(path)
+    return model, str(path)
+
+
+@pytest.fixture(scope="session")
+def reference(llama):
+    """transformers' greedy continuation of every shared-prefix prompt."""
+    model, _ = llama
+    prompts = shared_prefix_prompts(model.config.vocab_size)
+    return prompts, [hf_greedy(model, p, MAX_NEW) for p in prompts]
+
+
+@pytest.fixture(scope="session")
 def stories_dir() -> str:
     if not (STORIES_DIR / "config.json").exists():
         pytest.skip(f"{STORIES_DIR} is absent (../shared/models not beside the repo)")
     return str(STORIES_DIR)
-
-
-class Server(ManagedServer):
-    """A real ``python -m app`` subprocess (bench's launcher) plus what tests look at."""
-
-    def engine_pid(self) -> int:
-        """The spawned EngineCore: the server's child running multiprocessing's spawn_main."""
-        assert self.proc is not None
-        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
-        for pid in children:
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-            except FileNotFoundError:
-                continue
-            if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-                return int(pid)
-        raise AssertionError(f"no EngineCore child among {children}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-def start_server(args: list[str], log_path: Path, timeout: float = 120.0) -> Server:
-    server = Server(args, log_path, timeout)
-    try:
-        return server.start()
-    except BaseException:
-        server.stop()
-        raise
-
-
-def stop_server(server: Server) -> None:
-    server.stop()
-
-
-@contextlib.contextmanager
-def tensor_pool_pair(capacity: int) -> Iterator[tuple[TensorPoolWriter, TensorPoolReader]]:
-    """A producer's and a consumer's view of one pool, as two processes would hold them."""
-    pool = TensorPool.create(capacity)
-    peer = TensorPool.attach(pool.name)
-    pool.unlink()
-    try:
-        yield TensorPoolWriter(pool), TensorPoolReader(peer)
-    finally:
-        gc.collect()
-        peer.close()
-        pool.close()
 
 
 @pytest.fixture

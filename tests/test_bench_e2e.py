@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.__main__ import main as bench_main
-from tests.conftest import REPO
+from app.launcher import REPO
 
 pytestmark = pytest.mark.slow
 

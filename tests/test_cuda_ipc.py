@@ -19,7 +19,7 @@ from shm.channel import ChannelSpec, Duplex
 from shm.cuda_ipc import CudaIpcExporter, CudaIpcImporter
 from shm.serial import MsgpackDecoder, MsgpackEncoder
 from shm.tensors import TensorPool, TensorPoolReader, TensorPoolWriter
-from tests.conftest import tensor_pool_pair
+from tests.support.pools import tensor_pool_pair
 
 SHARED = (0, b"\x01" * 64, 4096, 512, b"/torch_ipc_refcount", 7, b"\x02" * 64, True)
 
@@ -155,7 +155,7 @@ def _gpu_consumer(spec: ChannelSpec, pool_name: str) -> None:
     """Decode CUDA tensors by IPC and send back their host copies."""
     duplex = Duplex.attach(spec)
     ppid = os.getppid()
-    duplex.set_peer_alive(lambda: os.getppid() == ppid, sentinel=os.pidfd_open(ppid))
+    duplex.set_peer(lambda: os.getppid() == ppid, sentinel=os.pidfd_open(ppid))
     pool = TensorPool.attach(pool_name)
     decoder = MsgpackDecoder(torch.Tensor, cuda_ipc=CudaIpcImporter(TensorPoolReader(pool)))
     encoder = MsgpackEncoder()
@@ -178,7 +178,7 @@ def test_cuda_tensors_cross_processes_by_ipc_and_are_released():
     proc = multiprocessing.get_context("spawn").Process(target=_gpu_consumer, args=(spec, pool.name), daemon=True)
     proc.start()
     try:
-        duplex.set_peer_alive(proc.is_alive, proc.sentinel)
+        duplex.set_peer(proc.is_alive, proc.sentinel)
         assert duplex.receiver.recv(timeout=120) == [b"HELLO"]
         duplex.unlink()
         pool.unlink()

@@ -24,7 +24,7 @@ TRANSPORTS = ["shm", "zmq"]
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def server(request, default_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
-    from tests.conftest import start_server, stop_server
+    from tests.support.servers import start_server, stop_server
 
     srv = start_server(
         ["--model", default_model_dir, "--served-model-name", "ringllm-default", *SERVER_ARGS,

@@ -11,26 +11,12 @@ import torch
 import transformers
 
 from app.llm import LLM
-from core.models.default_model import MODEL_CONFIG, write_tokenizer
+from core.models.default_model import write_tokenizer
 from core.protocol import SamplingParams
+from tests.support.engines import hf_greedy, tiny_config
 
 PROMPT_LENGTHS = [3, 17, 40, 9, 64]
 MAX_NEW = 12
-
-
-def _tiny_config(arch: str) -> transformers.PretrainedConfig:
-    common = dict(
-        vocab_size=MODEL_CONFIG["vocab_size"] + 3, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        rms_norm_eps=1e-6, tie_word_embeddings=False,
-    )
-    if arch == "llama":
-        return transformers.LlamaConfig(**common, rope_theta=500000.0)
-    if arch == "qwen2":
-        return transformers.Qwen2Config(**common, rope_theta=10000.0)
-    if arch == "qwen3":
-        return transformers.Qwen3Config(**{**common, "tie_word_embeddings": True}, head_dim=32)
-    raise ValueError(arch)
 
 
 MODEL_CLASSES = {
@@ -43,7 +29,7 @@ MODEL_CLASSES = {
 @pytest.fixture(scope="module", params=list(MODEL_CLASSES))
 def hf_model(request, tmp_path_factory):
     torch.manual_seed(1234)
-    config = _tiny_config(request.param)
+    config = tiny_config(request.param)
     model = getattr(transformers, MODEL_CLASSES[request.param])(config).eval().float()
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
@@ -54,15 +40,6 @@ def hf_model(request, tmp_path_factory):
 def _prompts(vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(7)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
-
-
-def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new,
-            do_sample=False, eos_token_id=None, pad_token_id=0,
-        )
-    return out[0, len(prompt):].tolist()
 
 
 def _our_greedy(path: str, prompts: list[list[int]], **engine_args) -> tuple[list[list[int]], int]:
@@ -90,7 +67,7 @@ def _our_greedy(path: str, prompts: list[list[int]], **engine_args) -> tuple[lis
 def test_greedy_matches_transformers(hf_model, engine_args) -> None:
     model, path = hf_model
     prompts = _prompts(model.config.vocab_size)
-    expected = [_hf_greedy(model, p, MAX_NEW) for p in prompts]
+    expected = [hf_greedy(model, p, MAX_NEW) for p in prompts]
     tokens, preemptions = _our_greedy(path, prompts, **engine_args)
     assert tokens == expected
     assert (preemptions > 0) == ("num_gpu_blocks_override" in engine_args)

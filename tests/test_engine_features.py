@@ -8,70 +8,12 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
-import transformers
 
 from app.llm import LLM
 from core.client import InprocClient
 from core.config import EngineConfig
-from core.models.default_model import write_tokenizer
 from core.protocol import EngineCoreRequest, FinishReason, SamplingParams
-from tests.test_engine_equivalence import _hf_greedy, _tiny_config
-
-MAX_NEW = 12
-BASE = dict(dtype="float32", device="cpu", block_size=4, max_num_seqs=8, max_model_len=128)
-CHUNKED = dict(max_num_batched_tokens=32)  # splits every long prompt into chunks
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    torch.manual_seed(4321)
-    model = transformers.LlamaForCausalLM(_tiny_config("llama")).eval().float()
-    path = tmp_path_factory.mktemp("llama-features")
-    model.save_pretrained(path)
-    write_tokenizer(path)
-    return model, str(path)
-
-
-def shared_prefix_prompts(vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(11)
-    rand = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
-    prefix = rand(44)
-    return [
-        prefix + rand(5),
-        prefix + rand(11),
-        prefix[:32],  # exactly 8 blocks: cached whole, its last block is recomputed
-        prefix[:20] + rand(7),  # diverges inside block 5
-        rand(30),  # unrelated
-        prefix + rand(2),
-    ]
-
-
-def greedy(max_tokens: int = MAX_NEW, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
-
-
-def generate(path: str, prompts, params=None, passes: int = 1, **engine_args):
-    """Results of each pass over the same prompts, and the scheduler afterwards."""
-    llm = LLM(path, **{**BASE, **engine_args})
-    try:
-        results = [llm.generate(prompts, params or greedy()) for _ in range(passes)]
-        return results, llm.engine.engine_core.scheduler
-    finally:
-        llm.shutdown()
-
-
-def tokens(results) -> list[list[int]]:
-    return [r.token_ids for r in results]
-
-
-@pytest.fixture(scope="module")
-def reference(llama):
-    """transformers' greedy continuation of every shared-prefix prompt."""
-    model, _ = llama
-    prompts = shared_prefix_prompts(model.config.vocab_size)
-    return prompts, [_hf_greedy(model, p, MAX_NEW) for p in prompts]
-
+from tests.support.engines import BASE, CHUNKED, MAX_NEW, generate, greedy, tokens
 
 def test_prefix_caching_on_and_off_give_identical_greedy_outputs(llama, reference) -> None:
     _, path = llama

@@ -16,15 +16,7 @@ from core.client import SyncMPClient
 from core.config import EngineConfig
 from core.protocol import EngineCoreRequest, SamplingParams
 from core.worker.cuda_graphs import DecodeGraphs
-from tests.test_engine_features import (  # noqa: F401
-    BASE,
-    CHUNKED,
-    generate,
-    greedy,
-    llama,
-    reference,
-    tokens,
-)
+from tests.support.engines import BASE, CHUNKED, generate, greedy, tokens
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -34,11 +34,14 @@ def test_measuring_code_runs_on_cpu_with_tiny_shapes():
     assert "prefill" in gpu_bench.format_table(results)
 
 
-def test_spawned_engine_decode_timing_runs(tmp_path):
+def test_spawned_engine_decodes_whole_batches_and_times_them(tmp_path):
     args = gpu_bench.BenchArgs(
         shape="tiny", dtype="float32", device="cpu", batch_sizes=[2, 1], decode_prompt_len=8, decode_steps=3,
         max_num_batched_tokens=64, max_model_len=128,
     )
     model_dir = gpu_bench.write_model_dir(tmp_path / "tiny", "tiny", 128, "float32")
-    step_ms = gpu_bench.measure_mp_decode(model_dir, args, enforce_eager=True, vocab=512)
-    assert set(step_ms) == {1, 2} and min(step_ms.values()) > 0
+    timings = gpu_bench.measure_mp_decode(model_dir, args, enforce_eager=True, vocab=512)
+    assert set(timings) == {1, 2}
+    for batch, timing in timings.items():
+        assert timing["tokens_per_step"] == batch  # each timed step decoded every request of the batch
+        assert timing["step_ms"] > 0

@@ -103,8 +103,18 @@ def test_paged_attention_matches_dense_random_batches(reqs, kv_heads, group, blo
     run_case([q for q, _ in reqs], [c for _, c in reqs], kv_heads, group, 8, block_size, seed)
 
 
-def test_dispatch_uses_torch_path_on_cpu():
+def test_dispatch_uses_torch_path_on_cpu(monkeypatch):
+    """CPU tensors go to the torch kernels (and give their results), never to Triton."""
+    calls = []
+    torch_attention = torch_ref.paged_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].device)
+        return torch_attention(*args, **kwargs)
+
+    monkeypatch.setattr(torch_ref, "paged_attention", counted)
     run_case([4, 1, 1], [3, 8, 2], 2, 2, 16, 4, attention=kernels.paged_attention)
+    assert calls == [torch.device("cpu")]
 
 
 def test_write_kv_cache_scatters_and_skips_padding_slots():

@@ -14,7 +14,7 @@ from core.kv.block_pool import (
 )
 from core.kv.kv_cache_manager import KVCacheManager
 from core.protocol import SamplingParams
-from core.sched.request import Request
+from core.request import Request
 
 
 def ids(blocks: list[KVCacheBlock]) -> list[int]:

@@ -23,7 +23,7 @@ from core.protocol import (
     FinishReason,
     SamplingParams,
 )
-from tests.test_detokenizer import build_byte_level_tokenizer
+from tests.support.tokenizers import build_byte_level_tokenizer
 
 TEXT = " The cat sat on the mat. The end came soon after, and then more text."
 

@@ -9,8 +9,8 @@ from core.kv.block_hash import NONE_HASH, RequestBlockHasher, hash_block_tokens
 from core.kv.block_pool import BlockPool
 from core.kv.kv_cache_manager import KVCacheManager
 from core.protocol import EngineCoreEventType, SamplingParams
-from core.sched.request import Request, RequestStatus
-from tests.test_scheduler import Harness, expected_outputs, make_config
+from core.request import Request, RequestStatus
+from tests.support.scheduler_harness import Harness, expected_outputs, make_config
 
 BS = 4
 

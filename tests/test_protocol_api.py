@@ -1,10 +1,11 @@
-"""The HTTP layer (server, serving, protocol, CLI) over a scripted fake engine.
+"""The HTTP layer (server, serving, protocol, CLI) over the real engine, in process.
 
-The fake engine uses the real InputProcessor and OutputProcessor but invents
-its tokens, so these tests need no EngineCore process; the app is served by
-a real hypercorn in the test's event loop and driven with httpx and the
-official openai client (end-to-end tests with the real engine live in
-test_e2e_server.py).
+The engine is the real AsyncLLM with its EngineCore stepped on the test's
+event loop (``AsyncInprocClient``: everything but the IPC, which
+test_e2e_server.py covers with a spawned engine process). The model is
+stories260K, so every expected text comes from transformers' own greedy
+generation on the same checkpoint. The app is served by a real hypercorn and
+driven with httpx and the official openai client.
 """
 
 from __future__ import annotations
@@ -18,25 +19,19 @@ import httpx
 import msgspec
 import openai
 import pytest
+import torch
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
+from app.async_llm import AsyncLLM
 from app.cli import build_engine_config, load_chat_template, parse_args, parse_size
-from app.input_processor import InputProcessor
-from app.output_processor import OutputProcessor, RequestOutput, RequestOutputCollector
+from app.output_processor import RequestOutput
 from app.server import build_app
-from core.protocol import (
-    EngineCoreOutput,
-    EngineCoreRequest,
-    EngineDeadError,
-    FinishReason,
-    SchedulerStats,
-)
-from tests.test_detokenizer import build_byte_level_tokenizer
+from core.config import EngineConfig
+from core.worker.model_runner import FAIL_AFTER_STEPS_ENV
 
-MODEL = "fake-model"
+MODEL = "stories"
 MAX_MODEL_LEN = 64
-CONTINUATION = " the cat sat on the mat, 猫咪很可爱 and then it slept."
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -44,74 +39,38 @@ CHAT_TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    tok = build_byte_level_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
+def oracle(stories_dir):
+    """transformers' greedy continuation of a token prompt, as text and as ids."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(stories_dir).float().eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(stories_dir)
+
+    def greedy(prompt_ids: list[int], n: int) -> tuple[str, list[int]]:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )
+        ids = out[0, len(prompt_ids):].tolist()
+        return tokenizer.decode(prompt_ids + ids)[len(tokenizer.decode(prompt_ids)):], ids
+
+    greedy.tokenizer = tokenizer
+    return greedy
 
 
-class FakeEngine:
-    """Generates CONTINUATION's tokens over and over, one per step.
+@pytest.fixture
+def tokenizer(oracle):
+    return oracle.tokenizer
 
-    ``die_after`` makes it raise EngineDeadError after that many steps (and
-    report itself dead); ``step_delay`` slows it down for disconnect tests.
-    """
 
-    def __init__(self, tokenizer, die_after: int | None = None, step_delay: float = 0.0) -> None:
-        self.input_processor = InputProcessor(tokenizer, MAX_MODEL_LEN)
-        self.output_processor = OutputProcessor(tokenizer)
-        self.chat_template = None
-        self.script = tokenizer.encode(CONTINUATION, add_special_tokens=False)
-        self.die_after = die_after
-        self.step_delay = step_delay
-        self.is_dead = False
-        self.requests: list[EngineCoreRequest] = []
-        self.aborted: list[str] = []
-        self.abort_seen = asyncio.Event()
-
-    async def generate(self, request: EngineCoreRequest):
-        collector = RequestOutputCollector()
-        self.output_processor.add_request(request, collector)
-        self.requests.append(request)
-        finished = False
-        try:
-            for step in range(request.sampling_params.max_tokens):
-                await asyncio.sleep(self.step_delay)
-                if self.die_after is not None and step >= self.die_after:
-                    self.is_dead = True
-                    self.output_processor.propagate_error(EngineDeadError("the fake engine died"))
-                else:
-                    last = step == request.sampling_params.max_tokens - 1
-                    token = self.script[step % len(self.script)]
-                    eco = EngineCoreOutput(
-                        request_id=request.request_id,
-                        new_token_ids=[token],
-                        finish_reason=FinishReason.LENGTH if last else None,
-                    )
-                    for rid in self.output_processor.process_outputs([eco]):
-                        self.aborted.append(rid)  # stopped by a stop string
-                out = collector.get_nowait()
-                if out is not None:
-                    finished = out.finished
-                    yield out
-                    if finished:
-                        return
-        finally:
-            if not finished:
-                await self.abort(request.request_id)
-
-    async def abort(self, request_id: str) -> None:
-        self.output_processor.abort_requests([request_id])
-        self.aborted.append(request_id)
-        self.abort_seen.set()
-
-    async def get_scheduler_stats(self):
-        # Over the real wire the struct arrives as a msgpack array.
-        return msgspec.msgpack.decode(msgspec.msgpack.encode(SchedulerStats(num_running_reqs=2, step_counter=9)))
+def make_engine(stories_dir: str, chat_template: str | None = CHAT_TEMPLATE, **engine_args) -> AsyncLLM:
+    args = {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 8, "served_model_name": MODEL, **engine_args}
+    return AsyncLLM(EngineConfig(model=stories_dir, **args), chat_template, in_process=True)
 
 
 @contextlib.asynccontextmanager
-async def running_server(engine: FakeEngine, api_key: str | None = None):
+async def running_server(engine: AsyncLLM, api_key: str | None = None):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -120,36 +79,42 @@ async def running_server(engine: FakeEngine, api_key: str | None = None):
     config.accesslog = None
     config.graceful_timeout = 0.5
     stop = asyncio.Event()
-    app = build_app(engine, MODEL, MAX_MODEL_LEN, api_key=api_key)
+    app = build_app(engine, MODEL, engine.max_model_len, api_key=api_key, chat_template=engine.chat_template)
     task = asyncio.create_task(serve(app, config, shutdown_trigger=stop.wait))
     base = f"http://127.0.0.1:{port}"
-    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-        for _ in range(200):  # until hypercorn listens
-            with contextlib.suppress(httpx.ConnectError):
-                await client.get("/health")
-                break
-            await asyncio.sleep(0.01)
-        try:
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+            for _ in range(200):  # until hypercorn listens
+                with contextlib.suppress(httpx.ConnectError):
+                    await client.get("/health")
+                    break
+                await asyncio.sleep(0.01)
             yield client, base
-        finally:
-            stop.set()
-            await task
+    finally:
+        stop.set()
+        await task
+        engine.shutdown()
 
 
 @pytest.fixture
-async def fake(tokenizer):
-    return FakeEngine(tokenizer)
+async def engine(stories_dir):
+    return make_engine(stories_dir)
 
 
 @pytest.fixture
-async def server(fake):
-    async with running_server(fake) as (client, base):
+async def server(engine):
+    async with running_server(engine) as (client, base):
         yield client, base
 
 
-def expected_text(tokenizer, n: int) -> str:
-    script = tokenizer.encode(CONTINUATION, add_special_tokens=False)
-    return tokenizer.decode([script[i % len(script)] for i in range(n)])
+async def engine_idle(engine: AsyncLLM, timeout: float = 20.0) -> None:
+    """Wait until the EngineCore holds no request (finished or aborted)."""
+    scheduler = engine.engine_core.engine_core.scheduler
+    for _ in range(int(timeout / 0.005)):
+        if not scheduler.has_unfinished_requests():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("the engine still runs requests")
 
 
 def assert_openai_error(response: httpx.Response, status: int, type_: str, needle: str) -> None:
@@ -175,54 +140,60 @@ def chat(**fields):
 # ------------------------------------------------------------------ routes
 
 
-async def test_health_and_models(server, fake) -> None:
+async def test_health_and_models(server) -> None:
     client, _ = server
     assert (await client.get("/health")).status_code == 200
     models = (await client.get("/v1/models")).json()
     assert models["object"] == "list"
     cards = [(m["id"], m["object"], m["max_model_len"]) for m in models["data"]]
     assert cards == [(MODEL, "model", MAX_MODEL_LEN)]
-    fake.is_dead = True
-    assert (await client.get("/health")).status_code == 503
 
 
-async def test_completion_non_stream(server, tokenizer) -> None:
+async def test_completion_non_stream(server, oracle, tokenizer) -> None:
     client, _ = server
-    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Once upon", "max_tokens": 20})
+    body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    r = await client.post("/v1/completions", json=body)
     body = r.json()
     assert r.status_code == 200 and body["object"] == "text_completion" and body["id"].startswith("cmpl-")
     assert body["model"] == MODEL and isinstance(body["created"], int)
     (choice,) = body["choices"]
-    assert choice["text"] == expected_text(tokenizer, 20) and choice["finish_reason"] == "length"
-    prompt_tokens = len(tokenizer.encode("Once upon"))
-    assert body["usage"]["prompt_tokens"] == prompt_tokens
+    prompt_ids = tokenizer.encode("Once upon")
+    assert choice["text"] == oracle(prompt_ids, 20)[0] and choice["finish_reason"] == "length"
+    assert body["usage"]["prompt_tokens"] == len(prompt_ids)
     assert body["usage"]["completion_tokens"] == 20
-    assert body["usage"]["total_tokens"] == prompt_tokens + 20
+    assert body["usage"]["total_tokens"] == len(prompt_ids) + 20
 
 
-async def test_completion_defaults_and_token_prompts(server, fake, tokenizer) -> None:
+async def test_completion_defaults_and_token_prompts(server, oracle, tokenizer) -> None:
     client, _ = server
     ids = tokenizer.encode("Once upon")
+    expected = oracle(ids, 16)[0]  # 16: OpenAI's default max_tokens for completions
     for prompt in (ids, [ids], ["Once upon"]):
-        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
+        r = await client.post(
+            "/v1/completions", json={"model": MODEL, "prompt": prompt, "temperature": 0, "ignore_eos": True}
+        )
         assert r.status_code == 200, r.text
-        assert fake.requests[-1].prompt_token_ids == ids
-    assert fake.requests[-1].sampling_params.max_tokens == 16  # OpenAI's default for completions
+        usage = r.json()["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(ids), 16)
+        assert r.json()["choices"][0]["text"] == expected
     # Near the end of the context the default shrinks to what fits.
-    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": [5] * (MAX_MODEL_LEN - 3)})
+    r = await client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": [5] * (MAX_MODEL_LEN - 3), "ignore_eos": True}
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
-async def test_completion_stream_with_openai_client(server, tokenizer) -> None:
+async def test_completion_stream_with_openai_client(server, oracle, tokenizer) -> None:
     _, base = server
     client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
     stream = await client.completions.create(
-        model=MODEL, prompt="Once upon", max_tokens=25, stream=True, stream_options={"include_usage": True}
+        model=MODEL, prompt="Once upon", max_tokens=25, stream=True, stream_options={"include_usage": True},
+        temperature=0, extra_body={"ignore_eos": True},
     )
     chunks = [c async for c in stream]
     assert all(c.id == chunks[0].id for c in chunks)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
-    assert text == expected_text(tokenizer, 25)
+    assert text == oracle(tokenizer.encode("Once upon"), 25)[0]
     assert all("\ufffd" not in c.choices[0].text for c in chunks if c.choices)
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 25
@@ -230,26 +201,28 @@ async def test_completion_stream_with_openai_client(server, tokenizer) -> None:
 
 async def test_stream_ends_with_done(server) -> None:
     client, _ = server
-    r = await client.post(COMPLETIONS, json=completion(max_tokens=3, stream=True))
+    r = await client.post(COMPLETIONS, json=completion(max_tokens=3, stream=True, ignore_eos=True))
     assert r.headers["content-type"].startswith("text/event-stream")
     events = [e for e in r.text.split("\n\n") if e]
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
     assert msgspec.json.decode(events[-2][6:])["choices"][0]["finish_reason"] == "length"
 
 
-async def test_chat_completion_stream_and_non_stream(server, fake, tokenizer) -> None:
+async def test_chat_completion_stream_and_non_stream(server, oracle, tokenizer) -> None:
     _, base = server
     client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
-    full = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12)
+    greedy = dict(temperature=0, extra_body={"ignore_eos": True})
+    full = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, **greedy)
     assert full.object == "chat.completion" and full.id.startswith("chatcmpl-")
     assert full.choices[0].message.role == "assistant"
-    assert full.choices[0].message.content == expected_text(tokenizer, 12)
-    rendered = "<system>Be brief.\n<user>Hello\n<assistant>"
-    assert fake.requests[-1].prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False)
-    assert full.usage.prompt_tokens == len(fake.requests[-1].prompt_token_ids)
+    rendered = tokenizer.encode("<system>Be brief.\n<user>Hello\n<assistant>", add_special_tokens=False)
+    assert full.choices[0].message.content == oracle(rendered, 12)[0]
+    assert full.usage.prompt_tokens == len(rendered)
 
-    stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, stream=True)
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, stream=True, **greedy
+    )
     chunks = [c async for c in stream]
     assert chunks[0].object == "chat.completion.chunk"
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -257,29 +230,36 @@ async def test_chat_completion_stream_and_non_stream(server, fake, tokenizer) ->
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-async def test_chat_default_max_tokens_fills_the_context(server, fake) -> None:
+async def test_chat_default_max_tokens_fills_the_context(server) -> None:
     client, _ = server
-    r = await client.post(CHAT, json=chat())
+    r = await client.post(CHAT, json=chat(ignore_eos=True))
     assert r.status_code == 200
-    request = fake.requests[-1]
-    assert request.sampling_params.max_tokens == MAX_MODEL_LEN - len(request.prompt_token_ids)
+    usage = r.json()["usage"]
+    assert usage["completion_tokens"] == MAX_MODEL_LEN - usage["prompt_tokens"]
     parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
     r = await client.post(
         "/v1/chat/completions",
-        json={"model": MODEL, "messages": [{"role": "user", "content": parts}], "max_completion_tokens": 2},
+        json={"model": MODEL, "messages": [{"role": "user", "content": parts}], "max_completion_tokens": 2,
+              "ignore_eos": True},
     )
-    assert r.status_code == 200 and fake.requests[-1].sampling_params.max_tokens == 2
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
-async def test_stop_string_through_the_api(server, fake) -> None:
+async def test_stop_string_through_the_api(server, engine, oracle, tokenizer) -> None:
     client, _ = server
+    text, _ = oracle(tokenizer.encode("Once upon a time"), 40)
+    stop = "Lily"
+    assert stop in text and text.index(stop) > 0
     r = await client.post(
-        "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 40, "stop": "mat", "stream": False}
+        "/v1/completions",
+        json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 40, "stop": stop, "temperature": 0,
+              "ignore_eos": True},
     )
     choice = r.json()["choices"][0]
-    assert choice["text"] == " the cat sat on the "
-    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", "mat")
-    assert fake.aborted == [fake.requests[-1].request_id]  # the engine was told to stop
+    assert choice["text"] == text[: text.index(stop)]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+    # The engine was told to stop: it holds no request, although 40 tokens were asked for.
+    assert not engine.engine_core.engine_core.scheduler.has_unfinished_requests()
 
 
 # ------------------------------------------------------------------ errors
@@ -340,8 +320,8 @@ async def test_unknown_route_and_method(server) -> None:
     assert_openai_error(await client.get("/v1/completions"), 405, "MethodNotAllowedError", "GET")
 
 
-async def test_chat_without_any_template_is_400(tokenizer) -> None:
-    engine = FakeEngine(build_byte_level_tokenizer())  # this copy has no chat template
+async def test_chat_without_any_template_is_400(stories_dir) -> None:
+    engine = make_engine(stories_dir, chat_template=None)  # stories260K has no template of its own
     async with running_server(engine) as (client, _):
         r = await client.post(CHAT, json=chat())
         assert_openai_error(r, 400, "BadRequestError", "no chat template")
@@ -349,60 +329,72 @@ async def test_chat_without_any_template_is_400(tokenizer) -> None:
         assert r.status_code == 200
 
 
-async def test_api_key(tokenizer) -> None:
-    async with running_server(FakeEngine(tokenizer), api_key="sekret") as (client, base):
+async def test_api_key(engine) -> None:
+    async with running_server(engine, api_key="sekret") as (client, base):
         assert (await client.get("/health")).status_code == 200
         assert_openai_error(await client.get("/v1/models"), 401, "AuthenticationError", "API key")
         r = await client.get("/v1/models", headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401
         assert (await client.get("/v1/models", headers={"Authorization": "Bearer sekret"})).status_code == 200
         oai = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sekret", max_retries=0)
-        assert (await oai.completions.create(model=MODEL, prompt="x", max_tokens=2)).usage.completion_tokens == 2
+        completion = await oai.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"ignore_eos": True})
+        assert completion.usage.completion_tokens == 2
 
 
 async def test_engine_stats_route(server) -> None:
     client, _ = server
     stats = (await client.get("/engine/stats")).json()
-    assert stats["num_running_reqs"] == 2 and stats["step_counter"] == 9 and stats["num_waiting_reqs"] == 0
+    assert (stats["num_running_reqs"], stats["num_waiting_reqs"], stats["step_counter"]) == (0, 0, 0)
+    r = await client.post(COMPLETIONS, json=completion(max_tokens=5, ignore_eos=True))
+    assert r.status_code == 200
+    stats = (await client.get("/engine/stats")).json()
+    assert (stats["num_running_reqs"], stats["num_waiting_reqs"]) == (0, 0)
+    assert stats["step_counter"] >= 5  # one step per token, at least
+    assert stats["prefix_cache_queries"] == r.json()["usage"]["prompt_tokens"]
 
 
 # ------------------------------------------------------- engine failure, disconnects
 
 
-async def test_engine_death_mid_stream_raises_api_error(tokenizer) -> None:
-    engine = FakeEngine(tokenizer, die_after=4)
-    async with running_server(engine) as (client, base):
+@pytest.mark.parametrize("route", ["completions", "chat"])
+async def test_engine_death_mid_stream_raises_api_error(stories_dir, monkeypatch, route) -> None:
+    monkeypatch.setenv(FAIL_AFTER_STEPS_ENV, "4")  # the real engine's 5th forward step raises
+    async with running_server(make_engine(stories_dir)) as (client, base):
         oai = openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
-        for create in (
-            lambda: oai.completions.create(model=MODEL, prompt="x", max_tokens=30, stream=True),
-            lambda: oai.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=30, stream=True
-            ),
-        ):
-            engine.is_dead = False
-            stream = await create()
-            received = []
-            with pytest.raises(openai.APIError, match="engine is dead"):
-                async for chunk in stream:
-                    received.append(chunk)
-            assert received  # it failed mid-stream, after some text
+        if route == "completions":
+            stream = await oai.completions.create(
+                model=MODEL, prompt="Once upon a time", max_tokens=30, stream=True, extra_body={"ignore_eos": True}
+            )
+        else:
+            stream = await oai.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=30, stream=True,
+                extra_body={"ignore_eos": True},
+            )
+        received = []
+        with pytest.raises(openai.APIError, match="engine is dead"):
+            async for chunk in stream:
+                received.append(chunk)
+        assert received  # it failed mid-stream, after some text
         # Once dead: new requests fail fast with a 500 and /health says 503.
         assert (await client.get("/health")).status_code == 503
         r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
         assert_openai_error(r, 500, "InternalServerError", "dead")
 
 
-async def test_engine_death_in_non_stream_request_is_500(tokenizer) -> None:
-    async with running_server(FakeEngine(tokenizer, die_after=2)) as (client, _):
-        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 10})
-        assert_openai_error(r, 500, "InternalServerError", "the fake engine died")
+async def test_engine_death_in_non_stream_request_is_500(stories_dir, monkeypatch) -> None:
+    monkeypatch.setenv(FAIL_AFTER_STEPS_ENV, "2")
+    async with running_server(make_engine(stories_dir)) as (client, _):
+        r = await client.post("/v1/completions", json=completion(max_tokens=10, ignore_eos=True))
+        assert_openai_error(r, 500, "InternalServerError", f"fault injected by {FAIL_AFTER_STEPS_ENV}")
 
 
 @pytest.mark.parametrize("stream", [True, False])
-async def test_client_disconnect_aborts_the_request(tokenizer, stream) -> None:
-    engine = FakeEngine(tokenizer, step_delay=0.005)
+async def test_client_disconnect_aborts_the_request(stories_dir, stream) -> None:
+    max_tokens = 400
+    engine = make_engine(stories_dir, max_model_len=512)
+    core = engine.engine_core.engine_core
     async with running_server(engine) as (_, base):
-        body = {"model": MODEL, "prompt": "x", "max_tokens": 60, "stream": stream}
+        body = {"model": MODEL, "prompt": "x", "max_tokens": max_tokens, "stream": stream, "ignore_eos": True}
         async with httpx.AsyncClient(base_url=base, timeout=30) as client:
             if stream:
                 async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -411,13 +403,13 @@ async def test_client_disconnect_aborts_the_request(tokenizer, stream) -> None:
                         await anext(lines)
             else:
                 task = asyncio.create_task(client.post("/v1/completions", json=body))
-                while not engine.requests:
-                    await asyncio.sleep(0.005)
+                while not core.scheduler.has_unfinished_requests():
+                    await asyncio.sleep(0.002)
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        await asyncio.wait_for(engine.abort_seen.wait(), timeout=20)
-        assert engine.aborted == [engine.requests[0].request_id]
+        await engine_idle(engine)
+        assert core.step_counter < max_tokens  # aborted, not run to the end
         assert not engine.output_processor.has_unfinished_requests()
 
 

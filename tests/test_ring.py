@@ -20,11 +20,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shm.aio import AsyncReceiver, AsyncSender
-from shm.channel import ChannelSpec, Duplex, PeerDeadError
+from shm.channel import ChannelSpec, Duplex, PeerDeadError, ReceiverGroup
 from shm.ring import ShmRing
 from shm.segment import SHM_DIR
-from shm.zmq_channel import ZmqAsyncReceiver, ZmqAsyncSender, ZmqChannelSpec, ZmqDuplex
+from shm.zmq_channel import ZmqChannelSpec, ZmqDuplex
 
 CAPACITY = 4096  # small on purpose: wraps and chunking happen constantly
 SPAWN = multiprocessing.get_context("spawn")
@@ -38,7 +37,7 @@ def _attach(spec: ChannelSpec | ZmqChannelSpec) -> Duplex:
     """Attach as the spawned peer, watch the parent, and say HELLO."""
     duplex = ZmqDuplex.attach(spec) if isinstance(spec, ZmqChannelSpec) else Duplex.attach(spec)
     ppid = os.getppid()
-    duplex.set_peer_alive(lambda: os.getppid() == ppid, sentinel=os.pidfd_open(ppid))
+    duplex.set_peer(lambda: os.getppid() == ppid, sentinel=os.pidfd_open(ppid))
     duplex.sender.send([b"HELLO"])
     return duplex
 
@@ -124,15 +123,13 @@ def _start(
     duplex, spec = (ZmqDuplex if kind == "zmq" else Duplex).create(capacity)
     proc = SPAWN.Process(target=target, args=(spec, *args), daemon=True)
     proc.start()
-    duplex.set_peer_alive(proc.is_alive, proc.sentinel if sentinel else None)
+    duplex.set_peer(proc.is_alive, proc.sentinel if sentinel else None)
     try:
         assert duplex.receiver.recv(timeout=RECV_TIMEOUT) == [b"HELLO"]
-        if kind == "zmq":
-            duplex.wait_registered(RECV_TIMEOUT)
+        duplex.peer_attached(RECV_TIMEOUT)
     except BaseException:
         _stop(duplex, proc)
         raise
-    duplex.unlink()
     return duplex, spec, proc
 
 
@@ -278,6 +275,40 @@ def test_no_spin_only_right_after_waking_an_idle_peer() -> None:
         creator.close()
 
 
+def test_receiver_group_waits_on_several_rings_from_one_thread() -> None:
+    """One thread receives from three channels: it sleeps on all doorbells at once,
+    reads the rings round robin (a busy peer cannot starve the others), and
+    notices a dead peer once that peer's ring is drained."""
+    creators, attached = [], []
+    alive = [True, True, True]
+    try:
+        for i in range(3):
+            creator, spec = Duplex.create(1 << 16)
+            creators.append(creator)
+            attached.append(Duplex.attach(spec))
+            creator.unlink()
+            attached[-1].set_peer(lambda i=i: alive[i])
+        group = ReceiverGroup([d.receiver for d in attached])
+        assert group.recv(timeout=0.05) is None
+        later = threading.Timer(0.05, creators[2].sender.send, ([b"late"],))
+        later.start()
+        assert group.recv(timeout=RECV_TIMEOUT) == (2, [b"late"])  # woken from its sleep
+        later.join()
+        for i in range(3):
+            creators[0].sender.send([b"a%d" % i])
+        creators[1].sender.send([b"b"])
+        got = [group.recv(timeout=RECV_TIMEOUT) for _ in range(4)]
+        assert got == [(0, [b"a0"]), (1, [b"b"]), (0, [b"a1"]), (0, [b"a2"])]
+        creators[1].sender.send([b"last words"])
+        alive[1] = False
+        assert group.recv(timeout=RECV_TIMEOUT) == (1, [b"last words"])
+        with pytest.raises(PeerDeadError):
+            group.recv(timeout=RECV_TIMEOUT)
+    finally:
+        for duplex in attached + creators:
+            duplex.close()
+
+
 def test_messages_arrive_once_in_order_byte_identical(echo: EchoPeer) -> None:
     rng = random.Random(1)
     messages: list[list] = [
@@ -404,10 +435,7 @@ def test_idle_receiver_uses_almost_no_cpu() -> None:
 @pytest.mark.parametrize("kind", ["shm", "zmq"])
 async def test_async_ends_inside_an_event_loop(kind: str) -> None:
     duplex, spec, proc = _start(_echo_child, kind=kind)
-    if kind == "zmq":
-        sender, receiver = ZmqAsyncSender(duplex.sender), ZmqAsyncReceiver(duplex.receiver)
-    else:
-        sender, receiver = AsyncSender(duplex.sender), AsyncReceiver(duplex.receiver)
+    sender, receiver = duplex.async_ends()
     rng = random.Random(2)
     messages = [[rng.randbytes(rng.choice((0, 10, 900, 5000, 3 * CAPACITY)))] for _ in range(80)]
     ticks = 0

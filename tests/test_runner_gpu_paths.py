@@ -30,15 +30,7 @@ from core.worker.executor import OutputFuture
 from core.worker.gpu_memory import kv_cache_budget
 from core.worker.input_buffers import InputBuffers
 from core.worker.model_runner import ModelRunner
-from tests.test_engine_features import (  # noqa: F401
-    BASE,
-    CHUNKED,
-    generate,
-    greedy,
-    llama,
-    reference,
-    tokens,
-)
+from tests.support.engines import BASE, CHUNKED, generate, greedy, tokens
 
 
 @pytest.fixture

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from core.protocol import EngineCoreEventType, FinishReason, SamplingParams
-from core.sched.request import Request, RequestStatus
+from core.request import Request, RequestStatus
 from core.sched.request_queue import (
     FCFSRequestQueue,
     PriorityRequestQueue,
     create_request_queue,
 )
-from tests.test_scheduler import Harness, default_token, expected_outputs, make_config
+from tests.support.scheduler_harness import Harness, default_token, expected_outputs, make_config
 
 
 def req(req_id: str, n: int, priority: int = 0, arrival: float = 0.0, eos: int | None = None, **params) -> Request:

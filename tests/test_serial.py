@@ -30,7 +30,7 @@ from shm.serial import (
     MsgpackDecoder,
     MsgpackEncoder,
 )
-from tests.conftest import tensor_pool_pair
+from tests.support.pools import tensor_pool_pair
 
 
 class TensorMessage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -85,8 +85,7 @@ def test_protocol_structs_round_trip() -> None:
             ),
         ],
         scheduler_stats=SchedulerStats(num_running_reqs=2, kv_cache_usage=0.25),
-        utility_output=UtilityOutput(call_id=4, result=[1, "x"]),
-        finished_requests={"b"},
+        utility_output=UtilityOutput(call_id=4, result=msgspec.Raw(msgspec.msgpack.encode([1, "x"]))),
     )
     encoder = MsgpackEncoder()
     for obj in (request, outputs):
@@ -185,7 +184,7 @@ def _reencode_child(spec: ChannelSpec) -> None:
     """Decode every message into TensorMessage and send it back re-encoded."""
     duplex = Duplex.attach(spec)
     ppid = os.getppid()
-    duplex.set_peer_alive(lambda: os.getppid() == ppid, sentinel=os.pidfd_open(ppid))
+    duplex.set_peer(lambda: os.getppid() == ppid, sentinel=os.pidfd_open(ppid))
     duplex.sender.send([b"HELLO"])
     encoder, decoder = MsgpackEncoder(), MsgpackDecoder(TensorMessage)
     while (frames := duplex.receiver.recv()) != [b"Q"]:
@@ -198,7 +197,7 @@ def test_tensors_travel_between_processes() -> None:
     proc = multiprocessing.get_context("spawn").Process(target=_reencode_child, args=(spec,), daemon=True)
     proc.start()
     try:
-        duplex.set_peer_alive(proc.is_alive, proc.sentinel)
+        duplex.set_peer(proc.is_alive, proc.sentinel)
         assert duplex.receiver.recv(timeout=120) == [b"HELLO"]
         duplex.unlink()
         messages = [

@@ -16,7 +16,7 @@ import torch
 from core.client import SyncMPClient
 from core.config import EngineConfig
 from core.protocol import EngineCoreRequest, EngineCoreRequestType, SamplingParams
-from tests.conftest import start_server, stop_server
+from tests.support.servers import start_server, stop_server
 
 TRANSPORTS = ["shm", "zmq"]
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, NewType
 import msgspec
 
 if TYPE_CHECKING:
-    from core.sched.request import Request
+    from core.request import Request
 
 BlockHash = NewType("BlockHash", bytes)
 

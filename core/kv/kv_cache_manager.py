@@ -22,11 +22,8 @@ from dataclasses import dataclass
 from itertools import islice
 
 from core.kv.block_pool import BlockPool, KVCacheBlock
-from core.sched.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from core.request import Request
+from core.utils import cdiv
 
 
 @dataclass

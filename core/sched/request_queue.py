@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
-from core.sched.request import Request
+from core.request import Request
 
 
 class RequestQueue(Protocol):

@@ -30,9 +30,8 @@ from collections.abc import Iterable, Sequence
 
 from core.config import EngineConfig
 from core.kv.block_hash import RequestBlockHasher
-from core.kv.kv_cache_manager import KVCacheManager, cdiv
+from core.kv.kv_cache_manager import KVCacheManager
 from core.protocol import (
-    EngineCoreEvent,
     EngineCoreEventType,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -44,8 +43,9 @@ from core.sched.output import (
     NewRequestData,
     SchedulerOutput,
 )
-from core.sched.request import Request, RequestStatus
+from core.request import Request, RequestStatus
 from core.sched.request_queue import create_request_queue
+from core.utils import cdiv
 
 _RUNNING = RequestStatus.RUNNING
 _NO_BLOCK_IDS: tuple[int, ...] = ()
@@ -356,18 +356,13 @@ class Scheduler:
                     stopped.add(req_id)
                     self._free_request(request)
                     break
-            events: list[EngineCoreEvent] | None = request.events
-            if events:
-                request.events = []
-            else:
-                events = None
             out = EngineCoreOutput(
                 request_id=req_id,
                 new_token_ids=new_token_ids,
                 finish_reason=request.get_finished_reason() if req_id in stopped else None,
                 stop_reason=request.stop_reason,
                 num_cached_tokens=request.num_cached_tokens,
-                events=events,
+                events=request.take_events(),
             )
             client_outputs = per_client.get(request.client_index)
             if client_outputs is None:

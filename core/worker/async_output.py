@@ -2,7 +2,7 @@
 
 On a GPU, reading sampled ids with ``.tolist()`` right after sampling would
 make the host wait for the whole forward pass before it could prepare the
-next step. Instead (the seeds' AsyncGPUModelRunnerOutput):
+next step. Instead (vLLM V1's AsyncGPUModelRunnerOutput):
 
 - ``SampledTokens`` starts a device-to-host copy into pinned memory on a
   separate stream, ordered after sampling, and records an event; the ids

@@ -1,7 +1,7 @@
 """Executor: the EngineCore's handle on the workers (one in-process worker here).
 
 ``execute_model(..., non_block=True)`` returns a Future so that EngineCore
-keeps the seeds' shape (dispatch, overlap CPU work, join).
+keeps vLLM V1's shape (dispatch, overlap CPU work, join).
 
 Synchronous scheduling runs the forward pass inline on the engine thread and
 hands back a resolved Future: a thread hop would only add latency when

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 
 from core.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
-from core.models.loader import load_model
+from core.models.loader import kv_block_shape, kv_cache_bytes_per_block, load_model, resolve_dtype
 from core.protocol import SamplingParams
 from core.sched.output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
@@ -54,8 +55,9 @@ from kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger("ringllm.runner")
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
+# Test-only fault injection: with this set to N, the N+1-th forward step raises,
+# so tests can watch a real engine die mid-request (no mocks).
+FAIL_AFTER_STEPS_ENV = "RINGLLM_FAIL_AFTER_STEPS"
 
 def resolve_device(name: str) -> torch.device:
     """The device, with an explicit index on CUDA (streams, events and memory queries want one)."""
@@ -65,17 +67,6 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def resolve_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dtype:
-    """float32 on CPU (half precision matmuls are slow and inexact there);
-    on a GPU the checkpoint's own dtype, as vLLM does."""
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
-    ckpt = hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"
-    return _DTYPES.get(ckpt, torch.bfloat16) if ckpt != "float32" else torch.bfloat16
 
 
 @dataclass
@@ -100,15 +91,15 @@ class ModelRunner:
     emulate_gpu_paths = False
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.hf_config = config.hf_config()
+        self.config = config = config.resolve()
+        assert config.hf_config is not None and config.max_model_len is not None
+        self.hf_config = config.hf_config
         self.device = resolve_device(config.device)
         if self.device.type == "cuda":
             # Triton launches on the current device, whatever the tensors' device.
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.block_size = config.block_size
-        assert config.max_model_len is not None, "EngineConfig.resolve() first"
         self.max_model_len = config.max_model_len
         self.max_blocks_per_req = math.ceil(self.max_model_len / self.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, self.max_model_len, self.max_blocks_per_req)
@@ -127,6 +118,8 @@ class ModelRunner:
         self._copy_stream = torch.cuda.Stream(self.device) if on_gpu else None
         # Set up with the KV cache, which the graphs read in place.
         self.decode_graphs: DecodeGraphs | None = None
+        fail_after = os.environ.get(FAIL_AFTER_STEPS_ENV)
+        self._steps_before_failure = int(fail_after) if fail_after else None
 
     # ------------------------------------------------------------------ setup
 
@@ -135,16 +128,10 @@ class ModelRunner:
         self.model = load_model(self.config, self.device, self.dtype)
 
     def _kv_shape(self) -> tuple[int, int, int]:
-        """(block_size, kv_heads, head_dim) of one cache block of one layer."""
-        hf = self.hf_config
-        heads = hf["num_attention_heads"]
-        kv_heads = hf.get("num_key_value_heads") or heads
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-        return self.block_size, kv_heads, head_dim
+        return kv_block_shape(self.hf_config, self.block_size)
 
     def kv_bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.hf_config["num_hidden_layers"] * math.prod(self._kv_shape()) * elem
+        return kv_cache_bytes_per_block(self.hf_config, self.block_size, self.dtype)
 
     def determine_num_blocks(self) -> int:
         """Blocks for the KV cache: the override, else the memory budget.
@@ -279,6 +266,10 @@ class ModelRunner:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
+        if self._steps_before_failure is not None:
+            if self._steps_before_failure == 0:
+                raise RuntimeError(f"fault injected by {FAIL_AFTER_STEPS_ENV}")
+            self._steps_before_failure -= 1
         step = self._prepare_inputs(so)
         if step.decode_size is not None:
             assert self.decode_graphs is not None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -22,8 +22,15 @@ from core.protocol import (
     SamplingParams,
 )
 
-if TYPE_CHECKING:
-    from core.kv.block_hash import BlockHash, RequestBlockHasher
+
+
+class BlockHasher(Protocol):
+    """Computes the prefix-cache hashes of a request's newly filled blocks
+    (``core.kv.block_hash.RequestBlockHasher``)."""
+
+    block_size: int
+
+    def __call__(self, request: Request) -> list[bytes]: ...
 
 
 class RequestStatus(enum.IntEnum):
@@ -82,7 +89,7 @@ class Request:
         client_index: int = 0,
         cache_salt: str | None = None,
         prompt_embeds: torch.Tensor | None = None,
-        block_hasher: RequestBlockHasher | None = None,
+        block_hasher: BlockHasher | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -112,14 +119,14 @@ class Request:
         self.preempted_at_step = 0
         # Lifecycle events not yet handed to the frontend.
         self.events: list[EngineCoreEvent] = []
-        self.block_hasher: RequestBlockHasher | None = None
-        self.block_hashes: list[BlockHash] = []
+        self.block_hasher: BlockHasher | None = None
+        self.block_hashes: list[bytes] = []
         if block_hasher is not None:
             self.set_block_hasher(block_hasher)
 
     @classmethod
     def from_engine_core_request(
-        cls, request: EngineCoreRequest, block_hasher: RequestBlockHasher | None = None
+        cls, request: EngineCoreRequest, block_hasher: BlockHasher | None = None
     ) -> Request:
         prompt_token_ids, cache_salt, embeds = request.prompt_token_ids, request.cache_salt, None
         if request.prompt_embeds is not None:
@@ -145,7 +152,7 @@ class Request:
             block_hasher=block_hasher,
         )
 
-    def set_block_hasher(self, block_hasher: RequestBlockHasher) -> None:
+    def set_block_hasher(self, block_hasher: BlockHasher) -> None:
         """Start hashing full blocks (the prompt's now, later ones as they fill)."""
         self.block_hasher = block_hasher
         self.block_hashes = []

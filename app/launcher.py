@@ -1,4 +1,4 @@
-"""Start and stop a real ``python -m app`` process for a benchmark.
+"""Start and stop a real ``python -m app`` server process (benchmarks, tests).
 
 The server runs as a subprocess of this interpreter on a free local port,
 with its output in a log file; it is ready once ``/health`` answers 200. If
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[1]  # where `python -m app` runs
 LOG_TAIL_LINES = 15
 STOP_TIMEOUT_S = 30.0
 

@@ -1,0 +1,94 @@
+"""The one check of a request against the model's limits, shared by both processes.
+
+The frontend runs it to answer a bad request with a 400 before anything is
+sent; the EngineCore runs it again on what arrives over the wire, because it
+never trusts its input. One function means one set of rules and one set of
+messages (written for API users: they end up in OpenAI error bodies).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from core.config import EngineConfig
+from core.protocol import EngineCoreRequest
+
+
+class InvalidRequestError(ValueError):
+    """A request that cannot run; ``param`` names the offending field, if one does."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request is checked against."""
+
+    max_model_len: int
+    vocab_size: int  # the embedding table's rows (often more than the tokenizer's vocabulary)
+    hidden_size: int
+    enable_prompt_embeds: bool = False
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> ModelLimits:
+        config = config.resolve()
+        assert config.hf_config is not None and config.max_model_len is not None
+        return cls(
+            max_model_len=config.max_model_len,
+            vocab_size=config.hf_config["vocab_size"],
+            hidden_size=config.hf_config["hidden_size"],
+            enable_prompt_embeds=config.enable_prompt_embeds,
+        )
+
+
+def check_prompt_embeds(embeds: torch.Tensor, limits: ModelLimits) -> None:
+    """A prompt given as embeddings: allowed, [tokens, hidden_size], finite floats."""
+    if not limits.enable_prompt_embeds:
+        raise InvalidRequestError(
+            "prompt_embeds are not enabled on this server: start it with --enable-prompt-embeds.", "prompt_embeds"
+        )
+    if embeds.dim() != 2 or embeds.shape[1] != limits.hidden_size:
+        raise InvalidRequestError(
+            f"prompt_embeds must have shape [tokens, {limits.hidden_size}], got {list(embeds.shape)}.", "prompt_embeds"
+        )
+    if not embeds.is_floating_point() or not bool(torch.isfinite(embeds).all()):
+        raise InvalidRequestError("prompt_embeds must hold finite floating-point numbers.", "prompt_embeds")
+
+
+def validate_request(request: EngineCoreRequest, limits: ModelLimits) -> None:
+    """Raise InvalidRequestError (a ValueError) saying what is wrong with ``request``, if anything."""
+    embeds = request.prompt_embeds
+    if embeds is not None:
+        if request.prompt_token_ids:
+            raise InvalidRequestError("Give a prompt or prompt_embeds, not both.", "prompt_embeds")
+        check_prompt_embeds(embeds, limits)
+    elif request.prompt_token_ids:
+        ids = request.prompt_token_ids
+        if min(ids) < 0 or max(ids) >= limits.vocab_size:
+            bad = next(t for t in ids if not 0 <= t < limits.vocab_size)
+            raise InvalidRequestError(f"Token id {bad} is out of vocabulary (size {limits.vocab_size}).", "prompt")
+    prompt_len = request.num_prompt_tokens
+    if prompt_len == 0:
+        raise InvalidRequestError("The prompt is empty: it must contain at least one token.", "prompt")
+    max_len = limits.max_model_len
+    if prompt_len >= max_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_len} tokens. However, your prompt has "
+            f"{prompt_len} tokens, which leaves no room for the completion. Please reduce the length "
+            "of the prompt."
+        )
+    params = request.sampling_params
+    if prompt_len + params.max_tokens > max_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_len} tokens. However, you requested "
+            f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the prompt, {params.max_tokens} "
+            "in the completion). Please reduce the length of the prompt or of the completion."
+        )
+    params.validate()
+    for token_id in params.stop_token_ids:
+        if not 0 <= token_id < limits.vocab_size:
+            raise InvalidRequestError(f"Stop token id {token_id} is out of vocabulary.", "stop_token_ids")

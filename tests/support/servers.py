@@ -1,0 +1,40 @@
+"""Real ``python -m app`` server processes for integration tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from app.launcher import ManagedServer
+
+
+class Server(ManagedServer):
+    """A real ``python -m app`` subprocess (app.launcher) plus what tests look at."""
+
+    def engine_pid(self) -> int:
+        """The spawned EngineCore: the server's child running multiprocessing's spawn_main."""
+        assert self.proc is not None
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        for pid in children:
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            except FileNotFoundError:
+                continue
+            if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+                return int(pid)
+        raise AssertionError(f"no EngineCore child among {children}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_server(args: list[str], log_path: Path, timeout: float = 120.0) -> Server:
+    server = Server(args, log_path, timeout)
+    try:
+        return server.start()
+    except BaseException:
+        server.stop()
+        raise
+
+
+def stop_server(server: Server) -> None:
+    server.stop()
