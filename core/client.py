@@ -321,6 +321,24 @@ class MPClient:
             except msgspec.DecodeError as exc:
                 future.set_exception(exc)
 
+    def _deliver(self, item: EngineCoreOutputs | Exception) -> None:
+        """Hand outputs (or the engine's death) to whoever calls get_output."""
+        raise NotImplementedError
+
+    def _on_frames(self, frames: list) -> None:
+        """One message from the engine: a utility reply or a step's outputs."""
+        outputs = self._decode_outputs(frames)
+        if outputs.utility_output is not None:
+            self._utility_done(outputs.utility_output)
+        else:
+            self._deliver(outputs)
+
+    def _on_reader_failure(self, exc: BaseException) -> None:
+        """The transport or the engine is gone: fail everything that waits."""
+        dead = self._mark_dead(exc)
+        self._fail_utilities(dead)
+        self._deliver(dead)
+
     def _fail_utilities(self, exc: BaseException) -> None:
         for future, _ in self._pending_utilities.values():
             if not future.done():
@@ -374,20 +392,16 @@ class SyncMPClient(MPClient, _Utilities):
     def _join_reader(self) -> None:
         self._reader.join(timeout=5)
 
+    def _deliver(self, item: EngineCoreOutputs | Exception) -> None:
+        self.outputs_queue.put(item)
+
     def _read_outputs(self) -> None:
         while True:
             try:
-                frames = self.transport.recv()
-                outputs = self._decode_outputs(frames)
+                self._on_frames(self.transport.recv())
             except (PeerDeadError, EngineDeadError, OSError, ValueError) as exc:
-                dead = self._mark_dead(exc)
-                self._fail_utilities(dead)
-                self.outputs_queue.put(dead)
+                self._on_reader_failure(exc)
                 return
-            if outputs.utility_output is not None:
-                self._utility_done(outputs.utility_output)
-            else:
-                self.outputs_queue.put(outputs)
 
     def _send(self, request_type: EngineCoreRequestType, payload: Any) -> None:
         if self.engine_dead is not None:
@@ -433,23 +447,19 @@ class AsyncMPClient(MPClient, _AsyncUtilities):
             self._send_lock = asyncio.Lock()
             self._reader_task = asyncio.get_running_loop().create_task(self._read_outputs())
 
-    async def _read_outputs(self) -> None:
+    def _deliver(self, item: EngineCoreOutputs | Exception) -> None:
         assert self.outputs_queue is not None
+        self.outputs_queue.put_nowait(item)
+
+    async def _read_outputs(self) -> None:
         while True:
             try:
-                frames = await self.transport.recv_async()
-                outputs = self._decode_outputs(frames)
+                self._on_frames(await self.transport.recv_async())
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:
-                dead = self._mark_dead(exc)
-                self._fail_utilities(dead)
-                self.outputs_queue.put_nowait(dead)
+            except Exception as exc:  # noqa: BLE001 - whatever broke, the engine is unreachable
+                self._on_reader_failure(exc)
                 return
-            if outputs.utility_output is not None:
-                self._utility_done(outputs.utility_output)
-            else:
-                self.outputs_queue.put_nowait(outputs)
 
     async def _send(self, request_type: EngineCoreRequestType, payload: Any) -> None:
         self._ensure_reader()

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from shm.aio import AsyncReceiver, AsyncSender
 from shm.doorbell import Doorbell
 from shm.ring import Frame, ShmRing
-from shm.waiting import ChannelClosed, PeerDeadError, PeerWatch, drive_blocking, wait_steps
+from shm.waiting import ChannelClosed, PeerDeadError, PeerWatch, deadline_after, drive_blocking, wait_steps
 
 __all__ = [
     "ChannelClosed", "ChannelSpec", "DirectionSpec", "Duplex", "PeerDeadError", "Receiver", "ReceiverGroup", "Sender",
@@ -48,10 +48,6 @@ DEFAULT_SPIN_S = 50e-6
 DEFAULT_POLL_INTERVAL_S = 0.25
 QUIET_S = 1e-3  # a peer silent this long is taken to be idle (see Receiver.spin_budget)
 _POLL_EVENTS = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
-
-
-def _deadline(timeout: float | None) -> float | None:
-    return None if timeout is None else time.monotonic() + timeout
 
 
 class _Sleeper:
@@ -146,7 +142,7 @@ class Sender(_Endpoint):
         and the peer is gone; while there is room, a send to a dead peer succeeds."""
         if self.try_send(frames):
             return
-        steps = wait_steps(lambda: self.try_send(frames) or None, self, self.spin_s, _deadline(timeout))
+        steps = wait_steps(lambda: self.try_send(frames) or None, self, self.spin_s, deadline_after(timeout))
         if drive_blocking(steps, self.sleep_for_space) is None:
             raise TimeoutError(f"{self.name} stayed full for {timeout} s")
 
@@ -211,7 +207,7 @@ class Receiver(_Endpoint):
         frames = self.try_recv()
         if frames is not None:
             return frames
-        steps = wait_steps(self.try_recv, self, self.spin_budget(self.spin_s), _deadline(timeout))
+        steps = wait_steps(self.try_recv, self, self.spin_budget(self.spin_s), deadline_after(timeout))
         return drive_blocking(steps, self._sleep)
 
 
@@ -251,7 +247,7 @@ class ReceiverGroup:
         got = self.try_recv()
         if got is not None:
             return got
-        steps = wait_steps(self.try_recv, self, self.spin_s, _deadline(timeout))
+        steps = wait_steps(self.try_recv, self, self.spin_s, deadline_after(timeout))
         return drive_blocking(steps, self._sleep)
 
     def begin_wait(self) -> None:

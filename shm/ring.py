@@ -137,11 +137,56 @@ class _ChunkedRead:
         self.filled = 0
 
 
+class _SleepFlag:
+    """One side's "I am asleep" word in the ring header, odd while that side sleeps.
+
+    The side that sleeps ``announce``s (then re-checks the ring) and
+    ``withdraw``s; the other side calls ``wake_due`` after publishing a new
+    counter value, which says once per sleep that the sleeper must be rung.
+    Each process holds its own instance: the sleeper's fields are ``_seq``,
+    the waker's ``_checked`` and ``_rung``.
+    """
+
+    __slots__ = ("_counters", "_index", "_mm", "_seq", "_checked", "_rung")
+
+    def __init__(self, counters: memoryview, index: int, mm: mmap.mmap, position: int) -> None:
+        self._counters = counters
+        self._index = index
+        self._mm = mm
+        self._seq = counters[index]
+        self._checked = position
+        self._rung = 0
+
+    def announce(self) -> None:
+        self._seq += 1
+        self._counters[self._index] = self._seq
+        _fence()  # the flag must be visible before the sleeper re-reads the ring
+
+    def withdraw(self) -> None:
+        if self._mm.closed:  # a sleeper cancelled after its owner closed the ring (shutdown)
+            return
+        self._seq += 1
+        self._counters[self._index] = self._seq
+
+    def wake_due(self, position: int) -> bool:
+        """After publishing ``position``: True once per sleep if the sleeper must be rung."""
+        if position == self._checked:
+            return False
+        self._checked = position
+        _fence()  # the counter store must be visible before we look at the flag
+        seq = self._counters[self._index]
+        if seq & 1 and seq != self._rung:
+            self._rung = seq
+            return True
+        return False
+
+
 class ShmRing:
     """One direction of a channel: exactly one producer process and one consumer process.
 
-    The producer calls ``try_write``/``consumer_wakeup_due``/``begin_space_wait``;
-    the consumer calls ``try_read``/``producer_wakeup_due``/``begin_sleep``. Each
+    The producer calls ``try_write``/``consumer_wakeup_due``/``begin_space_wait``
+    (``end_space_wait``); the consumer calls ``try_read``/``producer_wakeup_due``/
+    ``begin_sleep`` (``end_sleep``). Each
     side must use the ring from one thread at a time. The ring itself never
     blocks and makes no system calls; waiting is the job of ``shm.channel``.
     """
@@ -164,17 +209,18 @@ class ShmRing:
         # producer side
         self._tail = tail
         self._head_cache = head
-        self._checked_tail = tail
-        self._rung_sleep_seq = 0
-        self._space_seq = self._counters[_SPACE_SEQ]
         self._pending: _ChunkedWrite | None = None
         # consumer side
         self._head = head
         self._tail_cache = tail
-        self._checked_head = head
-        self._rung_space_seq = 0
-        self._sleep_seq = self._counters[_SLEEP_SEQ]
         self._partial: _ChunkedRead | None = None
+        # The consumer's sleeping flag (it waits for data) and the producer's (for space).
+        self._sleep_flag = _SleepFlag(self._counters, _SLEEP_SEQ, mm, tail)
+        self._space_flag = _SleepFlag(self._counters, _SPACE_SEQ, mm, head)
+        self.begin_sleep = self._sleep_flag.announce
+        self.end_sleep = self._sleep_flag.withdraw
+        self.begin_space_wait = self._space_flag.announce
+        self.end_space_wait = self._space_flag.withdraw
 
     # ------------------------------------------------------------------ setup
 
@@ -344,27 +390,7 @@ class ShmRing:
 
     def consumer_wakeup_due(self) -> bool:
         """After writing: True once per consumer sleep if the consumer must be rung."""
-        if self._tail == self._checked_tail:
-            return False
-        self._checked_tail = self._tail
-        _fence()  # the tail store must be visible before we look at the sleeping flag
-        seq = self._counters[_SLEEP_SEQ]
-        if seq & 1 and seq != self._rung_sleep_seq:
-            self._rung_sleep_seq = seq
-            return True
-        return False
-
-    def begin_space_wait(self) -> None:
-        """Announce that the producer is about to sleep; re-check for space afterwards."""
-        self._space_seq += 1
-        self._counters[_SPACE_SEQ] = self._space_seq
-        _fence()  # the flag must be visible before we re-read head
-
-    def end_space_wait(self) -> None:
-        if self._mm.closed:  # a waiter cancelled after its owner closed the ring (shutdown)
-            return
-        self._space_seq += 1
-        self._counters[_SPACE_SEQ] = self._space_seq
+        return self._sleep_flag.wake_due(self._tail)
 
     # --------------------------------------------------------------- consumer
 
@@ -453,24 +479,4 @@ class ShmRing:
 
     def producer_wakeup_due(self) -> bool:
         """After reading: True once per producer wait if the producer must be rung."""
-        if self._head == self._checked_head:
-            return False
-        self._checked_head = self._head
-        _fence()  # the head store must be visible before we look at the waiting flag
-        seq = self._counters[_SPACE_SEQ]
-        if seq & 1 and seq != self._rung_space_seq:
-            self._rung_space_seq = seq
-            return True
-        return False
-
-    def begin_sleep(self) -> None:
-        """Announce that the consumer is about to sleep; re-check for data afterwards."""
-        self._sleep_seq += 1
-        self._counters[_SLEEP_SEQ] = self._sleep_seq
-        _fence()  # the flag must be visible before we re-read tail
-
-    def end_sleep(self) -> None:
-        if self._mm.closed:  # a sleeper cancelled after its owner closed the ring (shutdown)
-            return
-        self._sleep_seq += 1
-        self._counters[_SLEEP_SEQ] = self._sleep_seq
+        return self._space_flag.wake_due(self._head)

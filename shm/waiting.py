@@ -92,6 +92,11 @@ class Waiter(Protocol):
         """Raise ChannelClosed if this side interrupted its own wait."""
 
 
+def deadline_after(timeout: float | None) -> float | None:
+    """The ``time.monotonic()`` deadline of a wait of ``timeout`` seconds (None: forever)."""
+    return None if timeout is None else time.monotonic() + timeout
+
+
 def wait_steps(
     attempt: Callable[[], T | None], waiter: Waiter, spin_s: float, deadline: float | None = None
 ) -> Generator[float, None, T | None]:

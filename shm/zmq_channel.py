@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,7 +26,7 @@ import zmq.asyncio
 
 from shm.channel import DEFAULT_POLL_INTERVAL_S
 from shm.ring import Frame
-from shm.waiting import ChannelClosed, PeerWatch, drive_async, drive_blocking, wait_steps
+from shm.waiting import ChannelClosed, PeerWatch, deadline_after, drive_async, drive_blocking, wait_steps
 
 ENGINE_IDENTITY = (0).to_bytes(2, "little")  # engine index 0, as vLLM encodes it
 _REGISTER = b""  # the DEALER's first message: lets the ROUTER learn its routing id
@@ -82,10 +81,6 @@ class _End:
             self.peer.fired = True
 
 
-def _deadline(timeout: float | None) -> float | None:
-    return None if timeout is None else time.monotonic() + timeout
-
-
 class ZmqSender(_End):
     """Sends multipart messages; on a ROUTER every message is addressed to ``identity``."""
 
@@ -109,7 +104,7 @@ class ZmqSender(_End):
     def send(self, frames: Sequence[Frame], timeout: float | None = None) -> None:
         if self.try_send(frames):
             return
-        steps = wait_steps(lambda: self.try_send(frames) or None, self, 0.0, _deadline(timeout))
+        steps = wait_steps(lambda: self.try_send(frames) or None, self, 0.0, deadline_after(timeout))
         if drive_blocking(steps, self.sleep_for_space) is None:
             raise TimeoutError(f"zmq socket stayed full for {timeout} s")
 
@@ -146,7 +141,7 @@ class ZmqReceiver(_End):
         frames = self.try_recv()
         if frames is not None:
             return frames
-        return drive_blocking(wait_steps(self.try_recv, self, 0.0, _deadline(timeout)), self._sleep)
+        return drive_blocking(wait_steps(self.try_recv, self, 0.0, deadline_after(timeout)), self._sleep)
 
 
 def _copy(frames: Sequence[Frame]) -> bool:
