@@ -39,9 +39,15 @@ def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    may_pad: bool = True,
 ) -> None:
-    """Store this step's key/value [T, Hkv, D] at ``slot_mapping`` in the paged caches."""
-    _backend(key).write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    """Store this step's key/value [T, Hkv, D] at ``slot_mapping`` in the paged caches;
+    negative slots (padding) are skipped. ``may_pad=False`` promises there are none."""
+    backend = _backend(key)
+    if backend is torch_ref:
+        torch_ref.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, may_pad)
+    else:
+        backend.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(

@@ -9,7 +9,8 @@ prefix plus itself, a decode (query_len 1) to the whole context.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,6 +30,10 @@ class AttentionMetadata:
     # Host copies for the CPU path, which loops over requests in Python.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # False when no slot is negative (no padding token): the CPU path skips that check.
+    may_pad: bool = True
+    # The CPU kernels' per-step plan, built by the first layer and reused by the others.
+    cpu_plan: Any = field(default=None, repr=False)
 
     @property
     def num_reqs(self) -> int:

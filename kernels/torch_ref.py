@@ -1,13 +1,24 @@
 """Paged KV-cache write and paged attention in plain torch: the CPU path and
 the reference the Triton kernels are tested against.
 
-Decodes (one query token each) are gathered into one padded batch and run
-as a single SDPA call, because a Python loop per decode would dominate the
-step on CPU; prefill chunks run one SDPA call per request, each with the
-causal mask shifted by the request's cached prefix.
+On a CPU every torch call has a fixed cost that, for small models, weighs
+more than its arithmetic, so the work that is the same for every layer of a
+step (which blocks to gather, the padding mask, which rows are decodes) is
+planned once per step (``CpuAttentionPlan``, cached on the step's metadata)
+and each layer does only the gathers and the products:
+
+- decodes (one query token each) run as one batch: their contexts are
+  gathered from the cache with one ``index_select`` per K and V, padded to
+  the longest, and attended with two batched matmuls in the grouped-query
+  layout (the query heads of one KV head are that head's queries, so K/V
+  are never expanded);
+- prefill chunks run one SDPA call per request, causal against the cached
+  prefix.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,34 +32,84 @@ def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    may_pad: bool = True,
 ) -> None:
     """Scatter key/value [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D].
 
-    A negative slot marks a padding token and is skipped, as in the Triton kernel.
+    A negative slot marks a padding token and is skipped, as in the Triton
+    kernel; ``may_pad=False`` says there is none, which saves the check.
     """
     if key.shape[0] == 0:
         return
-    slots = slot_mapping.long()
-    if bool((slots < 0).any()):
+    slots = slot_mapping
+    if may_pad and bool((slots < 0).any()):
         keep = slots >= 0
         key, value, slots = key[keep], value[keep], slots[keep]
-    k_flat = k_cache.view(-1, *k_cache.shape[2:])
-    v_flat = v_cache.view(-1, *v_cache.shape[2:])
-    k_flat.index_copy_(0, slots, key.to(k_cache.dtype))
-    v_flat.index_copy_(0, slots, value.to(v_cache.dtype))
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
-def _gather_context(
-    cache: torch.Tensor, block_ids: torch.Tensor, length: int
-) -> torch.Tensor:
-    """The first ``length`` cached tokens of the blocks ``block_ids`` as [..., length, Hkv, D].
+@dataclass
+class _Prefill:
+    start: int
+    end: int
+    block_ids: torch.Tensor  # int64, the blocks holding the request's context
+    seq_len: int
+    mask: torch.Tensor | None  # causal mask shifted by the cached prefix, when there is one
+    causal: bool
 
-    ``index_select`` on the flattened ids: on CPU it copies whole blocks about
-    much faster than advanced indexing with a 2-D index.
-    """
-    blocks = cache.index_select(0, block_ids.flatten())
-    flat = blocks.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
-    return flat[..., :length, :, :]
+
+@dataclass
+class CpuAttentionPlan:
+    """What every layer of one step needs to know, worked out once."""
+
+    decode_rows: torch.Tensor | None  # token rows of the decodes; None when every token is a decode
+    decode_blocks: torch.Tensor | None  # [num_decodes * blocks] int64, padded with valid ids
+    num_decodes: int
+    decode_len: int  # longest decode context: the padded length
+    decode_mask: torch.Tensor | None  # [B, 1, 1, S] additive mask (-inf on padding), None if no padding
+    prefills: list[_Prefill]
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, block_size: int, device: torch.device) -> CpuAttentionPlan:
+        qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        decodes = [r for r in range(meta.num_reqs) if qsl[r + 1] - qsl[r] == 1]
+        tables = meta.block_tables
+        decode_rows = decode_blocks = decode_mask = None
+        decode_len = 0
+        if decodes:
+            lens = [seq_lens[r] for r in decodes]
+            decode_len = max(lens)
+            num_blocks = -(-decode_len // block_size)
+            rows = torch.tensor(decodes, dtype=torch.int64, device=device)
+            # Rows past a shorter context point at valid blocks (table padding), masked below.
+            decode_blocks = tables.index_select(0, rows)[:, :num_blocks].reshape(-1).long()
+            tokens = [qsl[r] for r in decodes]
+            if tokens != list(range(qsl[meta.num_reqs])):
+                decode_rows = torch.tensor(tokens, dtype=torch.int64, device=device)
+            if min(lens) != decode_len:
+                pad = torch.arange(decode_len, device=device)[None, :] >= torch.tensor(lens, device=device)[:, None]
+                decode_mask = torch.zeros(pad.shape, device=device).masked_fill_(pad, float("-inf"))[:, None, None]
+        prefills = []
+        for r in range(meta.num_reqs):
+            start, end = qsl[r], qsl[r + 1]
+            q_len, seq_len = end - start, seq_lens[r]
+            if q_len <= 1:
+                continue
+            block_ids = tables[r, : -(-seq_len // block_size)].long()
+            mask, causal = None, q_len == seq_len  # no cached prefix: the plain causal mask
+            if not causal:
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+            prefills.append(_Prefill(start, end, block_ids, seq_len, mask, causal))
+        return cls(decode_rows, decode_blocks, len(decodes), decode_len, decode_mask, prefills)
+
+
+def _plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> CpuAttentionPlan:
+    plan = meta.cpu_plan
+    if plan is None:
+        plan = meta.cpu_plan = CpuAttentionPlan.build(meta, block_size, device)
+    return plan
 
 
 def paged_attention(
@@ -65,74 +126,53 @@ def paged_attention(
     sits at position ``seq_lens[r] - query_len[r] + i`` and sees keys at
     positions up to its own. Hq may be a multiple of Hkv (GQA).
     """
+    num_tokens = query.shape[0]
+    if num_tokens == 0:
+        return torch.empty_like(query) if out is None else out
+    plan = _plan(meta, k_cache.shape[1], query.device)
+    if plan.num_decodes == num_tokens and out is None:
+        return _decodes(query, k_cache, v_cache, plan, scale)  # a pure decode step: no scatter
     if out is None:
         out = torch.empty_like(query)
-    if query.shape[0] == 0:
-        return out
-    block_size = k_cache.shape[1]
-    qsl = meta.query_start_loc_cpu
-    seq_lens = meta.seq_lens_cpu
-    decode_reqs = [r for r in range(meta.num_reqs) if qsl[r + 1] - qsl[r] == 1]
-    if len(decode_reqs) > 1:
-        _batched_decode(query, k_cache, v_cache, meta, decode_reqs, scale, out)
-        handled = set(decode_reqs)
-    else:
-        handled = set()
-
-    for r in range(meta.num_reqs):
-        if r in handled:
-            continue
-        start, end = qsl[r], qsl[r + 1]
-        q_len, seq_len = end - start, seq_lens[r]
-        if q_len == 0:
-            continue
-        num_blocks = -(-seq_len // block_size)
-        block_ids = meta.block_tables[r, :num_blocks].long()
-        k = _gather_context(k_cache, block_ids, seq_len).transpose(0, 1)  # [Hkv, S, D]
-        v = _gather_context(v_cache, block_ids, seq_len).transpose(0, 1)
-        q = query[start:end].transpose(0, 1)  # [Hq, q_len, D]
-        if q_len == 1:
-            mask, causal = None, False  # a lone last token sees the whole context
-        elif q_len == seq_len:
-            mask, causal = None, True  # no cached prefix: the plain causal mask
+    if plan.num_decodes:
+        rows = plan.decode_rows
+        q = query if rows is None else query.index_select(0, rows)
+        o = _decodes(q, k_cache, v_cache, plan, scale)
+        if rows is None:
+            out.copy_(o)
         else:
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-            k_pos = torch.arange(seq_len, device=query.device)
-            mask, causal = k_pos[None, :] <= q_pos[:, None], False
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
-        )
-        out[start:end] = o.transpose(0, 1)
+            out.index_copy_(0, rows, o)
+    for p in plan.prefills:
+        k = _context(k_cache, p.block_ids, p.seq_len).transpose(0, 1)  # [Hkv, S, D]
+        v = _context(v_cache, p.block_ids, p.seq_len).transpose(0, 1)
+        q = query[p.start : p.end].transpose(0, 1)  # [Hq, q_len, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.causal, scale=scale, enable_gqa=True)
+        out[p.start : p.end] = o.transpose(0, 1)
     return out
 
 
-def _batched_decode(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    reqs: list[int],
-    scale: float,
-    out: torch.Tensor,
-) -> None:
-    """All one-token queries in one SDPA call, contexts padded to the longest.
+def _context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` cached tokens of one request as [length, Hkv, D].
 
-    With GQA the query heads that share a KV head are laid out as that head's
-    queries ([B, Hkv, group, D]): one token's heads all see the same keys, so
-    SDPA needs no K/V expansion (faster than ``enable_gqa`` on CPU).
+    ``index_select`` on the block ids: on a CPU it copies whole blocks much
+    faster than advanced indexing with a 2-D index.
     """
-    device = query.device
-    block_size = k_cache.shape[1]
-    lens = torch.tensor([meta.seq_lens_cpu[r] for r in reqs], device=device)
-    max_len = max(meta.seq_lens_cpu[r] for r in reqs)
-    num_blocks = -(-max_len // block_size)
-    rows = torch.tensor(reqs, device=device)
-    tok = torch.tensor([meta.query_start_loc_cpu[r] for r in reqs], device=device)
-    block_ids = meta.block_tables[rows, :num_blocks].long()  # padding ids are valid blocks, masked below
-    k = _gather_context(k_cache, block_ids, max_len).transpose(1, 2)  # [B, Hkv, S, D]
-    v = _gather_context(v_cache, block_ids, max_len).transpose(1, 2)
-    num_kv_heads, head_dim = k.shape[1], k.shape[3]
-    q = query[tok].view(len(reqs), num_kv_heads, -1, head_dim)  # [B, Hkv, group, D]
-    mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None, :]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    out[tok] = o.reshape(len(reqs), -1, head_dim)
+    return cache.index_select(0, block_ids).view(-1, *cache.shape[2:])[:length]
+
+
+def _decodes(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: CpuAttentionPlan, scale: float
+) -> torch.Tensor:
+    """One-token queries [B, Hq, D] over their padded contexts -> [B, Hq, D]."""
+    batch, num_kv_heads, head_dim = plan.num_decodes, k_cache.shape[2], k_cache.shape[3]
+    length = plan.decode_len
+    # [B, blocks * block_size, Hkv, D] -> [B, Hkv, S, D] (a view; the matmuls read it strided)
+    k = k_cache.index_select(0, plan.decode_blocks).view(batch, -1, num_kv_heads, head_dim)[:, :length]
+    v = v_cache.index_select(0, plan.decode_blocks).view(batch, -1, num_kv_heads, head_dim)[:, :length]
+    q = query.view(batch, num_kv_heads, -1, head_dim)  # [B, Hkv, group, D]
+    scores = torch.matmul(q, k.permute(0, 2, 3, 1))  # [B, Hkv, group, S]
+    scores.mul_(scale)
+    if plan.decode_mask is not None:
+        scores.add_(plan.decode_mask)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v.transpose(1, 2)).view(batch, -1, head_dim)

@@ -19,7 +19,8 @@ import transformers
 
 from core.config import EngineConfig
 from core.models.default_model import CHAT_TEMPLATE, ensure_default_model
-from core.models.llama import DecoderConfig, rope_inv_freq
+from core.models.layers import rope_inv_freq
+from core.models.llama import DecoderConfig
 from core.models.loader import kv_cache_bytes_per_block, load_model
 from kernels.metadata import AttentionMetadata
 

@@ -9,12 +9,12 @@ to and coming from the paged cache described by ``AttentionMetadata``.
 
 q/k/v and gate/up projections are fused into one matmul each (fewer kernel
 launches and one read of the activations); ``load_weights`` slices the
-Hugging Face tensors into the fused parameters.
+Hugging Face tensors into the fused parameters. The layers are written for
+few calls per step (core/models/layers.py says why).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from core.models.layers import Linear, Module, RMSNorm, RotaryEmbedding
 from kernels.metadata import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -122,77 +123,8 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
     return cfg.get("sliding_window")
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] (float32, CPU), with linear or llama3 scaling."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
-    if scaling is None:
-        return inv_freq
-    rope_type = scaling["rope_type"]
-    if rope_type == "linear":
-        return inv_freq / scaling["factor"]
-    if rope_type == "llama3":
-        # Long wavelengths are slowed down by `factor`, short ones kept, and the
-        # band between is interpolated smoothly (Llama 3.1's context extension).
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, smoothed, scaled)
-    raise ValueError(
-        f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3"
-    )
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin per position, computed from the positions of the step.
-
-    The inverse frequencies are a plain CPU tensor rather than a buffer so
-    building the model on the meta device (to skip weight init) leaves them
-    intact; a copy per device is cached on first use.
-    """
-
-    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
-        super().__init__()
-        self._inv_freq_cpu = rope_inv_freq(head_dim, theta, scaling)
-        self._inv_freq: dict[torch.device, torch.Tensor] = {}
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self._inv_freq.get(positions.device)
-        if inv_freq is None:
-            inv_freq = self._inv_freq[positions.device] = self._inv_freq_cpu.to(positions.device)
-        freqs = positions.float()[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]: broadcast over heads
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] by the "half split" convention of Hugging Face checkpoints."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-class RMSNorm(nn.Module):
-    """Normalise in float32, scale in the model dtype (as the reference does)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
+class Attention(Module):
+    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
@@ -200,8 +132,9 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.rotary = rotary
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -217,37 +150,38 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        heads = self.num_heads
+        qkv = self.qkv_proj(hidden).view(num_tokens, heads + 2 * self.num_kv_heads, self.head_dim)
+        qk = qkv[:, : heads + self.num_kv_heads]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
+        qk = self.rotary.rotate(qk, cos, sin)  # q and k in one pass
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + self.num_kv_heads :]
         k_cache, v_cache = kv_cache
-        kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, meta.may_pad)
         out = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 
-class MLP(nn.Module):
+class MLP(Module):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        size = self.intermediate_size
+        return self.down_proj(self.act(gate_up[:, :size]) * gate_up[:, size:])
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
+class DecoderLayer(Module):
+    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -266,12 +200,12 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """The ``model.`` prefix of Hugging Face checkpoints: embeddings, layers, final norm."""
 
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, cfg: DecoderConfig, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
 
 # HF name fragment -> (our fused parameter fragment, shard index within it).
@@ -294,12 +228,14 @@ class LlamaForCausalLM(nn.Module):
     QWEN2_BIASES = False
     QK_NORM = False
 
-    def __init__(self, hf_config: Any) -> None:
+    def __init__(self, hf_config: Any, max_positions: int | None = None) -> None:
+        """``max_positions``: the longest context the model will see (the rotary
+        table's size); the checkpoint's ``max_position_embeddings`` by default."""
         super().__init__()
         cfg = DecoderConfig.from_hf(hf_config, qwen2_biases=self.QWEN2_BIASES, qk_norm=self.QK_NORM)
         self.config = cfg
-        self.model = DecoderModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = DecoderModel(cfg, max_positions or cfg.max_position_embeddings)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -314,6 +250,13 @@ class LlamaForCausalLM(nn.Module):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
 
+    def prepare_for_inference(self) -> None:
+        """Call once the weights are in place (and again if they are replaced):
+        the dense layers make their CPU fast-path views of the weights."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepare()
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -327,11 +270,12 @@ class LlamaForCausalLM(nn.Module):
         Every layer writes its new K/V into ``kv_caches[layer]`` at
         ``attn_metadata.slot_mapping`` before attending.
         """
-        hidden = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        cos, sin = self.model.rotary(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        model = self.model
+        hidden = F.embedding(input_ids, model.embed_tokens.weight) if inputs_embeds is None else inputs_embeds
+        cos, sin = model.rotary.lookup(positions, hidden.dtype)
+        for layer, kv_cache in zip(model.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
-        return self.model.norm(hidden)
+        return model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, vocab]."""

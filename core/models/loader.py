@@ -78,7 +78,7 @@ def load_model(
     model_cls = resolve_model_class(hf_config)
 
     with torch.device("meta"), _default_dtype(dtype):
-        model = model_cls(hf_config)
+        model = model_cls(hf_config, config.max_model_len)
     _check_sliding_window(model, config, hf_config)
     model.to_empty(device=device)  # allocated straight in `dtype`: no float32 copy first
     model.tie_weights()
@@ -93,6 +93,7 @@ def load_model(
             raise ValueError(f"checkpoint {config.model} lacks {len(missing)} tensors, e.g. {shown}")
     else:
         raise ValueError(f"unknown load_format {config.load_format!r}; use auto, safetensors or dummy")
+    model.prepare_for_inference()
     return model.eval()
 
 

@@ -366,7 +366,7 @@ class ModelRunner:
             b.fill_decode_padding(num_reqs, decode_size)
         b.logits_indices.np[: sample.size] = cu[sample] - 1
 
-        meta = self._metadata(num_tokens, num_padded_reqs, max_query_len)
+        meta = self._metadata(num_tokens, num_padded_reqs, max_query_len, may_pad=num_tokens != total)
         input_ids = b.input_ids.to_device(num_tokens)
         positions_t = b.positions.to_device(num_tokens)
         logits_indices = b.logits_indices.to_device(sample.size) if sample.size else None
@@ -386,8 +386,9 @@ class ModelRunner:
             decode_size=decode_size,
         )
 
-    def _metadata(self, num_tokens: int, num_reqs: int, max_query_len: int) -> AttentionMetadata:
-        """Attention metadata over the first rows of the (already filled) buffers."""
+    def _metadata(self, num_tokens: int, num_reqs: int, max_query_len: int, may_pad: bool = True) -> AttentionMetadata:
+        """Attention metadata over the first rows of the (already filled) buffers;
+        ``may_pad=False`` promises that no slot is negative (no filler rows)."""
         b = self.buffers
         seq_lens_cpu = b.seq_lens.np[:num_reqs].tolist()
         return AttentionMetadata(
@@ -399,6 +400,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens_cpu),
             query_start_loc_cpu=b.query_start_loc.np[: num_reqs + 1].tolist(),
             seq_lens_cpu=seq_lens_cpu,
+            may_pad=may_pad,
         )
 
     def _fill_deferred_inputs(

@@ -1,0 +1,123 @@
+"""Building blocks of the decoder models, shaped for the cost of a step on a CPU.
+
+A small model's decode step is mostly fixed per-call costs, so these blocks
+make few calls: modules are called without ``nn.Module``'s hook machinery
+(the engine registers no hooks), RMSNorm is torch's fused kernel (bitwise
+equal to the Hugging Face formula), rotary cos/sin come from a table looked
+up once per step, and q and k are rotated in one pass.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from kernels.linear import CpuWeight, linear
+
+
+class Module(nn.Module):
+    """An ``nn.Module`` whose call is just ``forward``: no hooks, no per-call bookkeeping."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that sends small CPU float32 batches to numpy's BLAS (kernels/linear.py).
+
+    ``prepare()`` (after the weights are loaded) makes the numpy views of the
+    weight; until then, or where they do not apply, torch computes.
+    """
+
+    _cpu: CpuWeight | None = None
+
+    def prepare(self) -> None:
+        self._cpu = CpuWeight(self.weight, self.bias) if CpuWeight.usable(self.weight) else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self._cpu)
+
+    __call__ = forward
+
+
+class RMSNorm(Module):
+    """Normalise in float32, scale in the model dtype (the Hugging Face formula, fused)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.shape = (dim,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return torch.rms_norm(x, self.shape, self.weight, self.eps)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] (float32, CPU), with linear or llama3 scaling."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling["rope_type"]
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        # Long wavelengths are slowed down by `factor`, short ones kept, and the
+        # band between is interpolated smoothly (Llama 3.1's context extension).
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(
+        f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3"
+    )
+
+
+class RotaryEmbedding:
+    """Rotary position embedding in the "half split" convention of Hugging Face checkpoints.
+
+    ``x·cos + rotate_half(x)·sin``, with ``rotate_half(x) = [-x₂, x₁]``, is
+    computed as ``x·cos + roll(x)·sin±`` where ``sin±`` is sin with its first
+    half negated: the same products and sums, so bitwise the same result,
+    in four calls. The cos/sin± rows of every position up to ``max_positions``
+    are tabulated per device and dtype on first use (computed in float32 as
+    the reference does, then cast).
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int) -> None:
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self._inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _table(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self._tables.get((device, dtype))
+        if table is None:
+            freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * self._inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+            half = self.head_dim // 2
+            sin[:, :half].neg_()
+            table = self._tables[(device, dtype)] = (cos.to(device), sin.to(device))
+        return table
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin±) of each position, [T, 1, head_dim]: broadcast over heads."""
+        cos, sin = self._table(positions.device, dtype)
+        return cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H, head_dim] rotated by its tokens' positions (a new tensor)."""
+        return x * cos + torch.roll(x, self.head_dim // 2, dims=-1) * sin
