@@ -51,7 +51,7 @@ class SystemRun:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="local model directory (default: the embedded model)")
+    parser.add_argument("--model", help="local model directory (default: the random-weights test model)")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=128, help="generated tokens per prompt")
@@ -152,9 +152,9 @@ def format_table(runs: list[SystemRun]) -> str:
 def run(args: argparse.Namespace) -> int:
     model = args.model
     if model is None:
-        from core.models.default_model import ensure_default_model
+        from core.models.random_model import ensure_random_model
 
-        model = ensure_default_model()
+        model = ensure_random_model()
     tokenizer = load_tokenizer(model)
     prompts = random_token_ids(tokenizer, args.num_prompts, args.input_len, args.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)

@@ -8,10 +8,10 @@ from pathlib import Path
 from bench.__main__ import main as bench_main
 
 
-def test_throughput_runs_ours_and_transformers(default_model_dir: str, tmp_path: Path, capsys) -> None:
+def test_throughput_runs_ours_and_transformers(random_model_dir: str, tmp_path: Path, capsys) -> None:
     out = tmp_path / "throughput.json"
     rc = bench_main([
-        "throughput", "--model", default_model_dir, "--num-prompts", "3", "--input-len", "8",
+        "throughput", "--model", random_model_dir, "--num-prompts", "3", "--input-len", "8",
         "--output-len", "4", "--repeats", "2", "--output-json", str(out),
     ])
     assert rc == 0

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from app.llm import LLM
-from core.models.default_model import MODEL_CONFIG, write_tokenizer
+from core.models.random_model import MODEL_CONFIG, write_tokenizer
 from core.protocol import SamplingParams
 
 PROMPT_LENGTHS = [3, 17, 40, 9, 64]

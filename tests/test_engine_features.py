@@ -14,7 +14,7 @@ import transformers
 from app.llm import LLM
 from core.client import InprocClient
 from core.config import EngineConfig
-from core.models.default_model import write_tokenizer
+from core.models.random_model import write_tokenizer
 from core.protocol import EngineCoreRequest, FinishReason, SamplingParams
 from tests.test_engine_equivalence import _hf_greedy, _tiny_config
 

@@ -111,7 +111,7 @@ class FakeEngine:
 
 
 @contextlib.asynccontextmanager
-async def running_server(engine: FakeEngine, api_key: str | None = None):
+async def running_server(engine: FakeEngine, api_key: str | None = None, **app_options):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -120,7 +120,7 @@ async def running_server(engine: FakeEngine, api_key: str | None = None):
     config.accesslog = None
     config.graceful_timeout = 0.5
     stop = asyncio.Event()
-    app = build_app(engine, MODEL, MAX_MODEL_LEN, api_key=api_key)
+    app = build_app(engine, MODEL, MAX_MODEL_LEN, api_key=api_key, **app_options)
     task = asyncio.create_task(serve(app, config, shutdown_trigger=stop.wait))
     base = f"http://127.0.0.1:{port}"
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
