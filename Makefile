@@ -1,11 +1,11 @@
-# Two commands for a fresh machine: `make run` and `make test`.
+# Two commands for a fresh machine: `make run` and `make test` (`make test-browser` adds Chromium).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: run test install clean
+.PHONY: run test test-browser install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,16 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
+
+# The chat page in headless Chromium: installs Debian's chromium and chromium-driver when missing
+# (apt-get, as root or through sudo), then runs the browser test alone.
+test-browser: $(STAMP)
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+		SUDO=$$(test "$$(id -u)" = 0 || echo sudo); \
+		$$SUDO apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium chromium-driver; \
+	fi
+	$(PY) -m pytest -q tests/test_browser.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

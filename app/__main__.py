@@ -1,8 +1,10 @@
 """``python -m app``: start the EngineCore, then serve the OpenAI API with hypercorn.
 
-The listening address is bound first, so a taken port fails at once rather
-than after the model has loaded. The frontend runs on a uvloop event loop;
+Arguments are checked first (a hub id or a missing --model directory exits
+with status 2 and a message), then the listening address is bound, so a taken
+port fails at once rather than after the model has loaded. The frontend runs on a uvloop event loop;
 the AsyncLLM (which spawns the EngineCore process) is created inside it.
+Once the engine is ready, a short banner says what is served and where.
 SIGINT/SIGTERM stop accepting connections, give running requests a few
 seconds (hypercorn's graceful timeout), then shut the engine down.
 """
@@ -15,8 +17,9 @@ import logging
 import signal
 import socket
 import sys
+from collections.abc import Sequence
 
-from app.cli import build_engine_config, load_chat_template, make_parser
+from app.cli import build_engine_config, load_chat_template, make_parser, model_dir_error, served_model_names
 from core.config import EngineConfig
 from core.heap import freeze_startup_heap
 
@@ -41,12 +44,18 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 async def serve(
-    config: EngineConfig, chat_template: str | None, sock: socket.socket, api_key: str | None
+    config: EngineConfig,
+    chat_template: str | None,
+    sock: socket.socket,
+    api_key: str | None,
+    model_aliases: Sequence[str] = (),
+    enable_ui: bool = True,
 ) -> None:
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config as HypercornConfig
 
     from app.async_llm import AsyncLLM
+    from app.banner import format_banner
     from app.server import build_app
 
     loop = asyncio.get_running_loop()
@@ -56,7 +65,10 @@ async def serve(
 
     engine = AsyncLLM(config, chat_template)
     try:
-        app = build_app(engine, engine.served_model_name, engine.max_model_len, api_key, chat_template)
+        app = build_app(
+            engine, engine.served_model_name, engine.max_model_len, api_key, chat_template,
+            model_aliases=model_aliases, enable_ui=enable_ui,
+        )
         freeze_startup_heap()
         host, port = sock.getsockname()[:2]
         hypercorn_config = HypercornConfig()
@@ -64,7 +76,18 @@ async def serve(
         hypercorn_config.accesslog = None
         hypercorn_config.errorlog = logging.getLogger("hypercorn.error")  # through our handlers only
         hypercorn_config.graceful_timeout = GRACEFUL_TIMEOUT_S
-        logger.info("ringllm serving %s on http://%s:%d", engine.served_model_name, host, port)
+        logger.info(
+            "%s",
+            format_banner(
+                model=engine.config.model,
+                served_names=[engine.served_model_name, *model_aliases],
+                ready=engine.engine_core.ready,
+                transport=engine.config.transport,
+                host=host,
+                port=port,
+                routes={getattr(route, "path", "") for route in app.routes},
+            ),
+        )
         await hypercorn_serve(app, hypercorn_config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
     finally:
         logger.info("shutting down")
@@ -82,19 +105,25 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if args.model is not None and (problem := model_dir_error(args.model)) is not None:
+        parser.exit(2, f"{parser.prog}: error: {problem}\n")  # as argparse's errors, less the long usage
     try:
         chat_template = load_chat_template(args.chat_template)
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
     try:
+        config = build_engine_config(args)
+    except FileNotFoundError as exc:  # the embedded model's files are missing
+        parser.exit(1, f"{exc}\n")
+    try:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:
         parser.exit(1, f"cannot listen on {args.host}:{args.port}: {exc}\n")
-    config = build_engine_config(args)
 
     import uvloop
 
-    uvloop.run(serve(config, chat_template, sock, args.api_key))
+    aliases = served_model_names(args)[1:]
+    uvloop.run(serve(config, chat_template, sock, args.api_key, aliases, not args.disable_frontend_ui))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Command-line arguments of ``python -m app``, named as in ``vllm serve``.
+"""Command-line arguments of ``python -m app``, named and grouped as in ``vllm serve``.
 
 Engine options left unset keep EngineConfig's defaults, so the defaults live
 in one place. The server binds 127.0.0.1 unless --host says otherwise
@@ -26,10 +26,12 @@ _SIZE_UNITS = {
 _DTYPE_ALIASES = {
     "half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16",
 }
+# "org/name" as the Hugging Face hub spells a repository id.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 # EngineConfig fields that map one to one onto an option of the same name.
 _ENGINE_FIELDS = (
-    "served_model_name", "tokenizer", "dtype", "device", "load_format", "seed", "max_model_len",
+    "tokenizer", "dtype", "device", "load_format", "seed", "max_model_len",
     "block_size", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
     "enable_prefix_caching", "num_gpu_blocks_override", "kv_cache_memory",
     "gpu_memory_utilization", "enforce_eager", "transport", "scheduling_policy", "enable_prompt_embeds",
@@ -53,14 +55,88 @@ def _dtype(text: str) -> str:
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m app",
-        description="ringllm: an OpenAI-compatible LLM server (vLLM V1's engine over shared-memory rings).",
+        description=(
+            "ringllm: an OpenAI-compatible LLM server (vLLM V1's engine over shared-memory rings). "
+            "Without --model it serves the embedded stories260K model, with a chat page at /."
+        ),
     )
-    p.add_argument("--model", help="local Hugging Face model directory (default: the embedded demo model)")
-    p.add_argument("--served-model-name", help="model name clients use in requests (default: --model)")
-    p.add_argument("--tokenizer", help="tokenizer directory (default: --model)")
-    p.add_argument("--chat-template", help="chat template: a file path or the Jinja text itself")
 
-    server = p.add_argument_group("server")
+    model = p.add_argument_group("model", "what is served, and how it is loaded and prompted")
+    model.add_argument(
+        "--model", metavar="DIR",
+        help="local Hugging Face model directory (config.json, *.safetensors, tokenizer files); "
+        "nothing is downloaded (default: the embedded stories260K)",
+    )
+    model.add_argument(
+        "--served-model-name", nargs="+", metavar="NAME",
+        help="model names clients use in requests: the first is the one /v1/models reports, the "
+        "others are accepted as aliases (default: --model, or stories260K and ringllm-default)",
+    )
+    model.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: --model)")
+    model.add_argument(
+        "--chat-template", metavar="FILE_OR_TEXT",
+        help="chat template for /v1/chat/completions: a file path or the Jinja text itself "
+        "(default: the tokenizer's own)",
+    )
+    model.add_argument(
+        "--dtype", type=_dtype, choices=["auto", "float32", "float16", "bfloat16"],
+        help="compute dtype (default auto: float32 on a CPU, the checkpoint's dtype on a GPU)",
+    )
+    model.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], help="where the model runs (default auto: a GPU if any)"
+    )
+    model.add_argument(
+        "--load-format", choices=["auto", "safetensors", "dummy"],
+        help="weights from the checkpoint (auto, safetensors) or seeded random ones of its shapes (dummy)",
+    )
+    model.add_argument("--seed", type=int, help="seed of random sampling and of dummy weights (default 0)")
+    model.add_argument(
+        "--max-model-len", type=int,
+        help="context length: prompt plus completion tokens (default: the checkpoint's max_position_embeddings)",
+    )
+    model.add_argument("--enforce-eager", action="store_true", default=None, help="on a GPU, no CUDA graphs")
+    model.add_argument(
+        "--enable-prompt-embeds", action="store_true", default=None,
+        help="accept prompt_embeds (base64 torch.save tensors) in /v1/completions",
+    )
+
+    sched = p.add_argument_group("scheduler", "how requests share the engine's steps")
+    sched.add_argument("--max-num-seqs", type=int, help="most requests running at once (default 64)")
+    sched.add_argument(
+        "--max-num-batched-tokens", type=int, help="token budget of one engine step (default 2048)"
+    )
+    sched.add_argument(
+        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+        help="split long prompts over several steps, beside other requests' decodes (default on)",
+    )
+    sched.add_argument(
+        "--scheduling-policy", choices=["fcfs", "priority"],
+        help="waiting-queue order and preemption victim: arrival (default) or the request's priority",
+    )
+    sched.add_argument(
+        "--async-scheduling", action="store_true", default=None,
+        help="schedule the next batch while the model runs the current one",
+    )
+
+    cache = p.add_argument_group("cache", "the paged KV cache")
+    cache.add_argument("--block-size", type=int, help="tokens per KV cache block (default 16)")
+    cache.add_argument(
+        "--num-gpu-blocks-override", type=int, help="number of KV cache blocks, whatever the memory"
+    )
+    cache.add_argument(
+        "--kv-cache-memory", type=parse_size, metavar="BYTES",
+        help="bytes for the KV cache, e.g. 512MiB (default: 256 MiB on a CPU, measured on a GPU)",
+    )
+    cache.add_argument(
+        "--gpu-memory-utilization", type=float,
+        help="fraction of GPU memory the engine may use, KV cache included (default 0.9)",
+    )
+    cache.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+        help="reuse the KV cache of shared prompt prefixes (default on)",
+    )
+
+    server = p.add_argument_group("server", "HTTP, authentication and the chat page")
     server.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
     server.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free port)"
@@ -68,45 +144,21 @@ def make_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--api-key",
         default=os.environ.get("RINGLLM_API_KEY"),
-        help="require 'Authorization: Bearer KEY' (default: $RINGLLM_API_KEY, else no auth)",
+        help="require 'Authorization: Bearer KEY' on the API (default: $RINGLLM_API_KEY, else no auth)",
     )
-    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    server.add_argument(
+        "--disable-frontend-ui", action="store_true",
+        help="do not serve the chat page at / (the API is unchanged)",
+    )
+    server.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"],
+        help="logging threshold (default info)",
+    )
 
-    engine = p.add_argument_group("engine")
-    engine.add_argument("--dtype", type=_dtype, choices=["auto", "float32", "float16", "bfloat16"])
-    engine.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    engine.add_argument("--load-format", choices=["auto", "safetensors", "dummy"])
-    engine.add_argument("--seed", type=int)
-    engine.add_argument("--max-model-len", type=int, help="context length (default: from config.json)")
-    engine.add_argument("--max-num-seqs", type=int, help="most requests running at once")
-    engine.add_argument("--max-num-batched-tokens", type=int, help="token budget of one engine step")
-    engine.add_argument("--block-size", type=int, help="tokens per KV cache block")
-    engine.add_argument("--num-gpu-blocks-override", type=int, help="KV cache blocks, whatever the memory")
-    engine.add_argument("--kv-cache-memory", type=parse_size, help="bytes for the KV cache (e.g. 512MiB)")
-    engine.add_argument("--gpu-memory-utilization", type=float)
-    engine.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="reuse the KV cache of shared prompt prefixes (default on)",
-    )
-    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
-    engine.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
-    engine.add_argument("--transport", choices=["shm", "zmq"], help="frontend-engine transport (default shm)")
-    engine.add_argument(
-        "--scheduling-policy",
-        choices=["fcfs", "priority"],
-        help="waiting-queue order and preemption victim: arrival (default) or the request's priority",
-    )
-    engine.add_argument(
-        "--async-scheduling",
-        action="store_true",
-        default=None,
-        help="schedule the next batch while the model runs the current one",
-    )
-    engine.add_argument(
-        "--enable-prompt-embeds", action="store_true", default=None,
-        help="accept prompt_embeds (base64 torch.save tensors) in /v1/completions",
+    transport = p.add_argument_group("transport", "between the frontend and the EngineCore process")
+    transport.add_argument(
+        "--transport", choices=["shm", "zmq"],
+        help="shared-memory rings (default shm) or vLLM's ZeroMQ sockets (the baseline)",
     )
     return p
 
@@ -115,19 +167,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return make_parser().parse_args(argv)
 
 
+def model_dir_error(model: str) -> str | None:
+    """Why ``--model`` cannot be served, or None if it looks like a checkpoint directory.
+
+    ringllm never downloads: a Hugging Face hub id gets a message saying how
+    to fetch the checkpoint elsewhere and point at it, instead of a traceback
+    from deep inside the loader.
+    """
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            return f"--model {model}: not a Hugging Face model directory (it has no config.json)"
+        return None
+    if os.path.exists(model):
+        return f"--model {model}: not a directory; give a local Hugging Face model directory"
+    if _HUB_ID.fullmatch(model) and not model.startswith("."):
+        return (
+            f"--model {model}: no such directory. It looks like a Hugging Face hub id, but ringllm "
+            "never downloads models: it serves local checkpoints only. On a machine with network "
+            f"access run `hf download {model} --local-dir DIR` (or `huggingface-cli download`), "
+            "bring DIR here, and start with --model DIR."
+        )
+    return f"--model {model}: no such directory; give a local Hugging Face model directory"
+
+
+def served_model_names(args: argparse.Namespace) -> list[str]:
+    """The names requests may use; the first is the one reported."""
+    if args.served_model_name:
+        return list(args.served_model_name)
+    if args.model is None:
+        from core.models.default_model import SERVED_NAMES
+
+        return list(SERVED_NAMES)
+    return [args.model]
+
+
 def build_engine_config(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from the parsed options (the default model is created if needed)."""
+    """EngineConfig from the parsed options (no --model: the embedded stories260K)."""
     given = {name: getattr(args, name) for name in _ENGINE_FIELDS if getattr(args, name, None) is not None}
     model = args.model
     if model is None:
-        from core.models.default_model import (  # builds files on first use
-            SERVED_NAME,
-            ensure_default_model,
-        )
+        from core.models.default_model import default_model_dir
 
-        model = ensure_default_model()
-        given.setdefault("served_model_name", SERVED_NAME)
-    return EngineConfig(model=model, **given)
+        model = default_model_dir()
+    return EngineConfig(model=model, served_model_name=served_model_names(args)[0], **given)
 
 
 def load_chat_template(value: str | None) -> str | None:

@@ -44,6 +44,27 @@ def _generation_eos_ids(tokenizer: Any) -> list[int]:
     return [eos] if isinstance(eos, int) else [int(i) for i in eos]
 
 
+def _chat_turn_stops(tokenizer: Any) -> list[str]:
+    """Stop strings that end a turn of the model's own chat template.
+
+    Read from ``ringllm.json`` beside the tokenizer (``{"chat_stop": [...]}``):
+    a base model given a chat format by its template has no end-of-turn token
+    to emit, so its template's turn delimiter has to be a stop string.
+    """
+    directory = getattr(tokenizer, "name_or_path", "") or ""
+    if not os.path.isdir(directory):  # a tokenizer built in memory
+        return []
+    path = os.path.join(directory, "ringllm.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            stops = json.load(f).get("chat_stop", [])
+    except FileNotFoundError:
+        return []
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"{path}: chat_stop must be a list of non-empty strings")
+    return stops
+
+
 class InputProcessor:
     """Tokenizes prompts and checks requests against the model's limits."""
 
@@ -58,6 +79,8 @@ class InputProcessor:
         # Models such as Llama 3 end a turn with any of several tokens: the
         # ones besides eos_token_id become stop tokens.
         self.extra_eos_ids = [i for i in eos_ids if i != self.eos_token_id]
+        # Added to chat requests rendered with the tokenizer's own template.
+        self.chat_stop = _chat_turn_stops(tokenizer)
 
     @classmethod
     def from_config(cls, config: EngineConfig, tokenizer: Any | None = None) -> InputProcessor:

@@ -28,9 +28,9 @@ class CompletionResult:
 class LLM:
     def __init__(self, model: str | None = None, **engine_args) -> None:
         if model is None:
-            from core.models.default_model import ensure_default_model
+            from core.models.default_model import default_model_dir
 
-            model = ensure_default_model()
+            model = default_model_dir()
         self.config = EngineConfig(model=model, **engine_args).resolve()
         self.engine = InprocClient(self.config)
         self.input_processor = InputProcessor.from_config(self.config)

@@ -3,16 +3,17 @@
 Routes: GET /health, GET /v1/models, POST /v1/completions,
 POST /v1/chat/completions, GET /engine/stats (scheduler counters, for
 operators and tests) and POST /reset_prefix_cache (as in vLLM; 409 while
-requests run, unless ``?reset_running_requests=true``). Every error, including unknown routes, has OpenAI's
-``{"error": {...}}`` body. With an API key, every route but /health
-requires ``Authorization: Bearer <key>``.
+requests run, unless ``?reset_running_requests=true``), plus the chat page
+(app/ui.py) unless it is disabled. Every error, including unknown routes, has
+OpenAI's ``{"error": {...}}`` body. With an API key, every route but /health
+and the page's own files requires ``Authorization: Bearer <key>``.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import msgspec
 from starlette.applications import Starlette
@@ -38,6 +39,7 @@ from app.serving import (
     json_response,
     until_disconnect,
 )
+from app.ui import ui_routes
 
 logger = logging.getLogger("ringllm.server")
 
@@ -69,8 +71,11 @@ def build_app(
     max_model_len: int,
     api_key: str | None = None,
     chat_template: str | None = None,
+    *,
+    model_aliases: Sequence[str] = (),
+    enable_ui: bool = True,
 ) -> Starlette:
-    serving = OpenAIServing(engine, served_model_name, max_model_len, chat_template)
+    serving = OpenAIServing(engine, served_model_name, max_model_len, chat_template, model_aliases)
     expected_auth = f"Bearer {api_key}".encode() if api_key else None
 
     def openai_route(handler: Endpoint) -> Endpoint:
@@ -140,4 +145,6 @@ def build_app(
         Route("/engine/stats", openai_route(engine_stats), methods=["GET"]),
         Route("/reset_prefix_cache", openai_route(reset_prefix_cache), methods=["POST"]),
     ]
+    if enable_ui:
+        routes += ui_routes(api_key_required=expected_auth is not None)
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error})

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 import msgspec
@@ -167,9 +167,13 @@ class OpenAIServing:
         served_model_name: str,
         max_model_len: int,
         chat_template: str | None = None,
+        model_aliases: Sequence[str] = (),
     ) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
+        # Other names requests may use (not listed by /v1/models, which would
+        # show one model twice); responses always carry the served name.
+        self.accepted_model_names = frozenset((served_model_name, *model_aliases))
         self.max_model_len = max_model_len
         # The server-wide --chat-template; a request's own chat_template wins.
         self.chat_template = chat_template if chat_template is not None else engine.chat_template
@@ -186,7 +190,7 @@ class OpenAIServing:
         return json_response(ModelList(data=[card]))
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
+        if model is not None and model not in self.accepted_model_names:
             raise NotFoundError(f"The model `{model}` does not exist.", "model")
 
     def _check_alive(self) -> None:
@@ -200,13 +204,16 @@ class OpenAIServing:
         req: CompletionRequest | ChatCompletionRequest,
         max_tokens: int | None,
         prompt_embeds: torch.Tensor | None = None,
+        extra_stop: Sequence[str] = (),
     ) -> EngineCoreRequest:
         if max_tokens is None:
             max_tokens = self.input_processor.default_max_tokens(len(prompt_ids))
+        params = req.sampling_params(max_tokens)
+        if extra_stop:
+            params.stop = params.stop + [s for s in extra_stop if s not in params.stop]
         try:
             return self.input_processor.process(
-                request_id, prompt_ids, req.sampling_params(max_tokens), req.priority, req.cache_salt,
-                prompt_embeds,
+                request_id, prompt_ids, params, req.priority, req.cache_salt, prompt_embeds
             )
         except ValueError as exc:
             raise BadRequestError(str(exc), getattr(exc, "param", None)) from None
@@ -278,16 +285,19 @@ class OpenAIServing:
         self._check_alive()
         request_id = random_id("chatcmpl")
         messages = [m.to_template_dict() for m in req.messages]
+        template = req.chat_template if req.chat_template is not None else self.chat_template
         try:
             prompt_ids = self.input_processor.apply_chat_template(
-                messages,
-                req.chat_template if req.chat_template is not None else self.chat_template,
-                req.add_generation_prompt,
-                **(req.chat_template_kwargs or {}),
+                messages, template, req.add_generation_prompt, **(req.chat_template_kwargs or {})
             )
         except ValueError as exc:
             raise BadRequestError(str(exc), "messages") from None
-        engine_request = self._engine_request(request_id, prompt_ids, req, req.requested_max_tokens)
+        # The model's own template may declare what ends a turn; like an
+        # end-of-turn token, that does not apply under ignore_eos.
+        turn_stop = self.input_processor.chat_stop if template is None and not req.ignore_eos else ()
+        engine_request = self._engine_request(
+            request_id, prompt_ids, req, req.requested_max_tokens, extra_stop=turn_stop
+        )
         if req.stream:
             return EventStreamResponse(self._stream_chat(engine_request, req.include_usage))
         text, last = await self._collect(engine_request)

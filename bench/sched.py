@@ -6,8 +6,8 @@ Every figure is a ratio against a baseline measured in the same run, with
 the two sides interleaved, because the machines these run on are shared and
 noisy; absolute times are printed for context only.
 
-- ``ttft``: time to first token of a long prompt (1,900 tokens: the embedded
-  default model has max_position_embeddings 2048) when its prefix is in the
+- ``ttft``: time to first token of a long prompt (1,900 tokens: the
+  random-weights test model has max_position_embeddings 2048) when its prefix is in the
   cache vs when the cache was just reset. Offline engine (InprocClient), so
   no HTTP or IPC is counted; max_tokens=1, so the time is prefill + one
   sample.
@@ -43,7 +43,7 @@ def _median_ms(samples: list[float]) -> float:
 
 
 def _prompt(n: int, seed: int) -> list[int]:
-    """Token ids in the byte range of the default model's vocabulary."""
+    """Token ids in the byte range of the random model's vocabulary."""
     return [(seed * 7919 + i * 131) % 250 + 3 for i in range(n)]
 
 
@@ -52,8 +52,9 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def bench_ttft(repeats: int) -> dict[str, float]:
     from app.llm import LLM
+    from core.models.random_model import ensure_random_model
 
-    llm = LLM(max_model_len=TTFT_MAX_MODEL_LEN, max_num_batched_tokens=TTFT_MAX_MODEL_LEN, seed=0)
+    llm = LLM(ensure_random_model(), max_model_len=TTFT_MAX_MODEL_LEN, max_num_batched_tokens=TTFT_MAX_MODEL_LEN, seed=0)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     cold: list[float] = []
     warm: list[float] = []
@@ -84,7 +85,7 @@ def bench_ttft(repeats: int) -> dict[str, float]:
     result["speedup"] = result["ttft_uncached_ms"] / result["ttft_cached_ms"]
     result["speedup_best"] = result["ttft_uncached_best_ms"] / result["ttft_cached_best_ms"]
     print(
-        f"ttft: {TTFT_PROMPT_LEN}-token prompt (default model, max_model_len {TTFT_MAX_MODEL_LEN}), "
+        f"ttft: {TTFT_PROMPT_LEN}-token prompt (random model, max_model_len {TTFT_MAX_MODEL_LEN}), "
         f"{repeats} runs each: uncached median {result['ttft_uncached_ms']:.1f} ms (best "
         f"{result['ttft_uncached_best_ms']:.1f}), cached ({cached_tokens} tokens hit) median "
         f"{result['ttft_cached_ms']:.1f} ms (best {result['ttft_cached_best_ms']:.1f}) -> "

@@ -45,7 +45,6 @@ from bench.report import (
 
 HELP = "benchmark a running OpenAI-compatible server (as vllm bench serve)"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-DEFAULT_MODEL_NAME = "ringllm-default"  # the name our server gives its embedded model
 BACKENDS = {"openai": "/v1/completions", "vllm": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 READY_RETRY_S = 1.0
 
@@ -62,7 +61,7 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
                                    "a local directory also gives the tokenizer")
     g.add_argument("--served-model-name", help="model name in requests when it differs from --model")
     g.add_argument("--tokenizer", help="tokenizer directory (default: --model if a directory, "
-                                       "the embedded model's for ringllm-default)")
+                                       "the embedded model's for stories260K and ringllm-default)")
     g.add_argument("--ready-check-timeout-sec", type=float, default=600.0,
                    help="wait this long for the server to answer a first test request (0: no test)")
 
@@ -127,10 +126,11 @@ def resolve_target(args: argparse.Namespace) -> Target:
     for candidate in (args.model, model):  # a served name may be the model's own directory
         if tokenizer is None and candidate and Path(candidate).is_dir():
             tokenizer = candidate
-    if tokenizer is None and model == DEFAULT_MODEL_NAME:
-        from core.models.default_model import ensure_default_model
+    if tokenizer is None:
+        from core.models.default_model import SERVED_NAMES, default_model_dir
 
-        tokenizer = ensure_default_model()
+        if model in SERVED_NAMES:  # our server without --model
+            tokenizer = default_model_dir()
     if tokenizer is None:
         raise ValueError(f"no tokenizer for model {model!r}: pass --tokenizer DIR (a local model directory)")
     return Target(base_url, endpoint, model, tokenizer)

@@ -86,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sweep")
     g.add_argument("--config", action="append", type=parse_config, metavar="NAME='ARGS'",
                    help="a server configuration (repeatable); default: " + ", ".join(DEFAULT_CONFIGS))
-    g.add_argument("--model", help="model directory for every server (default: the embedded model)")
+    g.add_argument("--model", help="model directory for every server (default: the random-weights test model, "
+                                   "core/models/random_model.py)")
     g.add_argument("--server-args", default="", help="arguments given to every server, e.g. '--seed 0'")
     g.add_argument("--server-timeout", type=float, default=300.0, help="seconds for a server to become healthy")
     g.add_argument("--log-dir", help="keep each server's log here (default: a temporary directory, removed "
@@ -212,9 +213,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     model_dir = args.model
     if model_dir is None:
-        from core.models.default_model import ensure_default_model
+        from core.models.random_model import ensure_random_model
 
-        model_dir = ensure_default_model()
+        model_dir = ensure_random_model()
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
     with contextlib.ExitStack() as servers:
         if args.log_dir:

@@ -2,7 +2,7 @@
 
 Both run in this process, on the same model, the same prompts (the very same
 token ids) and the same output lengths: greedy decoding, EOS ignored (ours:
-``ignore_eos``; transformers: ``min_new_tokens = max_new_tokens``). Ours gets
+``ignore_eos``; transformers: no EOS token id). Ours gets
 every prompt at once and lets its scheduler batch them (at most
 ``--max-num-seqs`` at a time, by default the transformers batch size);
 transformers gets batches of ``--hf-max-batch-size`` (default: all prompts). Each side first runs a small warmup
@@ -51,7 +51,7 @@ class SystemRun:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="local model directory (default: the embedded model)")
+    parser.add_argument("--model", help="local model directory (default: the random-weights test model)")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=128, help="generated tokens per prompt")
@@ -96,7 +96,8 @@ class OursOffline:
 
 
 class TransformersOffline:
-    """transformers ``generate`` in batches of ``batch_size``, greedy, EOS suppressed until the end."""
+    """transformers ``generate`` in batches of ``batch_size``, greedy, with no end-of-sequence token
+    (as ``ignore_eos``: an EOS may be generated, it just does not stop the sequence)."""
 
     name = "transformers generate"
 
@@ -117,8 +118,8 @@ class TransformersOffline:
         mask = self.torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with self.torch.inference_mode():
             out = self.model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                do_sample=False, pad_token_id=self.pad_id, use_cache=True,
+                input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                eos_token_id=None, pad_token_id=self.pad_id, use_cache=True,
             )
         return out[:, width:].tolist()
 
@@ -152,9 +153,9 @@ def format_table(runs: list[SystemRun]) -> str:
 def run(args: argparse.Namespace) -> int:
     model = args.model
     if model is None:
-        from core.models.default_model import ensure_default_model
+        from core.models.random_model import ensure_random_model
 
-        model = ensure_default_model()
+        model = ensure_random_model()
     tokenizer = load_tokenizer(model)
     prompts = random_token_ids(tokenizer, args.num_prompts, args.input_len, args.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)

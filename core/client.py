@@ -269,6 +269,7 @@ class MPClient:
             self._stop_process()
             self.transport.close()
             raise
+        self.ready = ready  # what the engine reported: KV cache size, dtype, device
         self.num_gpu_blocks = ready.num_gpu_blocks
         self.max_model_len = ready.max_model_len
 

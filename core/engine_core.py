@@ -238,6 +238,8 @@ class EngineCoreProc(EngineCore):
             num_gpu_blocks=self.num_gpu_blocks,
             max_model_len=self.config.max_model_len,
             block_size=self.config.block_size,
+            dtype=str(self.model_executor.runner.dtype).removeprefix("torch."),
+            device=str(self.model_executor.runner.device),
         )
         transport.send([b"READY", msgspec.msgpack.encode(ready)])
         self._input_thread = threading.Thread(target=self._process_input_socket, name="EngineCoreInput", daemon=True)

@@ -218,6 +218,8 @@ class HandshakeReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_gpu_blocks: int
     max_model_len: int
     block_size: int
+    dtype: str = ""  # the model's compute dtype, e.g. "float32" (for the start-up banner)
+    device: str = ""  # e.g. "cpu", "cuda:0"
 
 
 class EngineDeadError(RuntimeError):

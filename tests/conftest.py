@@ -15,18 +15,16 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from app.launcher import REPO  # noqa: E402 (after the Triton switch)
+from core.models.default_model import DEFAULT_MODEL_DIR as STORIES_DIR  # noqa: E402 (after the Triton switch)
 from tests.support.engines import MAX_NEW, hf_greedy, shared_prefix_prompts, tiny_config  # noqa: E402
 from tests.support.servers import Server, start_server, stop_server  # noqa: E402
 
-STORIES_DIR = REPO.parent / "shared" / "models" / "stories260K"
-
 
 @pytest.fixture(scope="session")
-def default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from core.models.default_model import ensure_default_model
+def random_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from core.models.random_model import ensure_random_model
 
-    return ensure_default_model(str(tmp_path_factory.mktemp("ringllm-cache")))
+    return ensure_random_model(str(tmp_path_factory.mktemp("ringllm-cache")))
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +33,7 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     import torch
     import transformers
 
-    from core.models.default_model import MODEL_CONFIG, write_tokenizer
+    from core.models.random_model import MODEL_CONFIG, write_tokenizer
 
     torch.manual_seed(3)
     config = transformers.LlamaConfig(
@@ -53,7 +51,7 @@ def llama(tmp_path_factory: pytest.TempPathFactory):
     """A seeded tiny Llama saved by transformers: (the transformers model, its directory)."""
     import transformers
 
-    from core.models.default_model import write_tokenizer
+    from core.models.random_model import write_tokenizer
 
     torch.manual_seed(4321)
     model = transformers.LlamaForCausalLM(tiny_config("llama")).eval().float()
@@ -73,8 +71,7 @@ def reference(llama):
 
 @pytest.fixture(scope="session")
 def stories_dir() -> str:
-    if not (STORIES_DIR / "config.json").exists():
-        pytest.skip(f"{STORIES_DIR} is absent (../shared/models not beside the repo)")
+    """The embedded default model, stories260K, as packaged."""
     return str(STORIES_DIR)
 
 

@@ -17,8 +17,8 @@ from bench.datasets import (
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_model_dir: str):
-    return load_tokenizer(default_model_dir)
+def tokenizer(random_model_dir: str):
+    return load_tokenizer(random_model_dir)
 
 
 def count(tokenizer, text: str) -> int:

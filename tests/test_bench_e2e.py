@@ -31,12 +31,12 @@ INPUT_LEN = 24
 OUTPUT_LEN = 6
 
 
-def test_bench_serve_writes_every_key_without_failures(server_factory, default_model_dir: str, tmp_path: Path) -> None:
-    server = server_factory(["--model", default_model_dir, "--served-model-name", "ringllm-default"])
+def test_bench_serve_writes_every_key_without_failures(server_factory, random_model_dir: str, tmp_path: Path) -> None:
+    server = server_factory(["--model", random_model_dir, "--served-model-name", "ringllm-default"])
     proc = subprocess.run(
         [
             sys.executable, "-m", "bench", "serve", "--base-url", server.base_url,
-            "--model", "ringllm-default", "--tokenizer", default_model_dir,
+            "--model", "ringllm-default", "--tokenizer", random_model_dir,
             "--dataset-name", "random", "--random-input-len", str(INPUT_LEN),
             "--random-output-len", str(OUTPUT_LEN), "--num-prompts", str(NUM_PROMPTS),
             "--max-concurrency", "3", "--request-rate", "50", "--num-warmups", "1", "--ignore-eos",
@@ -63,10 +63,10 @@ def test_bench_serve_writes_every_key_without_failures(server_factory, default_m
 
 
 def test_bench_sweep_compares_configs_and_reports_a_broken_one(
-    default_model_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture
+    random_model_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     rc = bench_main([
-        "sweep", "--model", default_model_dir,
+        "sweep", "--model", random_model_dir,
         "--config", "seqs4=--max-num-seqs 4", "--config", "seqs8=--max-num-seqs 8",
         "--config", "broken=--max-num-seqs 0",
         "--endpoint", "/v1/chat/completions",

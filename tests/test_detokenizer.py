@@ -9,14 +9,12 @@ over several tokens.
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 
 from app.detokenizer import IncrementalDetokenizer
+from core.models.default_model import DEFAULT_MODEL_DIR as STORIES_DIR
 from tests.support.tokenizers import CORPUS, build_byte_level_tokenizer
-
-STORIES_DIR = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 
 @pytest.fixture(scope="module")
 def byte_level():
@@ -25,8 +23,6 @@ def byte_level():
 
 @pytest.fixture(scope="module")
 def stories():
-    if not (STORIES_DIR / "tokenizer.json").exists():
-        pytest.skip(f"{STORIES_DIR} is absent (../shared/models not beside the repo)")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(STORIES_DIR))

@@ -23,11 +23,11 @@ TRANSPORTS = ["shm", "zmq"]
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
-def server(request, default_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
+def server(request, random_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
     from tests.support.servers import start_server, stop_server
 
     srv = start_server(
-        ["--model", default_model_dir, "--served-model-name", "ringllm-default", *SERVER_ARGS,
+        ["--model", random_model_dir, "--served-model-name", "ringllm-default", *SERVER_ARGS,
          "--transport", request.param],
         tmp_path_factory.mktemp("e2e") / "server.log",
     )
@@ -174,10 +174,10 @@ def test_reset_prefix_cache_is_refused_while_a_request_runs_unless_told(server) 
     assert engine_stats(server)["num_preemptions"] >= 1
 
 
-def test_async_scheduling_server_matches_the_sync_server(server, default_model_dir: str, server_factory) -> None:
+def test_async_scheduling_server_matches_the_sync_server(server, random_model_dir: str, server_factory) -> None:
     prompts = ["Once upon a time", "abc " * 40, LONG_PROMPT, "Hello"]
     expected = [_complete(server, p, 16).choices[0].text for p in prompts]
-    srv = server_factory(["--model", default_model_dir, "--served-model-name", "ringllm-default",
+    srv = server_factory(["--model", random_model_dir, "--served-model-name", "ringllm-default",
                           "--async-scheduling", *SERVER_ARGS])
 
     async def run_all() -> list[str]:
@@ -226,10 +226,10 @@ def test_idle_server_uses_almost_no_cpu(server) -> None:
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_engine_kill_fails_stream_and_health(default_model_dir: str, server_factory, transport: str) -> None:
+def test_engine_kill_fails_stream_and_health(random_model_dir: str, server_factory, transport: str) -> None:
     """Kills its own server's engine."""
     srv = server_factory(
-        ["--model", default_model_dir, "--served-model-name", "m", *SERVER_ARGS, "--transport", transport]
+        ["--model", random_model_dir, "--served-model-name", "m", *SERVER_ARGS, "--transport", transport]
     )
     client = client_for(srv)
     stream = client.completions.create(

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from app.llm import LLM
-from core.models.default_model import write_tokenizer
+from core.models.random_model import write_tokenizer
 from core.protocol import SamplingParams
 from tests.support.engines import hf_greedy, tiny_config
 

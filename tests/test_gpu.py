@@ -114,8 +114,8 @@ def test_cuda_prompt_embeds_reach_the_engine_by_ipc(tiny_llama_dir: str):
         client.shutdown()
 
 
-def test_server_end_to_end_on_gpu(default_model_dir: str, server_factory):
-    server = server_factory(["--model", default_model_dir, "--device", "cuda", "--max-model-len", "512"])
+def test_server_end_to_end_on_gpu(random_model_dir: str, server_factory):
+    server = server_factory(["--model", random_model_dir, "--device", "cuda", "--max-model-len", "512"])
     served = httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
     body = {"model": served, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}
     first = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60).json()

@@ -8,6 +8,7 @@ share steps with other requests' decodes, blocks are scattered at random.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from dataclasses import dataclass, field
@@ -18,13 +19,14 @@ import torch
 import transformers
 
 from core.config import EngineConfig
-from core.models.default_model import CHAT_TEMPLATE, ensure_default_model
+from core.models.default_model import DEFAULT_MODEL_DIR as STORIES_DIR
+from core.models.default_model import SERVED_NAMES, default_model_dir
 from core.models.layers import rope_inv_freq
 from core.models.llama import DecoderConfig
-from core.models.loader import kv_cache_bytes_per_block, load_model
+from core.models.loader import PROGRESS_MIN_BYTES, iter_safetensors, kv_cache_bytes_per_block, load_model
+from core.models.random_model import CHAT_TEMPLATE, ensure_random_model
 from kernels.metadata import AttentionMetadata
 
-STORIES_DIR = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 STORIES_GREEDY = (
     ", there was a little girl named Lily. She loved to play outside in the park. "
     "One day, she saw a big, red ball."
@@ -333,7 +335,6 @@ def test_kv_cache_bytes_per_block():
 # ---------------------------------------------------------------- real checkpoint
 
 
-@pytest.mark.skipif(not (STORIES_DIR / "config.json").exists(), reason=f"{STORIES_DIR} is absent")
 def test_stories260k_greedy_matches_transformers_and_known_text():
     tok = transformers.AutoTokenizer.from_pretrained(STORIES_DIR)
     hf = transformers.AutoModelForCausalLM.from_pretrained(STORIES_DIR, dtype=torch.float32).eval()
@@ -348,31 +349,31 @@ def test_stories260k_greedy_matches_transformers_and_known_text():
     torch.testing.assert_close(_single_prefill(ours, prompt), expected, atol=1e-4, rtol=1e-4)
 
 
-# ---------------------------------------------------------------- default model
+# ----------------------------------------------------------------- random model
 
 
 @pytest.fixture(scope="module")
-def default_dir(tmp_path_factory) -> str:
-    return ensure_default_model(str(tmp_path_factory.mktemp("cache")))
+def random_dir(tmp_path_factory) -> str:
+    return ensure_random_model(str(tmp_path_factory.mktemp("cache")))
 
 
-def test_default_model_is_built_once(default_dir):
-    weights = Path(default_dir) / "model.safetensors"
+def test_random_model_is_built_once(random_dir):
+    weights = Path(random_dir) / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
-    assert ensure_default_model(str(Path(default_dir).parent)) == default_dir
+    assert ensure_random_model(str(Path(random_dir).parent)) == random_dir
     assert weights.stat().st_mtime_ns == stamp
-    leftovers = [p for p in os.listdir(Path(default_dir).parent) if p.startswith(".")]
+    leftovers = [p for p in os.listdir(Path(random_dir).parent) if p.startswith(".")]
     assert leftovers == []
 
 
-def test_default_model_env_cache_root(tmp_path, monkeypatch):
+def test_random_model_env_cache_root(tmp_path, monkeypatch):
     monkeypatch.setenv("RINGLLM_CACHE", str(tmp_path))
-    path = Path(ensure_default_model())
+    path = Path(ensure_random_model())
     assert path.parent == tmp_path and (path / "tokenizer.json").exists()
 
 
-def test_default_model_tokenizer_and_chat_template(default_dir):
-    tok = transformers.AutoTokenizer.from_pretrained(default_dir, local_files_only=True)
+def test_random_model_tokenizer_and_chat_template(random_dir):
+    tok = transformers.AutoTokenizer.from_pretrained(random_dir, local_files_only=True)
     text = "héllo\n\tworld 🙂"
     ids = tok(text)["input_ids"]
     assert ids == list(text.encode())  # one token per byte, no BOS
@@ -387,17 +388,68 @@ def test_default_model_tokenizer_and_chat_template(default_dir):
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
     assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>") and tok.decode(ids) == rendered
     assert tok.eos_token == "<|eos|>" and tok.chat_template == CHAT_TEMPLATE
-    gen_cfg = json.loads((Path(default_dir) / "generation_config.json").read_text())
+    gen_cfg = json.loads((Path(random_dir) / "generation_config.json").read_text())
     assert tok.convert_tokens_to_ids("<|im_end|>") in gen_cfg["eos_token_id"]
 
 
-def test_default_model_matches_transformers(default_dir):
-    tok = transformers.AutoTokenizer.from_pretrained(default_dir, local_files_only=True)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(default_dir, dtype=torch.float32).eval()
+def test_random_model_matches_transformers(random_dir):
+    tok = transformers.AutoTokenizer.from_pretrained(random_dir, local_files_only=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(random_dir, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     n_params = sum(p.numel() for p in hf.parameters())
     assert 1_000_000 < n_params < 10_000_000
     messages = [{"role": "user", "content": "Hello!"}]
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
-    got = PagedHarness(_ours(Path(default_dir))).generate([prompt], max_new_tokens=8)[0]
+    got = PagedHarness(_ours(Path(random_dir))).generate([prompt], max_new_tokens=8)[0]
     assert got == _hf_greedy(hf, prompt, 8)
+
+
+# ------------------------------------------------------- embedded default model
+
+
+def test_packaged_default_model_has_its_licence_and_ringllm_files():
+    names = {p.name for p in STORIES_DIR.iterdir()}
+    assert {
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+        "special_tokens_map.json", "chat_template.jinja", "ringllm.json", "LICENSE", "NOTICE", "README.md",
+    } <= names
+    assert "MIT License" in (STORIES_DIR / "LICENSE").read_text()
+    assert "llama2.c" in (STORIES_DIR / "NOTICE").read_text()
+    assert default_model_dir() == str(STORIES_DIR) and SERVED_NAMES[0] == "stories260K"
+    # A story ends where the next would begin: <s> is an end-of-sequence id as well.
+    assert json.loads((STORIES_DIR / "generation_config.json").read_text())["eos_token_id"] == [2, 1]
+    assert json.loads((STORIES_DIR / "ringllm.json").read_text()) == {"chat_stop": ['"', "\n"]}
+
+
+def test_packaged_chat_template_tells_the_chat_as_a_story():
+    tok = transformers.AutoTokenizer.from_pretrained(STORIES_DIR, local_files_only=True)
+    messages = [
+        {"role": "user", "content": "Hello!"},
+        {"role": "assistant", "content": "Hi, Ben."},
+        {"role": "user", "content": [{"type": "text", "text": " Let's play. "}]},
+    ]
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == (
+        "<s>Once upon a time, there was a little girl named Lily. She had a friend named Ben.\n"
+        'Ben said, "Hello!"\nLily said, "Hi, Ben."\nBen said, "Let\'s play."\nLily said, "'
+    )
+    ids = tok.encode(rendered, add_special_tokens=False)
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+    assert ids[1:5] == tok.encode("Once upon a time", add_special_tokens=False)
+    story = [{"role": "system", "content": "Once upon a time, a dog named Max met a cat named Tom."},
+             {"role": "user", "content": "Woof!"}]
+    assert tok.apply_chat_template(
+        story, tokenize=False, add_generation_prompt=True, user_name="Max", assistant_name="Tom"
+    ) == '<s>Once upon a time, a dog named Max met a cat named Tom.\nMax said, "Woof!"\nTom said, "'
+
+
+def test_weight_loading_shows_progress_only_for_large_checkpoints(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(PROGRESS_MIN_BYTES // 4 + 1)}, str(tmp_path / "model.safetensors"))
+    shown = io.StringIO()
+    assert [name for name, _ in iter_safetensors(tmp_path, file=shown)] == ["w"]
+    assert "Loading weights" in shown.getvalue() and "100%" in shown.getvalue()
+    quiet = io.StringIO()
+    assert len(list(iter_safetensors(STORIES_DIR, file=quiet))) > 0
+    assert quiet.getvalue() == ""

@@ -13,30 +13,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import socket
+import shutil
 
 import httpx
 import msgspec
 import openai
 import pytest
 import torch
-from hypercorn.asyncio import serve
-from hypercorn.config import Config
 
 from app.async_llm import AsyncLLM
 from app.cli import build_engine_config, load_chat_template, parse_args, parse_size
 from app.output_processor import RequestOutput
-from app.server import build_app
-from core.config import EngineConfig
 from core.worker.model_runner import FAIL_AFTER_STEPS_ENV
-
-MODEL = "stories"
-MAX_MODEL_LEN = 64
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<assistant>{% endif %}"
-)
-
+from tests.support.http import CHAT_TEMPLATE, MAX_MODEL_LEN, MODEL, assert_openai_error, make_engine, running_server
 
 @pytest.fixture(scope="module")
 def oracle(stories_dir):
@@ -64,38 +53,6 @@ def tokenizer(oracle):
     return oracle.tokenizer
 
 
-def make_engine(stories_dir: str, chat_template: str | None = CHAT_TEMPLATE, **engine_args) -> AsyncLLM:
-    args = {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 8, "served_model_name": MODEL, **engine_args}
-    return AsyncLLM(EngineConfig(model=stories_dir, **args), chat_template, in_process=True)
-
-
-@contextlib.asynccontextmanager
-async def running_server(engine: AsyncLLM, api_key: str | None = None):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = Config()
-    config.bind = [f"fd://{sock.detach()}"]
-    config.accesslog = None
-    config.graceful_timeout = 0.5
-    stop = asyncio.Event()
-    app = build_app(engine, MODEL, engine.max_model_len, api_key=api_key, chat_template=engine.chat_template)
-    task = asyncio.create_task(serve(app, config, shutdown_trigger=stop.wait))
-    base = f"http://127.0.0.1:{port}"
-    try:
-        async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-            for _ in range(200):  # until hypercorn listens
-                with contextlib.suppress(httpx.ConnectError):
-                    await client.get("/health")
-                    break
-                await asyncio.sleep(0.01)
-            yield client, base
-    finally:
-        stop.set()
-        await task
-        engine.shutdown()
-
-
 @pytest.fixture
 async def engine(stories_dir):
     return make_engine(stories_dir)
@@ -115,14 +72,6 @@ async def engine_idle(engine: AsyncLLM, timeout: float = 20.0) -> None:
             return
         await asyncio.sleep(0.005)
     raise AssertionError("the engine still runs requests")
-
-
-def assert_openai_error(response: httpx.Response, status: int, type_: str, needle: str) -> None:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["type"] == type_ and error["code"] == status
-    assert needle in error["message"], error["message"]
 
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -320,8 +269,10 @@ async def test_unknown_route_and_method(server) -> None:
     assert_openai_error(await client.get("/v1/completions"), 405, "MethodNotAllowedError", "GET")
 
 
-async def test_chat_without_any_template_is_400(stories_dir) -> None:
-    engine = make_engine(stories_dir, chat_template=None)  # stories260K has no template of its own
+async def test_chat_without_any_template_is_400(stories_dir, tmp_path) -> None:
+    bare = tmp_path / "stories-without-template"  # the checkpoint as published: a base model, no template
+    shutil.copytree(stories_dir, bare, ignore=shutil.ignore_patterns("chat_template.jinja", "ringllm.json"))
+    engine = make_engine(str(bare), chat_template=None)
     async with running_server(engine) as (client, _):
         r = await client.post(CHAT, json=chat())
         assert_openai_error(r, 400, "BadRequestError", "no chat template")

@@ -159,8 +159,8 @@ def _wait_gone(pid: int, seconds: float) -> bool:
 
 
 @pytest.mark.parametrize("victims", ["frontend", "both"])
-def test_kill_9_leaves_no_orphan_and_nothing_in_dev_shm(default_model_dir: str, tmp_path, victims: str) -> None:
-    server = start_server(["--model", default_model_dir, "--max-model-len", "512"], tmp_path / "server.log")
+def test_kill_9_leaves_no_orphan_and_nothing_in_dev_shm(random_model_dir: str, tmp_path, victims: str) -> None:
+    server = start_server(["--model", random_model_dir, "--max-model-len", "512"], tmp_path / "server.log")
     try:
         engine = server.engine_pid()
         segments = _our_segments(engine)

@@ -3,6 +3,8 @@
 The module is built on the meta device and then materialised empty on the
 target device, so no time goes into random initialisation that the
 checkpoint overwrites anyway (that matters for multi-GB models on CPU).
+Checkpoints larger than a few MB show a progress bar while they load, so that
+a minute-long start is visibly busy rather than hung.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from safetensors import safe_open
 from torch import nn
+from tqdm import tqdm
 
 from core.config import EngineConfig
 from core.models.registry import resolve_model_class
@@ -30,6 +33,7 @@ _DTYPES = {
 }
 
 DUMMY_STD = 0.02  # like initializer_range: keeps activations and logits finite
+PROGRESS_MIN_BYTES = 8 * 2**20  # smaller checkpoints load too fast for a progress bar to help
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: dict[str, Any], device: torch.device) -> torch.dtype:
@@ -108,8 +112,14 @@ def _check_sliding_window(model: nn.Module, config: EngineConfig, hf_config: dic
         )
 
 
-def iter_safetensors(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of a single-file or sharded safetensors checkpoint."""
+def iter_safetensors(
+    model_dir: str | os.PathLike, progress: bool = True, file: TextIO | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of a single-file or sharded safetensors checkpoint.
+
+    With ``progress``, a bar in bytes goes to ``file`` (default stderr) when
+    the files add up to PROGRESS_MIN_BYTES or more.
+    """
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
@@ -119,10 +129,18 @@ def iter_safetensors(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.
         files = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
-    for file in files:
-        with safe_open(str(model_dir / file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+    total = sum((model_dir / shard).stat().st_size for shard in files)
+    with tqdm(
+        total=total, desc="Loading weights", unit="B", unit_scale=True, unit_divisor=1024,
+        file=file, disable=not progress or total < PROGRESS_MIN_BYTES, mininterval=0.5,
+    ) as bar:
+        for shard in files:
+            with safe_open(str(model_dir / shard), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    tensor = f.get_tensor(name)
+                    bar.update(tensor.nbytes)
+                    yield name, tensor
+        bar.update(total - bar.n)  # the files' headers: end at 100%
 
 
 @torch.no_grad()

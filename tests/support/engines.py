@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from app.llm import LLM
-from core.models.default_model import MODEL_CONFIG
+from core.models.random_model import MODEL_CONFIG
 from core.protocol import SamplingParams
 
 def tiny_config(arch: str) -> transformers.PretrainedConfig:

@@ -1,0 +1,57 @@
+"""The start-up banner: what is served, how, and where to find it.
+
+One short block, logged once the engine is ready, so that a new user sees
+the URL of the chat page and an operator sees the KV cache the engine got
+without reading the rest of the log.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Collection, Sequence
+
+from core.protocol import HandshakeReady
+
+_TRANSPORTS = {"shm": "shared-memory rings", "zmq": "ZeroMQ sockets"}
+
+
+def display_host(host: str) -> str:
+    """A host for URLs a user can open: the loopback address for a wildcard bind."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host or "127.0.0.1"
+    if address.is_unspecified:
+        return "127.0.0.1" if address.version == 4 else "[::1]"
+    return f"[{host}]" if address.version == 6 else host
+
+
+def format_banner(
+    *,
+    model: str,
+    served_names: Sequence[str],
+    ready: HandshakeReady,
+    transport: str,
+    host: str,
+    port: int,
+    routes: Collection[str],
+) -> str:
+    """The banner's text; ``routes`` are the app's paths, so only pages that exist are listed."""
+    base = f"http://{display_host(host)}:{port}"
+    aliases = f" (also answers to {', '.join(served_names[1:])})" if len(served_names) > 1 else ""
+    device = f" on {ready.device}" if ready.device else ""
+    tokens = ready.num_gpu_blocks * ready.block_size
+    lines = [
+        "ringllm is ready",
+        f"  model      {served_names[0]}{aliases}, from {model}",
+        f"  dtype      {ready.dtype or 'unknown'}{device}",
+        f"  KV cache   {ready.num_gpu_blocks:,} blocks x {ready.block_size} tokens = {tokens:,} tokens; "
+        f"max_model_len {ready.max_model_len:,}",
+        f"  transport  {transport} ({_TRANSPORTS.get(transport, transport)})",
+    ]
+    if "/" in routes:
+        lines.append(f"  chat page  {base}/")
+    lines.append(f"  API        {base}/v1")
+    if "/metrics" in routes:
+        lines.append(f"  metrics    {base}/metrics")
+    return "\n".join(lines)

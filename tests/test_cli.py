@@ -1,0 +1,98 @@
+"""``python -m app``'s command line: --help groups, served names, refused --model values, the banner."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from app.banner import display_host, format_banner
+from app.cli import build_engine_config, make_parser, model_dir_error, parse_args, served_model_names
+from app.launcher import REPO
+from core.models.default_model import DEFAULT_MODEL_DIR
+from core.protocol import HandshakeReady
+
+GROUPS = {
+    "model": {"--model", "--served-model-name", "--tokenizer", "--chat-template", "--dtype", "--max-model-len"},
+    "scheduler": {"--max-num-seqs", "--max-num-batched-tokens", "--scheduling-policy", "--async-scheduling"},
+    "cache": {"--block-size", "--kv-cache-memory", "--enable-prefix-caching", "--num-gpu-blocks-override"},
+    "server": {"--host", "--port", "--api-key", "--disable-frontend-ui", "--log-level"},
+    "transport": {"--transport"},
+}
+
+
+def run_app(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "app", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_help_groups_every_flag_and_explains_it() -> None:
+    parser = make_parser()
+    groups = {g.title: g for g in parser._action_groups}
+    for title, flags in GROUPS.items():
+        assert flags <= {s for a in groups[title]._group_actions for s in a.option_strings}, title
+    for action in parser._actions:
+        assert action.help, f"{action.option_strings} has no help text"
+    text = parser.format_help()
+    assert all(f"\n{title}:\n" in text for title in GROUPS)
+
+
+@pytest.mark.parametrize("model", ["meta-llama/Llama-3.2-1B", "Qwen/Qwen3-0.6B"])
+def test_hub_id_is_refused_with_exit_status_2(model: str) -> None:
+    result = run_app("--model", model)
+    assert result.returncode == 2
+    assert "never downloads" in result.stderr
+    assert f"hf download {model} --local-dir DIR" in result.stderr and "--model DIR" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_or_unusable_model_paths_exit_2(tmp_path) -> None:
+    result = run_app("--model", str(tmp_path / "absent"))
+    assert result.returncode == 2 and "no such directory" in result.stderr
+    assert "never downloads" not in result.stderr  # an absolute path is no hub id
+    assert "not a Hugging Face model directory" in model_dir_error(str(tmp_path))  # no config.json
+    (tmp_path / "config.json").write_text("{}")
+    assert model_dir_error(str(tmp_path)) is None
+    assert "not a directory" in model_dir_error(str(tmp_path / "config.json"))
+    assert "never downloads" not in model_dir_error("./org/name")
+
+
+def test_default_model_and_served_names() -> None:
+    args = parse_args([])
+    config = build_engine_config(args)
+    assert config.model == str(DEFAULT_MODEL_DIR) and config.served_model_name == "stories260K"
+    assert served_model_names(args) == ["stories260K", "ringllm-default"]
+    args = parse_args(["--model", "/models/m", "--served-model-name", "main", "alias"])
+    assert build_engine_config(args).served_model_name == "main"
+    assert served_model_names(args) == ["main", "alias"]
+    assert served_model_names(parse_args(["--model", "/models/m"])) == ["/models/m"]
+    assert parse_args(["--disable-frontend-ui"]).disable_frontend_ui
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["--served-model-name"])  # nargs="+": at least one name
+
+
+def test_banner() -> None:
+    ready = HandshakeReady("READY", num_gpu_blocks=100, max_model_len=512, block_size=16, dtype="float32", device="cpu")
+    text = format_banner(
+        model="/m", served_names=["stories260K", "ringllm-default"], ready=ready, transport="shm",
+        host="0.0.0.0", port=8000, routes={"/", "/v1/models"},
+    )
+    assert text.splitlines()[0] == "ringllm is ready" and len(text.splitlines()) == 7
+    assert "100 blocks x 16 tokens = 1,600 tokens" in text and "float32 on cpu" in text
+    assert "chat page  http://127.0.0.1:8000/" in text and "API        http://127.0.0.1:8000/v1" in text
+    assert "metrics" not in text
+    bare = format_banner(
+        model="/m", served_names=["m"], ready=ready, transport="zmq", host="::", port=1,
+        routes={"/metrics"},
+    )
+    assert "chat page" not in bare and "metrics    http://[::1]:1/metrics" in bare and "also answers" not in bare
+    assert display_host("localhost") == "localhost" and display_host("::1") == "[::1]"
+
+
+def test_parse_size_errors_are_argparse_errors() -> None:
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["--kv-cache-memory", "lots"])
+    assert isinstance(make_parser(), argparse.ArgumentParser)
