@@ -3,7 +3,8 @@
 Arguments are checked first (a hub id or a missing --model directory exits
 with status 2 and a message), then the listening address is bound, so a taken
 port fails at once rather than after the model has loaded. The frontend runs on a uvloop event loop;
-the AsyncLLM (which spawns the EngineCore process) is created inside it.
+the EngineCore process is spawned before anything else is imported, and
+boots while this process builds the web stack and the tokenizer.
 Once the engine is ready, a short banner says what is served and where.
 SIGINT/SIGTERM stop accepting connections, give running requests a few
 seconds (hypercorn's graceful timeout), then shut the engine down.
@@ -18,10 +19,15 @@ import signal
 import socket
 import sys
 from collections.abc import Sequence
+from functools import partial
+from typing import TYPE_CHECKING
 
 from app.cli import build_engine_config, load_chat_template, make_parser, model_dir_error, served_model_names
 from core.config import EngineConfig
 from core.heap import freeze_startup_heap
+
+if TYPE_CHECKING:
+    from core.client import AsyncMPClient
 
 logger = logging.getLogger("ringllm")
 
@@ -45,25 +51,30 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 async def serve(
     config: EngineConfig,
+    engine_core: AsyncMPClient,
     chat_template: str | None,
     sock: socket.socket,
     api_key: str | None,
     model_aliases: Sequence[str] = (),
     enable_ui: bool = True,
 ) -> None:
-    from hypercorn.asyncio import serve as hypercorn_serve
-    from hypercorn.config import Config as HypercornConfig
-
     from app.async_llm import AsyncLLM
-    from app.banner import format_banner
-    from app.server import build_app
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    engine = AsyncLLM(config, chat_template)
+    # The engine process starts first and boots (torch, the model) while this
+    # thread imports the web stack: start-up takes the longer of the two.
+    starting = loop.run_in_executor(None, partial(AsyncLLM, config, chat_template, engine_core=engine_core))
+    from hypercorn.asyncio import serve as hypercorn_serve
+    from hypercorn.config import Config as HypercornConfig
+
+    from app.banner import format_banner
+    from app.server import build_app
+
+    engine = await starting
     try:
         app = build_app(
             engine, engine.served_model_name, engine.max_model_len, api_key, chat_template,
@@ -120,10 +131,23 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as exc:
         parser.exit(1, f"cannot listen on {args.host}:{args.port}: {exc}\n")
 
+    try:
+        config = config.resolve()
+    except (OSError, ValueError) as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+
+    from core.client import AsyncMPClient
+
+    # Start the engine process now: it boots (torch, the model) while this one
+    # imports and builds everything else.
+    engine_core = AsyncMPClient(config, wait=False)
     import uvloop
 
     aliases = served_model_names(args)[1:]
-    uvloop.run(serve(config, chat_template, sock, args.api_key, aliases, not args.disable_frontend_ui))
+    try:
+        uvloop.run(serve(config, engine_core, chat_template, sock, args.api_key, aliases, not args.disable_frontend_ui))
+    finally:
+        engine_core.shutdown()
 
 
 if __name__ == "__main__":

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncGenerator
 
-from app.input_processor import InputProcessor, load_tokenizer
+from app.input_processor import InputProcessor
+from app.tokenizer import load_tokenizer
 from app.output_processor import OutputProcessor, RequestOutput, RequestOutputCollector
 from core.client import AsyncEngineCoreClient, AsyncInprocClient, AsyncMPClient
 from core.config import EngineConfig
@@ -27,11 +29,28 @@ class AsyncLLM:
     """``in_process`` runs the EngineCore on this event loop instead of in its
     own process (``AsyncInprocClient``): no IPC, for tests of the layers above."""
 
-    def __init__(self, config: EngineConfig, chat_template: str | None = None, *, in_process: bool = False) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        chat_template: str | None = None,
+        *,
+        in_process: bool = False,
+        engine_core: AsyncMPClient | None = None,
+    ) -> None:
+        """``engine_core``: an engine process already started (``AsyncMPClient(config,
+        wait=False)``), which this waits for."""
         self.config = config = config.resolve()
         assert config.tokenizer is not None and config.served_model_name is not None
-        self.tokenizer = load_tokenizer(config.tokenizer)
-        self.engine_core: AsyncEngineCoreClient = (AsyncInprocClient if in_process else AsyncMPClient)(config)
+        # The tokenizer loads on a thread while the engine boots: start-up takes
+        # the longer of the two, not the sum.
+        with ThreadPoolExecutor(1, thread_name_prefix="TokenizerLoad") as pool:
+            tokenizer = pool.submit(load_tokenizer, config.tokenizer)
+            if engine_core is not None:
+                engine_core.wait_ready()
+                self.engine_core: AsyncEngineCoreClient = engine_core
+            else:
+                self.engine_core = (AsyncInprocClient if in_process else AsyncMPClient)(config)
+            self.tokenizer = tokenizer.result()
         self.max_model_len = self.engine_core.max_model_len
         self.served_model_name = config.served_model_name
         self.chat_template = chat_template

@@ -13,22 +13,18 @@ import json
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 import msgspec
-import torch
 
+from app.tokenizer import load_tokenizer
 from core.config import EngineConfig
 from core.protocol import EngineCoreRequest, SamplingParams
 from core.validation import ModelLimits, validate_request
 
-
-def load_tokenizer(path: str) -> Any:
-    """The Hugging Face tokenizer of a local model directory (no network)."""
-    from transformers import AutoTokenizer  # heavy import: only where needed
-
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+if TYPE_CHECKING:
+    import torch
 
 
 def _generation_eos_ids(tokenizer: Any) -> list[int]:
@@ -140,6 +136,8 @@ class InputProcessor:
         Loaded with ``weights_only=True``: tensors and plain containers only,
         never arbitrary pickled objects.
         """
+        import torch  # only prompts given as embeddings need it in the frontend
+
         if not self.limits.enable_prompt_embeds:
             raise ValueError(
                 "prompt_embeds are not enabled on this server: start it with --enable-prompt-embeds."

@@ -19,10 +19,9 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import msgspec
-import torch
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -48,6 +47,9 @@ from app.protocol import (
     random_id,
 )
 from core.protocol import EngineCoreRequest, EngineDeadError, SchedulerStats
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("ringllm.serving")
 T = TypeVar("T")

@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "ipc": "bench.ipc",
     "sched": "bench.sched",
     "gpu": "bench.gpu",
+    "startup": "bench.startup",
 }
 
 

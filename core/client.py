@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import msgspec
 
 from core.config import EngineConfig
-from core.engine_core import EngineCore, finished_without_tokens, run_engine_core
+from core.engine_process import run_engine_process
 from core.protocol import (
     ENGINE_CORE_DEAD,
     UTILITY_RESULT_TYPES,
@@ -43,6 +43,7 @@ from core.protocol import (
     HandshakeReady,
     SchedulerStats,
     UtilityOutput,
+    finished_outputs,
 )
 from core.transport import ClientTransport, PeerDeadError
 from shm.serial import MsgpackDecoder, MsgpackEncoder
@@ -125,6 +126,8 @@ class InprocClient(_Utilities):
     """No IPC: for tests and the offline ``LLM`` class."""
 
     def __init__(self, config: EngineConfig) -> None:
+        from core.engine_core import EngineCore  # the engine itself: torch, the model
+
         self.engine_core = EngineCore(config)
         self.max_model_len = self.engine_core.config.max_model_len
         self.num_gpu_blocks = self.engine_core.num_gpu_blocks
@@ -158,6 +161,8 @@ class AsyncInprocClient(_AsyncUtilities):
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        from core.engine_core import EngineCore  # the engine itself: torch, the model
+
         self.engine_core = EngineCore(config)
         self.max_model_len = self.engine_core.config.max_model_len
         self.num_gpu_blocks = self.engine_core.num_gpu_blocks
@@ -203,7 +208,7 @@ class AsyncInprocClient(_AsyncUtilities):
         try:
             self.engine_core.add_request(self.engine_core.preprocess_add_request(request))
         except ValueError as exc:
-            outputs.put_nowait(finished_without_tokens([request.request_id], FinishReason.ERROR, str(exc)))
+            outputs.put_nowait(finished_outputs([request.request_id], FinishReason.ERROR, str(exc)))
             return
         has_work.set()
 
@@ -233,11 +238,17 @@ class AsyncInprocClient(_AsyncUtilities):
 class MPClient:
     """Spawns the EngineCore process, runs the handshake, owns the transport.
 
+    With ``wait=False`` the constructor returns as soon as the process is
+    started, and ``wait_ready()`` completes the handshake later: the caller
+    can do its own start-up while the engine boots.
+
     Utility calls wait on a future (thread or asyncio) per ``call_id``; the
     reply's result is decoded as the type its method declares.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    ready: HandshakeReady | None = None  # what the engine reported: KV cache size, dtype, device
+
+    def __init__(self, config: EngineConfig, *, wait: bool = True) -> None:
         self.config = config.resolve()
         self.transport, spec = ClientTransport.create(self.config.transport)
         # Large request tensors go out of band through the transport's pool,
@@ -248,7 +259,7 @@ class MPClient:
         )
         ctx = multiprocessing.get_context("spawn")
         self.proc = ctx.Process(
-            target=run_engine_core,
+            target=run_engine_process,
             args=(self.config, spec, os.getpid()),
             name="EngineCore",
             daemon=True,
@@ -263,15 +274,22 @@ class MPClient:
         self._closing = False  # set by shutdown(): the engine's exit is expected
         self._call_ids = itertools.count()
         self._pending_utilities: dict[int, tuple[Future | asyncio.Future, Any]] = {}
-        try:
-            ready = self._handshake()
-        except BaseException:
-            self._stop_process()
-            self.transport.close()
-            raise
-        self.ready = ready  # what the engine reported: KV cache size, dtype, device
-        self.num_gpu_blocks = ready.num_gpu_blocks
-        self.max_model_len = ready.max_model_len
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> HandshakeReady:
+        """Block until the engine is READY (at once if it already was)."""
+        if self.ready is None:
+            try:
+                ready = self._handshake()
+            except BaseException:
+                self._stop_process()
+                self.transport.close()
+                raise
+            self.num_gpu_blocks = ready.num_gpu_blocks
+            self.max_model_len = ready.max_model_len
+            self.ready = ready
+        return self.ready
 
     def _handshake(self) -> HandshakeReady:
         """HELLO when the engine attached to the transport, READY once it can serve."""
@@ -371,6 +389,9 @@ class MPClient:
             self.proc.join(timeout=5)
 
     def shutdown(self) -> None:
+        """Stop the engine and free the transport; later calls do nothing."""
+        if self._closing:
+            return
         self._closing = True
         self._stop_process()
         self._join_reader()
@@ -436,8 +457,8 @@ class SyncMPClient(MPClient, _Utilities):
 class AsyncMPClient(MPClient, _AsyncUtilities):
     """asyncio client: outputs are read on the loop, without a thread."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: EngineConfig, *, wait: bool = True) -> None:
+        super().__init__(config, wait=wait)
         self.outputs_queue: asyncio.Queue[EngineCoreOutputs | Exception] | None = None
         self._reader_task: asyncio.Task | None = None
         self._send_lock: asyncio.Lock | None = None

@@ -24,7 +24,6 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
@@ -34,13 +33,13 @@ from core.config import EngineConfig
 from core.heap import freeze_startup_heap
 from core.protocol import (
     ENGINE_CORE_DEAD,
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
     FinishReason,
     HandshakeReady,
     UTILITY_RESULT_TYPES,
+    finished_outputs,
     SchedulerStats,
     UtilityOutput,
 )
@@ -55,17 +54,6 @@ from shm.serial import MsgpackDecoder, MsgpackEncoder
 logger = logging.getLogger("ringllm.engine")
 
 UtilityCall = tuple[int, int, str, list[Any]]  # client_index, call_id, method, args
-
-
-def finished_without_tokens(
-    request_ids: Iterable[str], reason: FinishReason, message: str | None = None
-) -> EngineCoreOutputs:
-    """Outputs that end requests with no new token: rejected, refused or aborted."""
-    outputs = [
-        EngineCoreOutput(request_id=r, new_token_ids=[], finish_reason=reason, stop_reason=message)
-        for r in request_ids
-    ]
-    return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
 
 
 class EngineCore:
@@ -288,7 +276,7 @@ class EngineCoreProc(EngineCore):
         """A request that cannot run finishes with an error straight away: the
         output goes to the output thread, the busy loop never sees it."""
         logger.warning("rejected request %s: %s", request.request_id, reason)
-        outputs = finished_without_tokens([request.request_id], FinishReason.ERROR, reason)
+        outputs = finished_outputs([request.request_id], FinishReason.ERROR, reason)
         self.output_queue.put_nowait((request.client_index, outputs))
 
     @staticmethod
@@ -377,7 +365,7 @@ class EngineCoreProc(EngineCore):
 
     def _handle_add(self, request: Request) -> None:
         if not self.is_running():
-            refused = finished_without_tokens([request.request_id], FinishReason.ABORT, "the engine is shutting down")
+            refused = finished_outputs([request.request_id], FinishReason.ABORT, "the engine is shutting down")
             self.output_queue.put_nowait((request.client_index, refused))
         else:
             self.add_request(request)
@@ -404,7 +392,7 @@ class EngineCoreProc(EngineCore):
         ids = self.scheduler.unfinished_request_ids()
         self.abort_requests(ids)
         if ids:
-            self.output_queue.put_nowait((0, finished_without_tokens(ids, FinishReason.ABORT)))
+            self.output_queue.put_nowait((0, finished_outputs(ids, FinishReason.ABORT)))
 
     def request_shutdown(self) -> None:
         """Signal-safe: flip the state and wake the main thread if it is parked."""

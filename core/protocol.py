@@ -9,11 +9,29 @@ Decoding is always typed: a malformed frame raises instead of producing junk.
 from __future__ import annotations
 
 import enum
+import importlib
 import time
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import torch
+
+if TYPE_CHECKING:
+    import torch
+else:
+
+    class _Torch:
+        """``torch``, imported on first attribute access.
+
+        The frontend encodes these structs but never decodes a tensor-bearing
+        one, so it never needs torch (a second of start-up); the engine's
+        decoder resolves the ``torch.Tensor`` annotations through this.
+        """
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(importlib.import_module("torch"), name)
+
+    torch = _Torch()
 
 # --------------------------------------------------------------------------
 # Request types: one byte in front of every frontend -> engine message.
@@ -209,6 +227,17 @@ UTILITY_RESULT_TYPES: dict[str, Any] = {
     "get_num_unfinished_requests": int,
     "reset_prefix_cache": bool,
 }
+
+
+def finished_outputs(
+    request_ids: Iterable[str], reason: FinishReason, message: str | None = None
+) -> EngineCoreOutputs:
+    """Outputs that end requests with no new token: rejected, refused or aborted."""
+    outputs = [
+        EngineCoreOutput(request_id=r, new_token_ids=[], finish_reason=reason, stop_reason=message)
+        for r in request_ids
+    ]
+    return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
 
 
 class HandshakeReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 from shm.channel import ChannelSpec, Duplex
 from shm.cuda_ipc import CudaIpcExporter, CudaIpcImporter
@@ -33,7 +33,9 @@ from shm.interface import AsyncRecvEnd, AsyncSendEnd, Channel
 from shm.ring import Frame
 from shm.tensors import TensorPool, TensorPoolReader, TensorPoolWriter
 from shm.waiting import ChannelClosed, PeerDeadError
-from shm.zmq_channel import ZmqChannelSpec, ZmqDuplex
+
+if TYPE_CHECKING:  # zmq is imported only when that transport is chosen
+    from shm.zmq_channel import ZmqChannelSpec
 
 __all__ = ["ChannelClosed", "ClientTransport", "EngineTransport", "PeerDeadError", "TRANSPORTS", "TransportSpec"]
 
@@ -86,6 +88,8 @@ class ClientTransport:
         """A new channel of ``kind`` (shm | zmq) and the spec the engine process attaches with."""
         _check_kind(kind)
         if kind == "zmq":
+            from shm.zmq_channel import ZmqDuplex
+
             zduplex, zspec = ZmqDuplex.create()
             return cls(kind, zduplex), TransportSpec(kind, zspec)
         duplex, spec = Duplex.create(RING_CAPACITY)
@@ -172,7 +176,9 @@ class EngineTransport:
     def attach(cls, spec: TransportSpec, parent_pid: int) -> EngineTransport:
         _check_kind(spec.kind)
         pools = None
-        if isinstance(spec.channel, ZmqChannelSpec):
+        if spec.kind == "zmq":
+            from shm.zmq_channel import ZmqDuplex
+
             channel: Channel = ZmqDuplex.attach(spec.channel)
         else:
             channel = Duplex.attach(spec.channel)

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from typing import TYPE_CHECKING
 
 from core.config import EngineConfig
 from core.protocol import EngineCoreRequest
+
+if TYPE_CHECKING:
+    import torch
 
 
 class InvalidRequestError(ValueError):
@@ -55,7 +58,7 @@ def check_prompt_embeds(embeds: torch.Tensor, limits: ModelLimits) -> None:
         raise InvalidRequestError(
             f"prompt_embeds must have shape [tokens, {limits.hidden_size}], got {list(embeds.shape)}.", "prompt_embeds"
         )
-    if not embeds.is_floating_point() or not bool(torch.isfinite(embeds).all()):
+    if not embeds.is_floating_point() or not bool(embeds.isfinite().all()):
         raise InvalidRequestError("prompt_embeds must hold finite floating-point numbers.", "prompt_embeds")
 
 

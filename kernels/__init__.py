@@ -1,10 +1,17 @@
-"""Attention and cache kernels, dispatched on the tensors' device.
+"""The model's kernels, dispatched on the tensors' device and dtype.
 
-CUDA tensors go to the Triton kernels (kernels/triton_attention.py), CPU
-tensors to the torch reference (kernels/torch_ref.py). Triton is imported on
-first CUDA use only, so CPU processes never pay for it. Setting
-``RINGLLM_ATTENTION_BACKEND=torch`` forces the torch path everywhere (useful
-to bisect a GPU mismatch).
+- CUDA tensors: the Triton kernels (kernels/triton_attention.py) for the
+  paged KV write and paged attention, torch for the rest. Triton is imported
+  on first CUDA use only, so CPU processes never pay for it.
+- float32 CPU tensors: the C kernels (kernels/cpu/), built on first use; decode
+  attention reads the paged cache in place, prefill chunks use torch's SDPA.
+- anything else, or where the C kernels cannot be built: torch
+  (kernels/torch_ref.py), which is also the reference the others are tested
+  against. ``RINGLLM_ATTENTION_BACKEND=torch`` forces it for attention on every
+  device (to bisect a GPU mismatch); ``RINGLLM_CPU_KERNELS=0`` keeps the C
+  kernels off.
+
+Dense products are in kernels/linear.py.
 """
 
 from __future__ import annotations
@@ -14,15 +21,17 @@ from types import ModuleType
 
 import torch
 
-from kernels import torch_ref
+from kernels import cpu, torch_ref
 from kernels.metadata import AttentionMetadata
 
-__all__ = ["AttentionMetadata", "paged_attention", "write_kv_cache"]
+__all__ = [
+    "AttentionMetadata", "add_rms_norm", "paged_attention", "rms_norm", "rotary", "silu_mul", "write_kv_cache",
+]
 
 _triton: ModuleType | None = None
 
 
-def _backend(tensor: torch.Tensor) -> ModuleType:
+def _attention_backend(tensor: torch.Tensor) -> ModuleType:
     global _triton
     if not tensor.is_cuda or os.environ.get("RINGLLM_ATTENTION_BACKEND") == "torch":
         return torch_ref
@@ -31,6 +40,39 @@ def _backend(tensor: torch.Tensor) -> ModuleType:
 
         _triton = triton_attention
     return _triton
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension (x [N, n], or [N, H, n] for per-head norms)."""
+    if cpu.usable(x):
+        return cpu.rms_norm(x, weight, eps)
+    return torch_ref.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual += x`` (in place), then ``(rms_norm(residual), residual)``."""
+    if cpu.usable(x, residual) and x.is_contiguous() and residual.is_contiguous():
+        return cpu.add_rms_norm(x, residual, weight, eps)
+    return torch_ref.add_rms_norm(x, residual, weight, eps)
+
+
+def rotary(
+    qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin_signed: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """Rotate heads ``:heads`` of qkv [T, H, D] in place by the rotary tables' rows at ``positions``."""
+    if cpu.usable(qkv) and qkv.stride(2) == 1 and qkv.stride(1) == qkv.shape[2]:
+        cpu.rotary(qkv, heads, cos, sin_signed, positions)
+    else:
+        torch_ref.rotary(qkv, heads, cos, sin_signed, positions)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up rows [gate | up]."""
+    if cpu.usable(gate_up) and gate_up.is_contiguous():
+        return cpu.silu_mul(gate_up)
+    return torch_ref.silu_mul(gate_up)
 
 
 def write_kv_cache(
@@ -43,11 +85,13 @@ def write_kv_cache(
 ) -> None:
     """Store this step's key/value [T, Hkv, D] at ``slot_mapping`` in the paged caches;
     negative slots (padding) are skipped. ``may_pad=False`` promises there are none."""
-    backend = _backend(key)
-    if backend is torch_ref:
-        torch_ref.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, may_pad)
-    else:
+    backend = _attention_backend(key)
+    if backend is not torch_ref:
         backend.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    elif cpu.usable(key, value, k_cache) and _heads_contiguous(key) and _heads_contiguous(value):
+        cpu.write_kv(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        torch_ref.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, may_pad)
 
 
 def paged_attention(
@@ -59,4 +103,21 @@ def paged_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [T, Hq, D] attends causally over each request's paged context -> [T, Hq, D]."""
-    return _backend(query).paged_attention(query, k_cache, v_cache, meta, scale, out)
+    backend = _attention_backend(query)
+    if backend is not torch_ref or not (cpu.usable(query, k_cache) and _heads_contiguous(query)):
+        return backend.paged_attention(query, k_cache, v_cache, meta, scale, out)
+    step = torch_ref.plan(meta, k_cache.shape[1], query.device)
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype)
+    if step.num_decodes:
+        cpu.paged_decode_attention(
+            query, k_cache, v_cache, meta.block_tables, step.decode_tokens, step.decode_requests,
+            step.decode_seq_lens, step.decode_len, scale, out,
+        )
+    torch_ref.attend_prefills(query, k_cache, v_cache, step, scale, out)
+    return out
+
+
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    """[T, H, D] with each token's heads back to back (a token's row may be strided)."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]

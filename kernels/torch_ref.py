@@ -1,11 +1,10 @@
-"""Paged KV-cache write and paged attention in plain torch: the CPU path and
-the reference the Triton kernels are tested against.
+"""The kernels in plain torch: the reference the C (CPU) and Triton (GPU)
+kernels are tested against, and the path wherever those do not apply.
 
-On a CPU every torch call has a fixed cost that, for small models, weighs
-more than its arithmetic, so the work that is the same for every layer of a
-step (which blocks to gather, the padding mask, which rows are decodes) is
-planned once per step (``CpuAttentionPlan``, cached on the step's metadata)
-and each layer does only the gathers and the products:
+Paged attention plans the work that is the same for every layer of a step
+(which blocks to gather, the padding mask, which rows are decodes) once per
+step (``CpuAttentionPlan``, cached on the step's metadata), so that each
+layer does only the gathers and the products:
 
 - decodes (one query token each) run as one batch: their contexts are
   gathered from the cache with one ``index_select`` per K and V, padded to
@@ -24,6 +23,45 @@ import torch
 import torch.nn.functional as F
 
 from kernels.metadata import AttentionMetadata
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise in float32, scale in x's dtype (the Hugging Face formula; torch's
+    fused kernel computes exactly that for float32)."""
+    if x.dtype == torch.float32:
+        return torch.rms_norm(x, (x.shape[-1],), weight, eps)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x), with ``residual`` updated in place."""
+    residual.add_(x)
+    return rms_norm(residual, weight, eps), residual
+
+
+def rotary(
+    qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin_signed: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """Rotate heads ``:heads`` of qkv [T, H, D] in place by their tokens' positions.
+
+    ``cos``/``sin_signed`` are per-position tables [P, D] (sin with its first
+    half negated): ``x·cos + roll(x)·sin±`` is ``x·cos + rotate_half(x)·sin``
+    term by term, so bitwise the reference's result, in four calls.
+    """
+    x = qkv[:, :heads]
+    c = cos.index_select(0, positions).unsqueeze(1)
+    s = sin_signed.index_select(0, positions).unsqueeze(1)
+    x.copy_(x * c + torch.roll(x, x.shape[-1] // 2, dims=-1) * s)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for rows [gate | up] -> [N, n]."""
+    n = gate_up.shape[-1] // 2
+    return F.silu(gate_up[:, :n]) * gate_up[:, n:]
 
 
 def write_kv_cache(
@@ -65,6 +103,9 @@ class CpuAttentionPlan:
 
     decode_rows: torch.Tensor | None  # token rows of the decodes; None when every token is a decode
     decode_blocks: torch.Tensor | None  # [num_decodes * blocks] int64, padded with valid ids
+    decode_tokens: torch.Tensor | None  # int64 token row of each decode (for the C kernel)
+    decode_requests: torch.Tensor | None  # int64 block-table row of each decode
+    decode_seq_lens: torch.Tensor | None  # int64 context length of each decode
     num_decodes: int
     decode_len: int  # longest decode context: the padded length
     decode_mask: torch.Tensor | None  # [B, 1, 1, S] additive mask (-inf on padding), None if no padding
@@ -75,7 +116,7 @@ class CpuAttentionPlan:
         qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         decodes = [r for r in range(meta.num_reqs) if qsl[r + 1] - qsl[r] == 1]
         tables = meta.block_tables
-        decode_rows = decode_blocks = decode_mask = None
+        decode_rows = decode_blocks = decode_mask = decode_tokens = decode_requests = decode_lens = None
         decode_len = 0
         if decodes:
             lens = [seq_lens[r] for r in decodes]
@@ -85,8 +126,11 @@ class CpuAttentionPlan:
             # Rows past a shorter context point at valid blocks (table padding), masked below.
             decode_blocks = tables.index_select(0, rows)[:, :num_blocks].reshape(-1).long()
             tokens = [qsl[r] for r in decodes]
+            decode_tokens = torch.tensor(tokens, dtype=torch.int64, device=device)
+            decode_requests = rows
+            decode_lens = torch.tensor(lens, dtype=torch.int64, device=device)
             if tokens != list(range(qsl[meta.num_reqs])):
-                decode_rows = torch.tensor(tokens, dtype=torch.int64, device=device)
+                decode_rows = decode_tokens
             if min(lens) != decode_len:
                 pad = torch.arange(decode_len, device=device)[None, :] >= torch.tensor(lens, device=device)[:, None]
                 decode_mask = torch.zeros(pad.shape, device=device).masked_fill_(pad, float("-inf"))[:, None, None]
@@ -102,10 +146,14 @@ class CpuAttentionPlan:
                 q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
                 mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
             prefills.append(_Prefill(start, end, block_ids, seq_len, mask, causal))
-        return cls(decode_rows, decode_blocks, len(decodes), decode_len, decode_mask, prefills)
+        return cls(
+            decode_rows, decode_blocks, decode_tokens, decode_requests, decode_lens, len(decodes), decode_len,
+            decode_mask, prefills,
+        )
 
 
-def _plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> CpuAttentionPlan:
+def plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> CpuAttentionPlan:
+    """The step's plan, built by the first layer that asks and cached on ``meta``."""
     plan = meta.cpu_plan
     if plan is None:
         plan = meta.cpu_plan = CpuAttentionPlan.build(meta, block_size, device)
@@ -129,26 +177,34 @@ def paged_attention(
     num_tokens = query.shape[0]
     if num_tokens == 0:
         return torch.empty_like(query) if out is None else out
-    plan = _plan(meta, k_cache.shape[1], query.device)
-    if plan.num_decodes == num_tokens and out is None:
-        return _decodes(query, k_cache, v_cache, plan, scale)  # a pure decode step: no scatter
+    step = plan(meta, k_cache.shape[1], query.device)
+    if step.num_decodes == num_tokens and out is None:
+        return _decodes(query, k_cache, v_cache, step, scale)  # a pure decode step: no scatter
     if out is None:
         out = torch.empty_like(query)
-    if plan.num_decodes:
-        rows = plan.decode_rows
+    if step.num_decodes:
+        rows = step.decode_rows
         q = query if rows is None else query.index_select(0, rows)
-        o = _decodes(q, k_cache, v_cache, plan, scale)
+        o = _decodes(q, k_cache, v_cache, step, scale)
         if rows is None:
             out.copy_(o)
         else:
             out.index_copy_(0, rows, o)
-    for p in plan.prefills:
+    attend_prefills(query, k_cache, v_cache, step, scale, out)
+    return out
+
+
+def attend_prefills(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: CpuAttentionPlan, scale: float,
+    out: torch.Tensor,
+) -> None:
+    """The step's prefill chunks, one SDPA call each, written into their rows of ``out``."""
+    for p in step.prefills:
         k = _context(k_cache, p.block_ids, p.seq_len).transpose(0, 1)  # [Hkv, S, D]
         v = _context(v_cache, p.block_ids, p.seq_len).transpose(0, 1)
         q = query[p.start : p.end].transpose(0, 1)  # [Hq, q_len, D]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.causal, scale=scale, enable_gqa=True)
         out[p.start : p.end] = o.transpose(0, 1)
-    return out
 
 
 def _context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:

@@ -2,9 +2,9 @@
 
 A small model's decode step is mostly fixed per-call costs, so these blocks
 make few calls: modules are called without ``nn.Module``'s hook machinery
-(the engine registers no hooks), RMSNorm is torch's fused kernel (bitwise
-equal to the Hugging Face formula), rotary cos/sin come from a table looked
-up once per step, and q and k are rotated in one pass.
+(the engine registers no hooks), and the work between the matrix products is
+done by the fused kernels of ``kernels`` (norms with the residual add, q and k
+rotated together in place from position tables).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import kernels
 from kernels.linear import CpuWeight, linear
 
 
@@ -34,6 +35,9 @@ class Linear(nn.Linear):
 
     _cpu: CpuWeight | None = None
 
+    def reset_parameters(self) -> None:
+        """No random initialisation: the weights are always loaded (or filled by the dummy loader)."""
+
     def prepare(self) -> None:
         self._cpu = CpuWeight(self.weight, self.bias) if CpuWeight.usable(self.weight) else None
 
@@ -44,20 +48,18 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(Module):
-    """Normalise in float32, scale in the model dtype (the Hugging Face formula, fused)."""
+    """Normalise in float32, scale in the model dtype (the Hugging Face formula)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.shape = (dim,)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return torch.rms_norm(x, self.shape, self.weight, self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        """``norm(x)``; with ``residual``: ``residual += x`` in place and ``(norm(residual), residual)``."""
+        if residual is None:
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -88,12 +90,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 class RotaryEmbedding:
     """Rotary position embedding in the "half split" convention of Hugging Face checkpoints.
 
-    ``x·cos + rotate_half(x)·sin``, with ``rotate_half(x) = [-x₂, x₁]``, is
-    computed as ``x·cos + roll(x)·sin±`` where ``sin±`` is sin with its first
-    half negated: the same products and sums, so bitwise the same result,
-    in four calls. The cos/sin± rows of every position up to ``max_positions``
-    are tabulated per device and dtype on first use (computed in float32 as
-    the reference does, then cast).
+    The cos and sin± rows (sin with its first half negated, see
+    ``kernels.torch_ref.rotary``) of every position up to ``max_positions``
+    are tabulated per device and dtype on first use, computed in float32 as
+    the reference does, then cast.
     """
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int) -> None:
@@ -102,7 +102,8 @@ class RotaryEmbedding:
         self._inv_freq = rope_inv_freq(head_dim, theta, scaling)
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _table(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin±) tables [max_positions, head_dim]."""
         table = self._tables.get((device, dtype))
         if table is None:
             freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * self._inv_freq[None, :]
@@ -112,12 +113,3 @@ class RotaryEmbedding:
             sin[:, :half].neg_()
             table = self._tables[(device, dtype)] = (cos.to(device), sin.to(device))
         return table
-
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin±) of each position, [T, 1, head_dim]: broadcast over heads."""
-        cos, sin = self._table(positions.device, dtype)
-        return cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1)
-
-    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, H, head_dim] rotated by its tokens' positions (a new tensor)."""
-        return x * cos + torch.roll(x, self.head_dim // 2, dims=-1) * sin

@@ -28,6 +28,7 @@ from core.models.layers import Linear, Module, RMSNorm, RotaryEmbedding
 from kernels.metadata import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+Rope = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # cos table, sin± table, the step's positions
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -124,7 +125,7 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
 
 
 class Attention(Module):
-    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
@@ -132,7 +133,6 @@ class Attention(Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.rotary = rotary
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
@@ -141,22 +141,15 @@ class Attention(Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        heads = self.num_heads
-        qkv = self.qkv_proj(hidden).view(num_tokens, heads + 2 * self.num_kv_heads, self.head_dim)
-        qk = qkv[:, : heads + self.num_kv_heads]
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(hidden).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
         if self.q_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
-        qk = self.rotary.rotate(qk, cos, sin)  # q and k in one pass
-        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + self.num_kv_heads :]
+            qkv[:, :heads] = self.q_norm(qkv[:, :heads])
+            qkv[:, heads : heads + kv_heads] = self.k_norm(qkv[:, heads : heads + kv_heads])
+        kernels.rotary(qkv, heads + kv_heads, *rope)  # q and k together, in place
+        q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
         k_cache, v_cache = kv_cache
         kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, meta.may_pad)
         out = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
@@ -169,32 +162,43 @@ class MLP(Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.act = None if cfg.hidden_act == "silu" else _ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.act is None:
+            return self.down_proj(kernels.silu_mul(gate_up))
         size = self.intermediate_size
         return self.down_proj(self.act(gate_up[:, :size]) * gate_up[:, size:])
 
 
 class DecoderLayer(Module):
-    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: Rope,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is carried separately, so that each residual add
+        is fused into the norm after it: (this layer's MLP output, the stream
+        before it). The first layer gets ``residual=None``."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rope, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -202,9 +206,11 @@ class DecoderModel(nn.Module):
 
     def __init__(self, cfg: DecoderConfig, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Given its tensor, nn.Embedding skips its random init, which on the meta
+        # device would import torch's compiler stack (seconds of start-up).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -272,10 +278,11 @@ class LlamaForCausalLM(nn.Module):
         """
         model = self.model
         hidden = F.embedding(input_ids, model.embed_tokens.weight) if inputs_embeds is None else inputs_embeds
-        cos, sin = model.rotary.lookup(positions, hidden.dtype)
+        rope = (*model.rotary.tables(hidden.device, hidden.dtype), positions)
+        residual = None
         for layer, kv_cache in zip(model.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
-        return model.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope, kv_cache, attn_metadata)
+        return model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, vocab]."""

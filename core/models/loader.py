@@ -1,8 +1,10 @@
 """Build a model from a local Hugging Face directory and fill its weights.
 
-The module is built on the meta device and then materialised empty on the
-target device, so no time goes into random initialisation that the
-checkpoint overwrites anyway (that matters for multi-GB models on CPU).
+The module is built straight on the target device, in the compute dtype,
+with uninitialised weights (our layers skip the random initialisation that
+the checkpoint overwrites anyway: that matters for multi-GB models on CPU).
+Not the meta device: materialising meta tensors imports torch's symbolic
+shape machinery, a second of start-up.
 Checkpoints larger than a few MB show a progress bar while they load, so that
 a minute-long start is visibly busy rather than hung.
 """
@@ -81,11 +83,9 @@ def load_model(
     dtype = resolve_dtype(dtype, hf_config, device)
     model_cls = resolve_model_class(hf_config)
 
-    with torch.device("meta"), _default_dtype(dtype):
+    with torch.device(device), _default_dtype(dtype):
         model = model_cls(hf_config, config.max_model_len)
     _check_sliding_window(model, config, hf_config)
-    model.to_empty(device=device)  # allocated straight in `dtype`: no float32 copy first
-    model.tie_weights()
 
     if config.load_format == "dummy":
         fill_dummy_weights(model, config.seed)

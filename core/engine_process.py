@@ -1,0 +1,33 @@
+"""The spawned EngineCore process's entry point: the process is set up before torch loads.
+
+It must stay free of heavy imports: the frontend imports it to name the
+spawn target, and the settings below only work if they are in place when
+torch's thread pool (libgomp) is loaded.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from core.config import EngineConfig
+
+
+def configure_cpu_threads() -> None:
+    """Thread-pool settings for an engine that shares two or so cores with its frontend.
+
+    The products run in OpenBLAS's pool (numpy), the rest in torch's OpenMP
+    pool. By default OpenMP threads spin for a while after each parallel
+    region, and on a small machine a spinning pool takes the very core the
+    other pool (or the frontend) needs next: steps then take several times
+    longer. ``OMP_WAIT_POLICY=PASSIVE`` makes them sleep at once. An explicit
+    setting in the environment wins.
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def run_engine_process(config: EngineConfig, transport_spec: Any, parent_pid: int) -> None:
+    configure_cpu_threads()
+    from core.engine_core import run_engine_core
+
+    run_engine_core(config, transport_spec, parent_pid)

@@ -1,0 +1,192 @@
+"""The C kernels of the CPU decode path (cpu_kernels.c), built here and called through ctypes.
+
+On a CPU, a small model's decode step is mostly the fixed cost of each
+torch call rather than arithmetic: a fused RMSNorm is several calls, a rotary
+embedding four, a gathered attention a dozen. These kernels do each of those
+in one call that reads the tensors in place (attention reads the paged KV
+cache where it lies, with no gathered copy).
+
+The source is compiled on first use with the machine's C compiler (``cc``,
+or ``$CC``) for this very CPU (``-march=native``) into a per-user cache
+(``$RINGLLM_CACHE`` or ``~/.cache/ringllm``), keyed by a hash of the source
+and flags: about half a second, once. Without a compiler ``load()`` returns
+None, and with ``RINGLLM_CPU_KERNELS=0`` they are not used (``enabled``): the
+callers then use the torch implementations (kernels/torch_ref.py), which
+compute the same thing.
+
+Everything here takes float32 CPU tensors; the wrappers check nothing
+beyond what the dispatcher in kernels/__init__.py guarantees (a wrong
+pointer would crash the process, not raise).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("ringllm.kernels")
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd", "-shared", "-fPIC"]
+DISABLE_ENV = "RINGLLM_CPU_KERNELS"
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "rms_norm": [_P, _I, _I, _I, _I, _P, _P, _I, _F],
+    "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F],
+    "rotary": [_P, _I, _I, _I, _I, _P, _P, _P],
+    "write_kv": [_P, _I, _P, _I, _I, _I, _P, _P, _P],
+    "silu_mul": [_P, _I, _I, _P],
+    "paged_decode_attention": [_P, _I, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _P, _F, _P, _I, _P],
+}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+# Whether the dispatcher may use these kernels (tests and benchmarks compare both paths).
+enabled = os.environ.get(DISABLE_ENV, "1") != "0"
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("RINGLLM_CACHE") or Path.home() / ".cache" / "ringllm"
+    return Path(root) / "kernels"
+
+
+def _build(compiler: str) -> Path:
+    """The compiled library for this source and these flags, compiling it if needed."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_kernels-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Compile to a private name, then rename: concurrent first starts never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True, text=True)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built on first use; None where it cannot be (or is turned off)."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            logger.warning("no C compiler found: the CPU decode path uses torch kernels (slower)")
+            return None
+        try:
+            lib = ctypes.CDLL(str(_build(compiler)))
+        except (OSError, subprocess.CalledProcessError) as exc:
+            detail = getattr(exc, "stderr", "") or exc
+            logger.warning("could not build the CPU kernels, using torch kernels instead: %s", detail)
+            return None
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes = argtypes
+            fn.restype = None
+        _lib = lib
+        return lib
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """True if the C kernels are enabled and built and every tensor is a float32 CPU tensor."""
+    if not enabled or (_lib is None and load() is None):
+        return False
+    for t in tensors:
+        if t.dtype is not torch.float32 or t.is_cuda or not t.is_cpu:
+            return False
+    return True
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension of x [N, n] or [N, H, n] (the last dimension
+    contiguous, the others at any stride, e.g. the heads of a fused qkv row)."""
+    n = x.shape[-1]
+    outer, inner = x.shape[0], (x.shape[1] if x.dim() == 3 else 1)
+    inner_stride = x.stride(1) if x.dim() == 3 else 0
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _lib.rms_norm(x.data_ptr(), outer, x.stride(0), inner, inner_stride, weight.data_ptr(), out.data_ptr(), n, eps)
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x); ``residual`` is updated in place."""
+    n = x.shape[-1]
+    out = torch.empty_like(residual)
+    _lib.add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), residual.numel() // n, n, eps)
+    return out, residual
+
+
+def rotary(
+    qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin_signed: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """Rotate the first ``heads`` heads of every token row of qkv [T, H, D] in place."""
+    tokens, _, head_dim = qkv.shape
+    _lib.rotary(
+        qkv.data_ptr(), tokens, qkv.stride(0), heads, head_dim, cos.data_ptr(), sin_signed.data_ptr(),
+        positions.data_ptr(),
+    )
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Store key/value [T, Hkv, D] (each token's heads contiguous) at their int64 slots; -1 skips."""
+    tokens, kv_heads, head_dim = key.shape
+    _lib.write_kv(
+        key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), tokens, kv_heads * head_dim,
+        k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+    )
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] rows [N, 2n] -> [N, n]."""
+    rows, width = gate_up.shape
+    out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+    _lib.silu_mul(gate_up.data_ptr(), rows, width // 2, out.data_ptr())
+    return out
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    rows: torch.Tensor,
+    tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_len: int,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """out[rows[d]] = attention of query[rows[d]] [Hq, D] over the first seq_lens[d] tokens of the
+    blocks in block_tables[tables[d]] (int32), read in place from the caches."""
+    heads, head_dim = query.shape[1], query.shape[2]
+    kv_heads = k_cache.shape[2]
+    scratch = torch.empty((heads // kv_heads) * max_len, dtype=torch.float32)
+    _lib.paged_decode_attention(
+        query.data_ptr(), query.stride(0), rows.data_ptr(), rows.shape[0], heads, kv_heads, head_dim,
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], block_tables.data_ptr(), block_tables.stride(0),
+        tables.data_ptr(), seq_lens.data_ptr(), scale, out.data_ptr(), out.stride(0), scratch.data_ptr(),
+    )

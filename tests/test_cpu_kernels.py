@@ -1,0 +1,118 @@
+"""The C kernels of the CPU decode path (kernels/cpu) against the torch reference.
+
+Rotary and the KV write must be bitwise equal (the same arithmetic, no
+fused multiply-adds); norms, silu and attention agree to float32 rounding.
+Paged decode attention is also checked against dense float64 attention
+through the dispatcher, over random mixes of decodes and prefill chunks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kernels
+from kernels import cpu, torch_ref
+from tests.support.attention import run_case
+
+pytestmark = pytest.mark.skipif(cpu.load() is None, reason="no C compiler to build kernels/cpu with")
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 64), (5, 768), (3, 1)])
+def test_rms_norm_and_fused_residual_add(rows: int, n: int) -> None:
+    g = _gen(rows)
+    x, w, residual = torch.randn(rows, n, generator=g), torch.randn(n, generator=g), torch.randn(rows, n, generator=g)
+    torch.testing.assert_close(cpu.rms_norm(x, w, 1e-5), torch_ref.rms_norm(x, w, 1e-5), rtol=1e-6, atol=1e-6)
+    ours_residual, ref_residual = residual.clone(), residual.clone()
+    ours, ours_sum = cpu.add_rms_norm(x, ours_residual, w, 1e-5)
+    ref, ref_sum = torch_ref.add_rms_norm(x, ref_residual, w, 1e-5)
+    assert torch.equal(ours_sum, ref_sum) and ours_sum.data_ptr() == ours_residual.data_ptr()  # in place
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_rms_norm_over_the_heads_of_a_fused_row() -> None:
+    """Per-head norms (Qwen3's q/k norm) read heads in place from a strided qkv view."""
+    qkv = torch.randn(4, 12, 16, generator=_gen())
+    heads = qkv[:, 2:9]
+    w = torch.randn(16, generator=_gen(1))
+    torch.testing.assert_close(cpu.rms_norm(heads, w, 1e-6), torch_ref.rms_norm(heads, w, 1e-6), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("head_dim", [8, 64, 128])
+def test_rotary_is_bitwise_the_reference(head_dim: int) -> None:
+    g = _gen(head_dim)
+    positions = torch.tensor([0, 7, 300, 5], dtype=torch.int64)
+    cos, sin = torch.randn(512, head_dim, generator=g), torch.randn(512, head_dim, generator=g)
+    qkv = torch.randn(4, 7, head_dim, generator=g)
+    ours, ref = qkv.clone(), qkv.clone()
+    cpu.rotary(ours, 5, cos, sin, positions)
+    torch_ref.rotary(ref, 5, cos, sin, positions)
+    assert torch.equal(ours, ref)
+    assert torch.equal(ours[:, 5:], qkv[:, 5:])  # the value heads are left alone
+
+
+def test_write_kv_skips_padding_slots_and_copies_exactly() -> None:
+    qkv = torch.randn(3, 6, 8, generator=_gen())
+    key, value = qkv[:, 2:4], qkv[:, 4:6]  # strided slices of a fused projection
+    caches = [torch.zeros(4, 4, 2, 8) for _ in range(4)]
+    slots = torch.tensor([9, -1, 2])
+    cpu.write_kv(key, value, caches[0], caches[1], slots)
+    torch_ref.write_kv_cache(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def test_silu_mul() -> None:
+    gate_up = torch.randn(5, 2 * 96, generator=_gen()) * 4
+    torch.testing.assert_close(cpu.silu_mul(gate_up), torch_ref.silu_mul(gate_up), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "query_lens,context_lens,kv_heads,group,head_dim,block_size",
+    [
+        pytest.param([1, 1, 1, 1], [4, 17, 0, 9], 2, 4, 16, 4, id="batched-decodes-gqa"),
+        pytest.param([1], [300], 4, 3, 64, 16, id="long-decode-llama-shape"),
+        pytest.param([9, 1, 20, 1, 3], [0, 12, 7, 33, 5], 2, 3, 16, 4, id="decodes-between-prefill-chunks"),
+        pytest.param([1, 1], [0, 10], 1, 8, 128, 1, id="mqa-block-size-one"),
+    ],
+)
+def test_paged_decode_attention_matches_dense(query_lens, context_lens, kv_heads, group, head_dim, block_size):
+    run_case(query_lens, context_lens, kv_heads, group, head_dim, block_size, attention=kernels.paged_attention)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    reqs=st.lists(st.tuples(st.one_of(st.just(1), st.integers(1, 12)), st.integers(0, 40)), min_size=1, max_size=6),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 4),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    seed=st.integers(0, 2**16),
+)
+def test_paged_attention_through_the_dispatcher_random_batches(reqs, kv_heads, group, block_size, seed):
+    run_case(
+        [q for q, _ in reqs], [c for _, c in reqs], kv_heads, group, 8, block_size, seed,
+        attention=kernels.paged_attention,
+    )
+
+
+def test_dispatch_picks_c_for_float32_cpu_and_torch_otherwise(monkeypatch) -> None:
+    calls: list[str] = []
+    for name in ("rms_norm", "silu_mul"):
+        for module in (cpu, torch_ref):
+            fn = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, _fn=fn, _tag=f"{module.__name__}.{name}", **k: (
+                calls.append(_tag), _fn(*a, **k))[1])
+    x32, x64 = torch.randn(2, 8), torch.randn(2, 8, dtype=torch.float64)
+    kernels.rms_norm(x32, torch.ones(8), 1e-5)
+    kernels.rms_norm(x64, torch.ones(8, dtype=torch.float64), 1e-5)
+    kernels.silu_mul(x32)
+    monkeypatch.setattr(cpu, "enabled", False)
+    kernels.silu_mul(x32)
+    assert calls == [
+        "kernels.cpu.rms_norm", "kernels.torch_ref.rms_norm", "kernels.cpu.silu_mul", "kernels.torch_ref.silu_mul",
+    ]
