@@ -51,6 +51,10 @@ class ManagedServer:
         self.base_url = ""
         self._deadline = 0.0
 
+    def command(self, port: int) -> list[str]:
+        """The command line of a server listening on ``port``."""
+        return [sys.executable, "-m", "app", "--host", "127.0.0.1", "--port", str(port), *self.args]
+
     def launch(self) -> ManagedServer:
         """Start the process and return at once (see ``wait_ready``)."""
         port = free_port()
@@ -58,8 +62,7 @@ class ManagedServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "app", "--host", "127.0.0.1", "--port", str(port), *self.args],
-                cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                self.command(port), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         self._deadline = time.monotonic() + self.timeout

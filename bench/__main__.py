@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "sched": "bench.sched",
     "gpu": "bench.gpu",
     "startup": "bench.startup",
+    "compare": "bench.compare",
 }
 
 

@@ -4,11 +4,12 @@ A decode step multiplies a few rows by every weight matrix once, so it runs
 at the speed weights stream from memory. torch's CPU build does this in MKL,
 whose dispatch on AMD processors falls back to a generic kernel that reaches
 about half the memory bandwidth that the OpenBLAS bundled with numpy does on
-the same tensors (bench/README.md has the figures). For float32 inputs of up
-to ``CPU_BLAS_MAX_ROWS`` rows the product therefore goes through numpy on
-zero-copy views of the same memory; larger batches (prefill chunks), other
-dtypes and other devices keep torch's kernels. numpy releases the GIL inside
-BLAS, so the engine's I/O threads run meanwhile.
+the same tensors; for larger batches (prefill chunks) OpenBLAS was as fast or
+faster here too (bench/README.md has the figures). float32 CPU products
+therefore go through numpy on zero-copy views of the same memory (set
+``RINGLLM_CPU_BLAS=0`` to keep torch's); other dtypes and devices keep
+torch's kernels. numpy releases the GIL inside BLAS, so the engine's I/O
+threads run meanwhile.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-# Rows up to which CPU float32 products use numpy's BLAS (RINGLLM_CPU_BLAS_MAX_ROWS=0 turns it off).
-CPU_BLAS_MAX_ROWS = int(os.environ.get("RINGLLM_CPU_BLAS_MAX_ROWS", "64"))
+CPU_BLAS = os.environ.get("RINGLLM_CPU_BLAS", "1") != "0"
 
 
 class CpuWeight:
@@ -34,15 +34,15 @@ class CpuWeight:
 
     @staticmethod
     def usable(weight: torch.Tensor) -> bool:
-        return weight.device.type == "cpu" and weight.dtype == torch.float32 and CPU_BLAS_MAX_ROWS > 0
+        return CPU_BLAS and weight.device.type == "cpu" and weight.dtype == torch.float32
 
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, cpu: CpuWeight | None = None
 ) -> torch.Tensor:
     """``x [N, in] @ weight[out, in]ᵀ + bias``; ``cpu`` (the weight's numpy views)
-    sends small CPU batches to numpy's BLAS."""
-    if cpu is not None and x.dim() == 2 and x.shape[0] <= CPU_BLAS_MAX_ROWS and x.dtype == torch.float32:
+    sends the product to numpy's BLAS."""
+    if cpu is not None and x.dtype == torch.float32:
         out = np.matmul(x.numpy(), cpu.weight_t)
         if cpu.bias is not None:
             out += cpu.bias

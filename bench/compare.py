@@ -1,0 +1,191 @@
+"""``python -m bench compare``: our server against another OpenAI-compatible server, same load, taking turns.
+
+The other server is any command line with ``{port}`` and ``{concurrency}``
+placeholders, e.g. llama.cpp's ``llama-server`` through ../shared/peer::
+
+    python -m bench compare --model ../shared/models/stories260K \\
+        --peer-cmd 'bash ../shared/peer/run_peer.sh $LLAMA_PEER_DIR/models/stories260K-f32.gguf {port} {concurrency}' \\
+        --concurrency 1 16 64 --repeats 2
+
+For each concurrency and repeat, each server is started fresh and alone
+(ours, then the peer: A B A B), measured with ``bench serve``'s random
+workload (``--ignore-eos``, greedy, the same prompts for both), and stopped.
+Besides ``serve``'s metrics, the server's CPU time (every process of it, from
+/proc) is divided by the output tokens. The table gives the medians and the
+ratio ours / peer; the result JSON and a PNG go to ``--result-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import shlex
+import statistics
+import tempfile
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from app.launcher import ManagedServer
+from bench.report import save_result
+from bench.serve import BACKENDS, add_workload_arguments, run_benchmark
+
+HELP = "our server vs another OpenAI-compatible server (e.g. llama.cpp), same load, alternately"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+CLOCK_TICKS = 100  # os.sysconf("SC_CLK_TCK") on Linux
+
+
+class CommandServer(ManagedServer):
+    """A server started from a command template (``{port}``, ``{concurrency}``), with /health."""
+
+    def __init__(self, template: str, concurrency: int, log_path: Path, timeout: float) -> None:
+        super().__init__([], log_path, timeout)
+        self.template = template
+        self.concurrency = concurrency
+
+    def command(self, port: int) -> list[str]:
+        return ["bash", "-c", "exec " + self.template.format(port=port, concurrency=self.concurrency)]
+
+
+def process_tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and all its descendants (Linux /proc)."""
+    total, pending, seen = 0.0, [pid], set()
+    while pending:
+        p = pending.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+            for task in Path(f"/proc/{p}/task").iterdir():
+                pending += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("compare")
+    g.add_argument("--model", required=True, help="our model directory (also the tokenizer of both)")
+    g.add_argument("--server-args", default="", help="arguments for our server, e.g. '--max-model-len 512'")
+    g.add_argument("--peer-cmd", required=True, help="the other server's command, with {port} and {concurrency}")
+    g.add_argument("--peer-name", default="peer", help="its name in the table")
+    g.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    g.add_argument("--prompts-per-stream", type=int, default=4, help="requests per concurrent stream (at least 8)")
+    g.add_argument("--repeats", type=int, default=2)
+    g.add_argument("--server-timeout", type=float, default=300.0)
+    g.add_argument("--endpoint", help="/v1/completions (default) or /v1/chat/completions")
+    g.add_argument("--backend", choices=sorted(BACKENDS), default="openai")
+    add_workload_arguments(parser)
+    parser.set_defaults(random_input_len=128, random_output_len=128, ignore_eos=True, disable_tqdm=True,
+                        result_dir=str(RESULTS_DIR))
+
+
+def measure(server: ManagedServer, args: argparse.Namespace, concurrency: int, tokenizer: str) -> dict[str, Any]:
+    """One run against a started server: serve's result plus server CPU per output token."""
+    ns = copy.copy(args)
+    ns.base_url, ns.host, ns.port = server.base_url, None, None
+    ns.model, ns.served_model_name, ns.tokenizer = None, None, tokenizer
+    ns.max_concurrency = concurrency
+    ns.num_prompts = max(8, concurrency * args.prompts_per_stream)
+    ns.save_result = False
+    ns.ready_check_timeout_sec = 60.0
+    ns.label = server.log_path.stem
+    assert server.proc is not None
+    before = process_tree_cpu_s(server.proc.pid)
+    result = run_benchmark(ns)
+    cpu = process_tree_cpu_s(server.proc.pid) - before
+    result["server_cpu_ms_per_token"] = cpu * 1e3 / max(result["total_output_tokens"], 1)
+    return result
+
+
+ROWS = [
+    ("output_throughput", "output tok/s"),
+    ("median_tpot_ms", "median TPOT ms"),
+    ("median_ttft_ms", "median TTFT ms"),
+    ("server_cpu_ms_per_token", "server CPU ms/token"),
+]
+
+
+def run(args: argparse.Namespace) -> int:
+    date = datetime.now().strftime("%Y%m%d-%H%M%S")
+    ours_args = ["--model", args.model, *shlex.split(args.server_args)]
+    results: dict[int, dict[str, list[dict[str, Any]]]] = {}
+    with tempfile.TemporaryDirectory(prefix="ringllm-compare-") as logs:
+        for concurrency in args.concurrency:
+            runs: dict[str, list[dict[str, Any]]] = {"ringllm": [], args.peer_name: []}
+            for repeat in range(args.repeats):
+                for name in runs:
+                    log = Path(logs) / f"{name}-c{concurrency}-r{repeat}.log"
+                    if name == "ringllm":
+                        server: ManagedServer = ManagedServer(ours_args, log, args.server_timeout)
+                    else:
+                        server = CommandServer(args.peer_cmd, concurrency, log, args.server_timeout)
+                    print(f"\n### {name}, {concurrency} streams, run {repeat + 1}")
+                    with server:
+                        runs[name].append(measure(server, args, concurrency, args.model))
+            results[concurrency] = runs
+    table = comparison_table(results, args.peer_name)
+    print("\n" + table)
+    summary = {
+        "date": date, "model": args.model, "peer_cmd": args.peer_cmd, "server_args": args.server_args,
+        "input_len": args.random_input_len, "output_len": args.random_output_len, "repeats": args.repeats,
+        "results": {
+            str(c): {name: [{k: r.get(k) for k, _ in ROWS} for r in rs] for name, rs in runs.items()}
+            for c, runs in results.items()
+        },
+        "table": table,
+    }
+    out = Path(args.result_dir)
+    save_result(summary, out / f"compare-{date}.json")
+    plot(results, args.peer_name, out / f"compare-{date}.png", Path(args.model).name)
+    print(f"saved {out / f'compare-{date}.json'} and .png")
+    return 0
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def comparison_table(results: dict[int, dict[str, list[dict[str, Any]]]], peer: str) -> str:
+    header = ["streams", *(f"{label} (ringllm / {peer})" for _, label in ROWS), "tok/s ratio", "spread ringllm / peer"]
+    lines = [" | ".join(header), " | ".join("---" for _ in header)]
+    for concurrency, runs in results.items():
+        ours, theirs = runs["ringllm"], runs[peer]
+        cells = [str(concurrency)]
+        for key, _ in ROWS:
+            cells.append(f"{_median(ours, key):.2f} / {_median(theirs, key):.2f}")
+        cells.append(f"{_median(ours, 'output_throughput') / _median(theirs, 'output_throughput'):.2f}")
+        spread = [
+            f"{min(r['output_throughput'] for r in rs):.0f}-{max(r['output_throughput'] for r in rs):.0f}"
+            for rs in (ours, theirs)
+        ]
+        cells.append(" / ".join(spread))
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+def plot(results: dict[int, dict[str, list[dict[str, Any]]]], peer: str, path: Path, model: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = list(results)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, (key, label) in zip(axes, [ROWS[0], ROWS[1]]):
+        width = 0.38
+        for i, name in enumerate(["ringllm", peer]):
+            values = [_median(results[c][name], key) for c in levels]
+            ax.bar([x + (i - 0.5) * width for x in range(len(levels))], values, width, label=name)
+        ax.set_xticks(range(len(levels)), [str(c) for c in levels])
+        ax.set_xlabel("concurrent streams")
+        ax.set_title(label)
+        ax.legend()
+    fig.suptitle(f"{model}: ringllm vs {peer} (medians)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
