@@ -70,7 +70,7 @@ class AsyncLLM:
         try:
             while True:
                 outputs = await self.engine_core.get_output_async()
-                reqs_to_abort = self.output_processor.process_outputs(outputs.outputs)
+                reqs_to_abort = self.output_processor.process_outputs(outputs.outputs, outputs.logprobs)
                 if reqs_to_abort:
                     await self.engine_core.abort_requests_async(reqs_to_abort)
         except asyncio.CancelledError:

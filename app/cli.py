@@ -35,7 +35,7 @@ _ENGINE_FIELDS = (
     "block_size", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
     "enable_prefix_caching", "num_gpu_blocks_override", "kv_cache_memory",
     "gpu_memory_utilization", "enforce_eager", "transport", "scheduling_policy", "enable_prompt_embeds",
-    "async_scheduling",
+    "async_scheduling", "logprobs_mode",
 )
 
 
@@ -98,6 +98,12 @@ def make_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--enable-prompt-embeds", action="store_true", default=None,
         help="accept prompt_embeds (base64 torch.save tensors) in /v1/completions",
+    )
+
+    model.add_argument(
+        "--logprobs-mode", choices=["raw_logprobs", "processed_logprobs"],
+        help="what returned logprobs describe: the model's raw logits (default) or the distribution "
+        "sampled from, after penalties, temperature, min_p, top-k and top-p",
     )
 
     sched = p.add_argument_group("scheduler", "how requests share the engine's steps")

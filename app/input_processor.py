@@ -87,11 +87,12 @@ class InputProcessor:
 
     # ------------------------------------------------------------- prompts
 
-    def tokenize_prompt(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a text prompt (with the tokenizer's BOS), or the given ids
-        (checked against the vocabulary by ``process``)."""
+    def tokenize_prompt(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt (with the tokenizer's BOS unless
+        ``add_special_tokens`` is false), or the given ids (checked against the
+        vocabulary by ``process``)."""
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         ids = list(prompt)
         for token_id in ids:
             if not isinstance(token_id, int) or isinstance(token_id, bool):
@@ -103,12 +104,14 @@ class InputProcessor:
         messages: list[dict[str, Any]],
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
         **template_kwargs: Any,
     ) -> list[int]:
         """Render the conversation with a chat template and tokenize it.
 
         ``chat_template`` overrides the tokenizer's own. The rendered text is
-        tokenized without adding special tokens: templates write their own BOS.
+        tokenized without adding special tokens unless asked: templates write
+        their own BOS.
         """
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(
@@ -126,7 +129,18 @@ class InputProcessor:
             )
         except jinja2.TemplateError as exc:
             raise ValueError(f"The chat template failed to render the messages: {exc}") from exc
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """Each bad word as token ids, as it is tokenized on its own and after a space
+        (vLLM's two variants; identical ones are kept once)."""
+        result: list[list[int]] = []
+        for word in words:
+            variants = [self.tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False) for prefix in ("", " ")]
+            if not any(variants):
+                raise ValueError(f"The bad word {word!r} has no tokens.")
+            result += [ids for i, ids in enumerate(variants) if ids and ids not in result and ids not in variants[:i]]
+        return result
 
     def load_prompt_embeds(self, data: str) -> torch.Tensor:
         """A prompt given as embeddings: base64 of a ``torch.save``d float tensor

@@ -10,6 +10,7 @@ import itertools
 from dataclasses import dataclass
 
 from app.input_processor import InputProcessor
+from app.logprobs import Logprobs
 from app.output_processor import OutputProcessor, RequestOutputCollector
 from core.client import InprocClient
 from core.config import EngineConfig
@@ -23,6 +24,9 @@ class CompletionResult:
     token_ids: list[int]
     finish_reason: str | None
     num_cached_tokens: int
+    # When the SamplingParams asked: an entry per generated token, and per prompt token after the first.
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
 
 
 class LLM:
@@ -68,7 +72,7 @@ class LLM:
             collectors.append((ids, collector))
         while output_processor.has_unfinished_requests():
             outputs = self.engine.get_output()
-            to_abort = output_processor.process_outputs(outputs.outputs)
+            to_abort = output_processor.process_outputs(outputs.outputs, outputs.logprobs)
             if to_abort:
                 self.engine.abort_requests(to_abort)
         results = []
@@ -76,7 +80,10 @@ class LLM:
             out = collector.get_nowait()
             assert out is not None and out.finished
             results.append(
-                CompletionResult(ids, out.text, list(out.token_ids), out.finish_reason, out.num_cached_tokens)
+                CompletionResult(
+                    ids, out.text, list(out.token_ids), out.finish_reason, out.num_cached_tokens,
+                    out.logprobs, out.prompt_logprobs,
+                )
             )
         return results
 

@@ -15,15 +15,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.detokenizer import IncrementalDetokenizer
-from core.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
+from app.logprobs import Logprobs, StepLogprobs
+from core.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsArrays
 
 
 @dataclass(slots=True)
 class RequestOutput:
     """What one request produced since the previous RequestOutput (a delta).
 
-    ``text`` and ``token_ids`` are deltas; ``num_output_tokens`` is the running
-    total. ``finish_reason`` is one of "stop", "length", "abort", "error".
+    ``text``, ``token_ids`` and ``logprobs`` (when asked for: one entry per
+    token id) are deltas; ``num_output_tokens`` is the running total.
+    ``prompt_logprobs`` comes with the first delta, when asked for.
+    ``finish_reason`` is one of "stop", "length", "abort", "error".
     ``stop_reason`` is the stop string or stop token id that ended the request.
     """
 
@@ -37,11 +40,20 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0  # also counts a prompt given as embeddings
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
 
     def merge(self, later: RequestOutput) -> None:
         """Fold a later delta into this one (the consumer fell behind)."""
         self.text += later.text
         self.token_ids.extend(later.token_ids)
+        if later.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = later.logprobs
+            else:
+                self.logprobs.extend(later.logprobs)
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
         self.finished = later.finished
         self.finish_reason = later.finish_reason
         self.stop_reason = later.stop_reason
@@ -103,6 +115,8 @@ class RequestState:
     min_tokens: int
     # Characters held back while they could still be the start of a stop string.
     holdback: int
+    num_logprobs: int  # alternatives per token kept from the engine's logprobs
+
     pending_text: str = ""
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
@@ -145,6 +159,7 @@ class OutputProcessor:
             include_stop_str_in_output=params.include_stop_str_in_output,
             min_tokens=params.min_tokens,
             holdback=max((len(s) for s in params.stop), default=1) - 1,
+            num_logprobs=params.logprobs or 0,
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -153,19 +168,25 @@ class OutputProcessor:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
-    def process_outputs(self, outputs: Iterable[EngineCoreOutput]) -> list[str]:
-        """Detokenize one engine step's outputs and deliver them.
+    def process_outputs(
+        self, outputs: Iterable[EngineCoreOutput], logprobs: LogprobsArrays | None = None
+    ) -> list[str]:
+        """Detokenize one engine step's outputs and deliver them; ``logprobs`` is
+        the step's ``EngineCoreOutputs.logprobs``.
 
         Returns the ids of requests a stop string finished: they are still
         running in the engine, which the caller must tell to abort them.
         Outputs of requests no longer tracked (aborted) are ignored.
         """
         to_abort: list[str] = []
+        # Read once for the whole step: plain lists, so the arrays (possibly a
+        # view of the transport's shared pool) can go.
+        rows = None if logprobs is None else StepLogprobs(logprobs)
         for output in outputs:
             state = self.requests.get(output.request_id)
             if state is None:
                 continue
-            request_output = self._process_one(state, output)
+            request_output = self._process_one(state, output, rows)
             if request_output.finished:
                 del self.requests[state.request_id]
                 if not output.finished:
@@ -173,7 +194,9 @@ class OutputProcessor:
             state.collector.put(request_output)
         return to_abort
 
-    def _process_one(self, state: RequestState, output: EngineCoreOutput) -> RequestOutput:
+    def _process_one(
+        self, state: RequestState, output: EngineCoreOutput, step_logprobs: StepLogprobs | None
+    ) -> RequestOutput:
         new_ids = output.new_token_ids
         state.num_output_tokens += len(new_ids)
         if output.num_cached_tokens:
@@ -208,6 +231,13 @@ class OutputProcessor:
             num_output_tokens=state.num_output_tokens,
             num_cached_tokens=state.num_cached_tokens,
             num_prompt_tokens=state.num_prompt_tokens,
+            logprobs=(
+                None if output.logprobs_start < 0 or step_logprobs is None
+                else step_logprobs.entries(output.logprobs_start, len(new_ids), state.num_logprobs)
+            ),
+            prompt_logprobs=(
+                None if output.new_prompt_logprobs is None else Logprobs.from_arrays(output.new_prompt_logprobs)
+            ),
         )
 
     def abort_requests(self, request_ids: Iterable[str], notify: bool = False) -> list[str]:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
 from app.errors import BadRequestError
-from core.protocol import SamplingParams
+from core.protocol import MAX_LOGPROBS, SamplingParams
 
 # Completions default to 16 tokens, as in OpenAI's API; chat to "as many as fit".
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -34,6 +34,37 @@ def now() -> int:
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+    # vLLM's extension: usage (so far) in every chunk, not only in a last one.
+    continuous_usage_stats: bool = False
+
+
+class ResponseFormat(msgspec.Struct):
+    type: str = "text"
+    json_schema: Any = None
+
+
+# Fields every request model declares, so that none is silently ignored by the
+# decoder, but that this server does not implement: each is accepted at the
+# listed values only (its neutral ones) and refused with a 400 naming it
+# otherwise. ``implemented`` on each model lists the fields it acts on; a test
+# checks that both sets together are exactly the model's fields.
+_STRUCTURED = "structured outputs (guided decoding) are not implemented yet"
+REFUSED_COMMON: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((False,), "there is no beam search (vLLM V1's engine has none either)"),
+    "length_penalty": ((1.0,), "it only applies to beam search, which there is not"),
+    "spaces_between_special_tokens": ((True,), "only the tokenizer's own decoding is available"),
+    "logits_processors": ((None,), "custom logits processors cannot be loaded"),
+    "response_format": ((None, ResponseFormat("text")), _STRUCTURED),
+    "structured_outputs": ((None,), _STRUCTURED),
+    "guided_json": ((None,), _STRUCTURED),
+    "guided_regex": ((None,), _STRUCTURED),
+    "guided_choice": ((None,), _STRUCTURED),
+    "guided_grammar": ((None,), _STRUCTURED),
+    "guided_decoding_backend": ((None,), _STRUCTURED),
+    "guided_whitespace_pattern": ((None,), _STRUCTURED),
+    "vllm_xargs": ((None,), "there are no custom sampling arguments"),
+    "kv_transfer_params": ((None,), "there is no KV transfer (disaggregated prefill)"),
+}
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -43,6 +74,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -55,30 +87,89 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     priority: int = 0
     cache_salt: str | None = None
-    user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    user: str | None = None  # an end-user identifier (OpenAI's abuse monitoring): nothing to do with it here
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    return_tokens_as_token_ids: bool = False
+    # Declared to be refused when set (REFUSED_COMMON).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    spaces_between_special_tokens: bool = True
+    logits_processors: Any = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    vllm_xargs: Any = None
+    kv_transfer_params: Any = None
 
-    def check_common(self) -> None:
-        if self.n != 1:
-            raise BadRequestError(f"Only n=1 is supported (got n={self.n}).", "n")
+    implemented: ClassVar[frozenset[str]] = frozenset(
+        {
+            "model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "stream",
+            "stream_options", "n", "ignore_eos", "min_tokens", "include_stop_str_in_output",
+            "skip_special_tokens", "priority", "cache_salt", "user", "presence_penalty", "frequency_penalty",
+            "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs",
+            "truncate_prompt_tokens", "return_tokens_as_token_ids",
+        }
+    )
+    refused: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = REFUSED_COMMON
+
+    def check_supported(self) -> None:
+        """400 for a refused field set to anything but a neutral value, and for
+        combinations of fields that have no meaning."""
+        for name, (accepted, reason) in self.refused.items():
+            value = getattr(self, name)
+            if not any(value == ok and type(value) is type(ok) for ok in accepted):
+                raise BadRequestError(f"{name} is not supported: {reason}.", name)
+        if self.n < 1 or self.n > MAX_N:
+            raise BadRequestError(f"n must be in [1, {MAX_N}], got {self.n}.", "n")
         if self.stream_options is not None and not self.stream:
             raise BadRequestError("stream_options is only allowed when stream is true.", "stream_options")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise BadRequestError(f"{name} is not supported yet.", name)
-        if self.repetition_penalty not in (None, 1.0):
-            raise BadRequestError("repetition_penalty is not supported yet.", "repetition_penalty")
-        if self.logit_bias:
-            raise BadRequestError("logit_bias is not supported yet.", "logit_bias")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            raise BadRequestError("truncate_prompt_tokens must be at least 1.", "truncate_prompt_tokens")
+        if self.prompt_logprobs is not None and self.prompt_embeds_given():
+            raise BadRequestError("prompt_logprobs need token ids, not prompt_embeds.", "prompt_logprobs")
+
+    def prompt_embeds_given(self) -> bool:
+        return False
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """logit_bias with its JSON string keys as token ids."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): float(bias) for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise BadRequestError("logit_bias keys must be token ids (integers as strings).", "logit_bias") from None
+
+    def sampling_params(
+        self,
+        max_tokens: int,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        bad_words_token_ids: list[list[int]] | None = None,
+        seed_offset: int = 0,
+    ) -> SamplingParams:
+        """The engine's parameters for one choice: choice i of a seeded request gets
+        seed + i. ``bad_words_token_ids`` are the tokenizations of ``bad_words``."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,
@@ -86,79 +177,103 @@ class SamplingFields(msgspec.Struct, kw_only=True):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
-            seed=self.seed,
+            seed=None if self.seed is None else self.seed + seed_offset,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.logit_bias_ids(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words_token_ids=bad_words_token_ids or [],
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
+# Choices one request may ask for (n times the prompts of a batch).
+MAX_N = 128
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
 class CompletionRequest(SamplingFields, kw_only=True):
-    # str, a list of token ids, or a one-element list of either: one prompt only.
+    # A string, a list of token ids, or a batch: a list of strings or of token-id lists.
     prompt: str | list[Any] | None = None
-    # Or the prompt as embeddings: base64 of a torch.save'd tensor (vLLM's extension).
+    # Or prompts as embeddings: base64 of a torch.save'd tensor (vLLM's extension), one or a list.
     prompt_embeds: str | list[str] | None = None
     max_tokens: int | None = None
     echo: bool = False
     logprobs: int | None = None
+    add_special_tokens: bool = True
     suffix: str | None = None
     best_of: int | None = None
 
-    def check_supported(self) -> None:
-        self.check_common()
-        if self.echo:
-            raise BadRequestError("echo is not supported yet.", "echo")
-        if self.logprobs is not None:
-            raise BadRequestError("logprobs are not supported yet.", "logprobs")
-        if self.suffix:
-            raise BadRequestError("suffix is not supported.", "suffix")
-        if self.best_of not in (None, 1):
-            raise BadRequestError("best_of > 1 is not supported.", "best_of")
+    implemented: ClassVar[frozenset[str]] = SamplingFields.implemented | {
+        "prompt", "prompt_embeds", "max_tokens", "echo", "logprobs", "add_special_tokens",
+    }
+    refused: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = {
+        **REFUSED_COMMON,
+        "suffix": ((None, ""), "there is no insertion mode"),
+        "best_of": ((None, 1), "vLLM V1 dropped it; use n"),
+    }
 
-    def single_prompt_embeds(self) -> str | None:
-        """The one base64 prompt_embeds of this request, or None for a text/token prompt."""
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise BadRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.", "logprobs")
+        if self.max_tokens is not None and self.max_tokens < (0 if self.echo else 1):
+            raise BadRequestError(f"max_tokens must be at least 1, got {self.max_tokens}.", "max_tokens")
+
+    def prompt_embeds_given(self) -> bool:
+        return self.prompt_embeds is not None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token: asked for, or implied by echo with logprobs."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
+
+    def prompt_embeds_list(self) -> list[str] | None:
+        """The base64 prompt_embeds of this request (one per prompt), or None for text/token prompts."""
         embeds = self.prompt_embeds
         if embeds is None:
             return None
         if self.prompt not in (None, "", []):
             raise BadRequestError("Give either prompt or prompt_embeds, not both.", "prompt_embeds")
-        if isinstance(embeds, list):
-            if len(embeds) != 1:
-                raise BadRequestError(
-                    f"Only one prompt per request is supported; got {len(embeds)} prompt_embeds.",
-                    "prompt_embeds",
-                )
-            return embeds[0]
+        embeds = [embeds] if isinstance(embeds, str) else embeds
+        if not embeds:
+            raise BadRequestError("prompt_embeds is empty.", "prompt_embeds")
         return embeds
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request: text or token ids."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request, each text or token ids: one, or a batch."""
         prompt = self.prompt
         if prompt is None:
             raise BadRequestError("Either prompt or prompt_embeds is required.", "prompt")
         if isinstance(prompt, str):
-            return prompt
+            return [prompt]
         if not prompt:
             raise BadRequestError("The prompt is empty.", "prompt")
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return prompt
-        if len(prompt) > 1:
-            raise BadRequestError(
-                f"Only one prompt per request is supported; got a batch of {len(prompt)}. "
-                "Send one request per prompt.",
-                "prompt",
-            )
-        (only,) = prompt
-        if isinstance(only, str):
-            return only
-        if isinstance(only, list) and only and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in only
-        ):
-            return only
+        if _is_token_ids(prompt):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt) or all(_is_token_ids(p) for p in prompt):
+            return list(prompt)
         raise BadRequestError(
-            "prompt must be a string, a list of token ids, or a list holding one of those.", "prompt"
+            "prompt must be a string, a list of token ids, or a list of either (a batch).", "prompt"
         )
 
 
@@ -191,10 +306,6 @@ class ChatMessage(msgspec.Struct):
         return message
 
 
-class ResponseFormat(msgspec.Struct):
-    type: str = "text"
-
-
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_tokens: int | None = None
@@ -203,28 +314,89 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: ResponseFormat | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    echo: bool = False
+    continue_final_message: bool = False
+    documents: Any = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    functions: Any = None
+    function_call: Any = None
+    web_search_options: Any = None
+    store: bool | None = None
+
+    implemented: ClassVar[frozenset[str]] = SamplingFields.implemented | {
+        "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+        "tool_choice", "chat_template", "chat_template_kwargs", "add_generation_prompt", "add_special_tokens",
+    }
+    refused: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = {
+        **REFUSED_COMMON,
+        "echo": ((False,), "chat does not echo the last message; /v1/completions echoes prompts"),
+        "continue_final_message": ((False,), "the final message cannot be continued yet"),
+        "documents": ((None,), "retrieval templates get no documents"),
+        "parallel_tool_calls": ((None,), "there is no tool calling yet"),
+        "reasoning_effort": ((None,), "this server runs no reasoning models"),
+        "modalities": ((None, ["text"]), "only text output is produced"),
+        "audio": ((None,), "there is no audio output"),
+        "prediction": ((None,), "there are no predicted outputs"),
+        "functions": ((None,), "there is no tool calling yet"),
+        "function_call": ((None,), "there is no tool calling yet"),
+        "web_search_options": ((None,), "there is no web search"),
+        "store": ((None, False), "this server stores no completions"),
+    }
 
     def check_supported(self) -> None:
-        self.check_common()
+        super().check_supported()
         if not self.messages:
             raise BadRequestError("messages must not be empty.", "messages")
-        if self.logprobs or self.top_logprobs is not None:
-            raise BadRequestError("logprobs are not supported yet.", "logprobs")
         if self.tools and self.tool_choice != "none":
             raise BadRequestError("Tool calling is not supported yet.", "tools")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise BadRequestError(
-                f"response_format {self.response_format.type!r} is not supported yet.", "response_format"
-            )
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise BadRequestError("top_logprobs needs logprobs set to true.", "top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise BadRequestError(
+                    f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}.", "top_logprobs"
+                )
+        if self.prompt_logprobs is not None and self.stream:
+            raise BadRequestError("prompt_logprobs are not available on a streamed chat.", "prompt_logprobs")
 
     @property
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is the newer name; it wins when both are sent.
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
 
 
 # --------------------------------------------------------------- responses
@@ -250,12 +422,37 @@ class UsageInfo(msgspec.Struct):
         )
 
 
+class CompletionLogprobs(msgspec.Struct):
+    """OpenAI's legacy completions logprobs: one entry per token, in four parallel lists.
+
+    The first prompt token of an echo has no logprob: null there and in
+    ``top_logprobs``. ``text_offset`` is each token's position in the text.
+    """
+
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
+class PromptLogprob(msgspec.Struct):
+    """One token of a prompt position, in vLLM's ``prompt_logprobs`` (keyed by token id)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(msgspec.Struct):
@@ -274,10 +471,27 @@ class AssistantMessage(msgspec.Struct):
     role: str = "assistant"
 
 
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob]
+
+
 class ChatChoice(msgspec.Struct):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -289,6 +503,7 @@ class ChatCompletionResponse(msgspec.Struct):
     choices: list[ChatChoice]
     usage: UsageInfo
     object: str = "chat.completion"
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
@@ -299,7 +514,7 @@ class DeltaMessage(msgspec.Struct, omit_defaults=True):
 class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -326,3 +541,18 @@ class ModelCard(msgspec.Struct):
 class ModelList(msgspec.Struct):
     data: list[ModelCard]
     object: str = "list"
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
+class VersionResponse(msgspec.Struct):
+    version: str

@@ -1,7 +1,8 @@
 """The Starlette application: routes, OpenAI-shaped errors, optional API key.
 
 Routes: GET /health, GET /v1/models, POST /v1/completions,
-POST /v1/chat/completions, GET /engine/stats (scheduler counters, for
+POST /v1/chat/completions, vLLM's POST /tokenize, POST /detokenize and
+GET /version, GET /engine/stats (scheduler counters, for
 operators and tests) and POST /reset_prefix_cache (as in vLLM; 409 while
 requests run, unless ``?reset_running_requests=true``), plus the chat page
 (app/ui.py) unless it is disabled. Every error, including unknown routes, has
@@ -12,6 +13,7 @@ and the page's own files requires ``Authorization: Bearer <key>``.
 from __future__ import annotations
 
 import hmac
+import importlib.metadata
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -39,11 +41,20 @@ from app.serving import (
     json_response,
     until_disconnect,
 )
+from app.protocol import VersionResponse
 from app.ui import ui_routes
 
 logger = logging.getLogger("ringllm.server")
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def ringllm_version() -> str:
+    """The installed package's version (pyproject.toml)."""
+    try:
+        return importlib.metadata.version("ringllm")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def error_response(exc: OpenAIError) -> Response:
@@ -111,6 +122,15 @@ def build_app(
         body = await request.body()
         return await _cancel_on_disconnect(request, serving.create_chat_completion(body))
 
+    async def tokenize(request: Request) -> Response:
+        return serving.tokenize(await request.body())
+
+    async def detokenize(request: Request) -> Response:
+        return serving.detokenize(await request.body())
+
+    async def version(request: Request) -> Response:
+        return json_response(VersionResponse(ringllm_version()))
+
     async def engine_stats(request: Request) -> Response:
         stats = await engine.get_scheduler_stats()
         return json_response(msgspec.structs.asdict(stats))
@@ -142,6 +162,9 @@ def build_app(
         Route("/v1/models", openai_route(models), methods=["GET"]),
         Route("/v1/completions", openai_route(completions), methods=["POST"]),
         Route("/v1/chat/completions", openai_route(chat_completions), methods=["POST"]),
+        Route("/tokenize", openai_route(tokenize), methods=["POST"]),
+        Route("/detokenize", openai_route(detokenize), methods=["POST"]),
+        Route("/version", openai_route(version), methods=["GET"]),
         Route("/engine/stats", openai_route(engine_stats), methods=["GET"]),
         Route("/reset_prefix_cache", openai_route(reset_prefix_cache), methods=["POST"]),
     ]

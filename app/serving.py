@@ -1,11 +1,14 @@
-"""The OpenAI endpoints: /v1/completions, /v1/chat/completions and /v1/models.
+"""The OpenAI endpoints: /v1/completions, /v1/chat/completions and /v1/models,
+plus vLLM's /tokenize and /detokenize.
 
-A handler decodes and checks the request, builds the prompt's token ids,
-asks the InputProcessor for a validated EngineCoreRequest, then either
-collects the whole output or streams it as server-sent events. Everything
-that is wrong with a request is reported before generation starts, as an
-HTTP error; a failure during a stream becomes an ``error`` event (which
-OpenAI's clients raise as APIError) that ends the stream without [DONE].
+A handler decodes and checks the request, builds the prompts' token ids,
+asks the InputProcessor for one validated EngineCoreRequest per choice (n
+per prompt, app/choices.py), then either collects the whole outputs or
+streams them as server-sent events, each chunk carrying its choice's index.
+Everything that is wrong with a request is reported before generation
+starts, as an HTTP error; a failure during a stream becomes an ``error``
+event (which OpenAI's clients raise as APIError) that ends the stream
+without [DONE]. Logprobs take OpenAI's shapes in app/logprobs.py.
 
 The engine is an ``EngineClient`` (``AsyncLLM``): ``generate(request)`` is an
 async generator of RequestOutput deltas that aborts the request when it is
@@ -16,7 +19,6 @@ closed early. A client that hangs up is noticed by one watcher,
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -25,8 +27,10 @@ import msgspec
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from app.choices import Choice, collect_all, merged
 from app.errors import BadRequestError, InternalServerError, NotFoundError, OpenAIError
 from app.input_processor import InputProcessor
+from app.logprobs import Logprobs, TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs
 from app.output_processor import RequestOutput
 from app.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -36,17 +40,23 @@ from app.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
     UsageInfo,
     now,
     random_id,
 )
-from core.protocol import EngineCoreRequest, EngineDeadError, SchedulerStats
+from core.protocol import EngineCoreRequest, EngineDeadError, SamplingParams, SchedulerStats
 
 if TYPE_CHECKING:
     import torch
@@ -180,6 +190,7 @@ class OpenAIServing:
         # The server-wide --chat-template; a request's own chat_template wins.
         self.chat_template = chat_template if chat_template is not None else engine.chat_template
         self.created = now()
+        self.token_texts = TokenTexts(engine.input_processor.tokenizer)
 
     @property
     def input_processor(self) -> InputProcessor:
@@ -204,15 +215,9 @@ class OpenAIServing:
         request_id: str,
         prompt_ids: list[int],
         req: CompletionRequest | ChatCompletionRequest,
-        max_tokens: int | None,
+        params: SamplingParams,
         prompt_embeds: torch.Tensor | None = None,
-        extra_stop: Sequence[str] = (),
     ) -> EngineCoreRequest:
-        if max_tokens is None:
-            max_tokens = self.input_processor.default_max_tokens(len(prompt_ids))
-        params = req.sampling_params(max_tokens)
-        if extra_stop:
-            params.stop = params.stop + [s for s in extra_stop if s not in params.stop]
         try:
             return self.input_processor.process(
                 request_id, prompt_ids, params, req.priority, req.cache_salt, prompt_embeds
@@ -220,7 +225,67 @@ class OpenAIServing:
         except ValueError as exc:
             raise BadRequestError(str(exc), getattr(exc, "param", None)) from None
 
+    def _bad_words(self, req: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+        try:
+            return self.input_processor.bad_words_token_ids(req.bad_words or [])
+        except ValueError as exc:
+            raise BadRequestError(str(exc), "bad_words") from None
+
+    def _truncate(self, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]) -> list[int]:
+        """The last truncate_prompt_tokens tokens of the prompt (vLLM's left truncation)."""
+        keep = req.truncate_prompt_tokens
+        return prompt_ids if keep is None or len(prompt_ids) <= keep else prompt_ids[-keep:]
+
+    def _choices(
+        self,
+        request_id: str,
+        req: CompletionRequest | ChatCompletionRequest,
+        prompts: list[tuple[list[int], torch.Tensor | None, str]],
+        max_tokens: int | None,
+    ) -> list[Choice]:
+        """n engine requests per prompt; choice ``p * n + i`` is sample i of prompt p."""
+        bad_words = self._bad_words(req)
+        choices = []
+        for p, (prompt_ids, embeds, text) in enumerate(prompts):
+            num_prompt = len(prompt_ids) if embeds is None else int(embeds.shape[0])
+            tokens = max_tokens
+            if tokens is None:
+                tokens = self.input_processor.default_max_tokens(num_prompt)
+                if isinstance(req, CompletionRequest):  # OpenAI's default, shortened to what fits
+                    tokens = max(min(COMPLETION_DEFAULT_MAX_TOKENS, tokens), 1)
+            for i in range(req.n):
+                index = p * req.n + i
+                params = req.sampling_params(tokens, req.num_logprobs, req.num_prompt_logprobs, bad_words, i)
+                if isinstance(req, ChatCompletionRequest) and self.turn_stop(req):
+                    params.stop = params.stop + [s for s in self.turn_stop(req) if s not in params.stop]
+                engine_request = self._engine_request(f"{request_id}-{index}", prompt_ids, req, params, embeds)
+                choices.append(Choice(index, p, engine_request, text))
+        return choices
+
     # ------------------------------------------------------------- completions
+
+    def _completion_prompts(self, req: CompletionRequest) -> list[tuple[list[int], torch.Tensor | None, str]]:
+        """(token ids, embeddings, text for echo) of each prompt."""
+        tokenizer = self.input_processor.tokenizer
+        try:
+            if (embeds_list := req.prompt_embeds_list()) is not None:
+                return [([], self.input_processor.load_prompt_embeds(e), "") for e in embeds_list]
+        except ValueError as exc:
+            raise BadRequestError(str(exc), "prompt_embeds") from None
+        prompts = []
+        for prompt in req.prompts():
+            try:
+                ids = self.input_processor.tokenize_prompt(prompt, req.add_special_tokens)
+            except ValueError as exc:
+                raise BadRequestError(str(exc), "prompt") from None
+            truncated = self._truncate(req, ids)
+            text = ""
+            if req.echo:
+                text = prompt if isinstance(prompt, str) and truncated is ids else tokenizer.decode(
+                    truncated, skip_special_tokens=req.skip_special_tokens
+                )
+            prompts.append((truncated, None, text))
+        return prompts
 
     async def create_completion(self, body: bytes) -> Response:
         req: CompletionRequest = _decode(body, CompletionRequest)
@@ -228,57 +293,105 @@ class OpenAIServing:
         req.check_supported()
         self._check_alive()
         request_id = random_id("cmpl")
-        prompt_ids: list[int] = []
-        prompt_embeds = None
-        try:
-            if (embeds_b64 := req.single_prompt_embeds()) is not None:
-                prompt_embeds = self.input_processor.load_prompt_embeds(embeds_b64)
-            else:
-                prompt_ids = self.input_processor.tokenize_prompt(req.single_prompt())
-        except ValueError as exc:
-            param = "prompt" if prompt_embeds is None and req.prompt_embeds is None else "prompt_embeds"
-            raise BadRequestError(str(exc), param) from None
-        num_prompt = len(prompt_ids) if prompt_embeds is None else int(prompt_embeds.shape[0])
-        max_tokens = req.max_tokens
-        if max_tokens is None:  # OpenAI's default, shortened to what fits
-            room = self.input_processor.default_max_tokens(num_prompt)
-            max_tokens = max(min(COMPLETION_DEFAULT_MAX_TOKENS, room), 1)
-        engine_request = self._engine_request(request_id, prompt_ids, req, max_tokens, prompt_embeds)
+        echo_only = req.echo and req.max_tokens == 0  # the prompt alone: one token is run, and dropped
+        choices = self._choices(request_id, req, self._completion_prompts(req), 1 if echo_only else req.max_tokens)
         if req.stream:
-            return EventStreamResponse(self._stream_completion(engine_request, req.include_usage))
-        text, last = await self._collect(engine_request)
-        choice = CompletionChoice(
-            index=0, text=text, finish_reason=last.finish_reason, stop_reason=last.stop_reason
-        )
+            return EventStreamResponse(self._stream_completion(request_id, req, choices, echo_only))
+        outputs = await self._collect_all(choices)
+        response_choices = []
+        for choice, out in zip(choices, outputs):
+            text, logprobs = self._completion_delta(req, choice, out, echo_only)
+            response_choices.append(
+                CompletionChoice(
+                    index=choice.index,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason="length" if echo_only else out.finish_reason,
+                    stop_reason=None if echo_only else out.stop_reason,
+                    prompt_logprobs=self._prompt_logprobs(req, out),
+                )
+            )
         return json_response(
             CompletionResponse(
                 id=request_id,
                 created=now(),
                 model=self.served_model_name,
-                choices=[choice],
-                usage=_usage(last),
+                choices=response_choices,
+                usage=_usage(choices, outputs, echo_only),
             )
         )
 
+    def _completion_delta(
+        self, req: CompletionRequest, choice: Choice, out: RequestOutput, echo_only: bool
+    ) -> tuple[str, CompletionLogprobs | None]:
+        """Text and logprobs of a delta (or of a whole output), the echoed prompt
+        in front of the first one."""
+        text = "" if echo_only else out.text
+        entries = None if echo_only or out.logprobs is None else out.logprobs
+        first_prompt_token = None
+        if req.echo and not choice.started:
+            text = choice.prompt_text + text
+            prompt_ids = choice.request.prompt_token_ids
+            if req.logprobs is not None and prompt_ids:
+                first_prompt_token = prompt_ids[0]
+                prompt_entries = out.prompt_logprobs or Logprobs([], [], [])
+                if entries is not None:
+                    prompt_entries = Logprobs(
+                        prompt_entries.token_ids + entries.token_ids,
+                        prompt_entries.logprobs + entries.logprobs,
+                        prompt_entries.ranks + entries.ranks,
+                    )
+                entries = prompt_entries
+        choice.started = True
+        if req.logprobs is None:
+            return text, None
+        if entries is None and first_prompt_token is None:
+            entries = Logprobs([], [], [])
+        logprobs, choice.text_offset = completion_logprobs(
+            self.token_texts, entries or Logprobs([], [], []), req.logprobs, choice.text_offset,
+            first_prompt_token, req.return_tokens_as_token_ids,
+        )
+        return text, logprobs
+
+    def _prompt_logprobs(self, req: CompletionRequest | ChatCompletionRequest, out: RequestOutput) -> Any:
+        if req.prompt_logprobs is None:
+            return None
+        return prompt_logprobs(self.token_texts, out.prompt_logprobs)
+
     def _stream_completion(
-        self, request: EngineCoreRequest, include_usage: bool
+        self, request_id: str, req: CompletionRequest, choices: list[Choice], echo_only: bool
     ) -> AsyncGenerator[bytes, None]:
         created = now()
 
-        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
+        def chunk(choice_objects: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
             return sse_event(
                 CompletionResponse(
-                    id=request.request_id, created=created, model=self.served_model_name,
-                    choices=choices, usage=usage,
+                    id=request_id, created=created, model=self.served_model_name,
+                    choices=choice_objects, usage=usage,
                 )
             )
 
-        def choice(out: RequestOutput) -> CompletionChoice:
-            return CompletionChoice(0, out.text, None, out.finish_reason, out.stop_reason)
+        def delta(choice: Choice, out: RequestOutput) -> CompletionChoice | None:
+            first = not choice.started
+            text, logprobs = self._completion_delta(req, choice, out, echo_only)
+            prompt_lps = self._prompt_logprobs(req, out) if first else None
+            if not (text or out.finished or prompt_lps or (logprobs is not None and logprobs.tokens)):
+                return None
+            finish_reason = ("length" if echo_only else out.finish_reason) if out.finished else None
+            return CompletionChoice(
+                choice.index, text, logprobs, finish_reason, None if echo_only else out.stop_reason, prompt_lps
+            )
 
-        return self._stream_events(request, include_usage, chunk, choice)
+        return self._stream_events(req, choices, chunk, delta, echo_only=echo_only)
 
     # -------------------------------------------------------- chat completions
+
+    def turn_stop(self, req: ChatCompletionRequest) -> Sequence[str]:
+        """Stop strings that end a turn of the model's own template; like an
+        end-of-turn token, they do not apply under ignore_eos."""
+        if req.chat_template is None and self.chat_template is None and not req.ignore_eos:
+            return self.input_processor.chat_stop
+        return ()
 
     async def create_chat_completion(self, body: bytes) -> Response:
         req: ChatCompletionRequest = _decode(body, ChatCompletionRequest)
@@ -286,111 +399,137 @@ class OpenAIServing:
         req.check_supported()
         self._check_alive()
         request_id = random_id("chatcmpl")
-        messages = [m.to_template_dict() for m in req.messages]
-        template = req.chat_template if req.chat_template is not None else self.chat_template
-        try:
-            prompt_ids = self.input_processor.apply_chat_template(
-                messages, template, req.add_generation_prompt, **(req.chat_template_kwargs or {})
-            )
-        except ValueError as exc:
-            raise BadRequestError(str(exc), "messages") from None
-        # The model's own template may declare what ends a turn; like an
-        # end-of-turn token, that does not apply under ignore_eos.
-        turn_stop = self.input_processor.chat_stop if template is None and not req.ignore_eos else ()
-        engine_request = self._engine_request(
-            request_id, prompt_ids, req, req.requested_max_tokens, extra_stop=turn_stop
-        )
+        prompt_ids = self._truncate(req, self._render_chat(req))
+        choices = self._choices(request_id, req, [(prompt_ids, None, "")], req.requested_max_tokens)
         if req.stream:
-            return EventStreamResponse(self._stream_chat(engine_request, req.include_usage))
-        text, last = await self._collect(engine_request)
-        choice = ChatChoice(
-            index=0,
-            message=AssistantMessage(content=text),
-            finish_reason=last.finish_reason,
-            stop_reason=last.stop_reason,
-        )
+            return EventStreamResponse(self._stream_chat(request_id, req, choices))
+        outputs = await self._collect_all(choices)
+        response_choices = [
+            ChatChoice(
+                index=choice.index,
+                message=AssistantMessage(content=out.text),
+                logprobs=self._chat_logprobs(req, out),
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+            )
+            for choice, out in zip(choices, outputs)
+        ]
         return json_response(
             ChatCompletionResponse(
                 id=request_id,
                 created=now(),
                 model=self.served_model_name,
-                choices=[choice],
-                usage=_usage(last),
+                choices=response_choices,
+                usage=_usage(choices, outputs),
+                prompt_logprobs=self._prompt_logprobs(req, outputs[0]),
             )
         )
 
+    def _render_chat(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+        assert req.messages is not None
+        messages = [m.to_template_dict() for m in req.messages]
+        template = req.chat_template if req.chat_template is not None else self.chat_template
+        add_special = bool(req.add_special_tokens)
+        try:
+            return self.input_processor.apply_chat_template(
+                messages, template, req.add_generation_prompt, add_special, **(req.chat_template_kwargs or {})
+            )
+        except ValueError as exc:
+            raise BadRequestError(str(exc), "messages") from None
+
+    def _chat_logprobs(self, req: ChatCompletionRequest, out: RequestOutput) -> ChatLogprobs | None:
+        if not req.logprobs or out.logprobs is None:
+            return None
+        return chat_logprobs(self.token_texts, out.logprobs, req.top_logprobs or 0, req.return_tokens_as_token_ids)
+
     def _stream_chat(
-        self, request: EngineCoreRequest, include_usage: bool
+        self, request_id: str, req: ChatCompletionRequest, choices: list[Choice]
     ) -> AsyncGenerator[bytes, None]:
         created = now()
 
-        def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
+        def chunk(choice_objects: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
             return sse_event(
                 ChatCompletionChunk(
-                    id=request.request_id, created=created, model=self.served_model_name,
-                    choices=choices, usage=usage,
+                    id=request_id, created=created, model=self.served_model_name,
+                    choices=choice_objects, usage=usage,
                 )
             )
 
-        def choice(out: RequestOutput) -> ChatChunkChoice:
-            delta = DeltaMessage(content=out.text) if out.text else DeltaMessage()
-            return ChatChunkChoice(0, delta, None, out.finish_reason, out.stop_reason)
+        def delta(choice: Choice, out: RequestOutput) -> ChatChunkChoice | None:
+            logprobs = self._chat_logprobs(req, out)
+            if not (out.text or out.finished or (logprobs is not None and logprobs.content)):
+                return None
+            message = DeltaMessage(content=out.text) if out.text else DeltaMessage()
+            return ChatChunkChoice(choice.index, message, logprobs, out.finish_reason, out.stop_reason)
 
-        opening = chunk([ChatChunkChoice(0, DeltaMessage(role="assistant", content=""))])
-        return self._stream_events(request, include_usage, chunk, choice, opening)
+        openings = [chunk([ChatChunkChoice(c.index, DeltaMessage(role="assistant", content=""))]) for c in choices]
+        return self._stream_events(req, choices, chunk, delta, openings)
+
+    # ---------------------------------------------------------- tokenization
+
+    def tokenize(self, body: bytes) -> Response:
+        req: TokenizeRequest = _decode(body, TokenizeRequest)
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise BadRequestError("Give either prompt or messages.", "prompt")
+        if req.messages is not None:
+            ids = self._render_chat(req)
+        else:
+            assert req.prompt is not None
+            add_special = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = self.input_processor.tokenize_prompt(req.prompt, add_special)
+        strs = [self.token_texts.text_of(t) for t in ids] if req.return_token_strs else None
+        return json_response(TokenizeResponse(len(ids), self.max_model_len, ids, strs))
+
+    def detokenize(self, body: bytes) -> Response:
+        req: DetokenizeRequest = _decode(body, DetokenizeRequest)
+        self._check_model(req.model)
+        vocab = self.input_processor.limits.vocab_size
+        for token_id in req.tokens:
+            if not 0 <= token_id < vocab:
+                raise BadRequestError(f"Token id {token_id} is out of vocabulary (size {vocab}).", "tokens")
+        return json_response(DetokenizeResponse(self.input_processor.tokenizer.decode(req.tokens)))
 
     # ----------------------------------------------------------------- engine
 
     async def _stream_events(
         self,
-        request: EngineCoreRequest,
-        include_usage: bool,
+        req: CompletionRequest | ChatCompletionRequest,
+        choices: list[Choice],
         chunk: Callable[..., bytes],
-        choice: Callable[[RequestOutput], Any],
-        opening: bytes | None = None,
+        delta: Callable[[Choice, RequestOutput], Any],
+        openings: Sequence[bytes] = (),
+        echo_only: bool = False,
     ) -> AsyncGenerator[bytes, None]:
-        """The SSE body of one request: ``opening`` if any, a chunk per delta with
-        text (or the finish), usage if asked for, then ``[DONE]``. A failure after
+        """The SSE body of one API request: ``openings``, a chunk per delta of any
+        choice that has something to say (``delta``), usage if asked for (in every
+        chunk too with ``continuous_usage_stats``), then ``[DONE]``. A failure after
         the response has started becomes an error event in OpenAI's format."""
+        continuous = req.include_usage and req.continuous_usage
         try:
-            if opening is not None:
+            for opening in openings:
                 yield opening
-            last = None
-            async with self._outputs(request) as outputs:
-                async for out in outputs:
-                    _check_output(out)
-                    last = out
-                    if out.text or out.finished:
-                        yield chunk([choice(out)])
-            if include_usage and last is not None:
-                yield chunk([], _usage(last))
+            async for choice, out in merged(self.engine.generate, choices):
+                _check_output(out)
+                choice.last = out
+                update = delta(choice, out)
+                if update is not None:
+                    usage = _choice_usage(choice, out, echo_only) if continuous else None
+                    yield chunk([update], usage)
+            if req.include_usage:
+                yield chunk([], _usage(choices, [c.last for c in choices], echo_only))
             yield DONE_EVENT
         except Exception as exc:  # noqa: BLE001 - reported to the client as an event
             yield sse_event(as_openai_error(exc).to_response())
 
-    def _outputs(self, request: EngineCoreRequest) -> contextlib.aclosing:
-        """The request's output deltas, to iterate in ``async with``.
-
-        Closing the engine's generator early is what aborts the request in the
-        engine; ``aclosing`` makes sure that happens even when our consumer is
-        itself closed at a ``yield`` (client gone) rather than by an exception.
-        """
-        return contextlib.aclosing(self.engine.generate(request))
-
-    async def _collect(self, request: EngineCoreRequest) -> tuple[str, RequestOutput]:
-        parts: list[str] = []
-        last: RequestOutput | None = None
+    async def _collect_all(self, choices: list[Choice]) -> list[RequestOutput]:
         try:
-            async with self._outputs(request) as outputs:
-                async for out in outputs:
-                    _check_output(out)
-                    parts.append(out.text)
-                    last = out
+            outputs = await collect_all(self.engine.generate, choices)
         except Exception as exc:
             raise as_openai_error(exc) from exc
-        if last is None:
-            raise InternalServerError("The engine finished the request without any output.")
-        return "".join(parts), last
+        for out in outputs:
+            _check_output(out)
+        return outputs
 
 
 def _check_output(out: RequestOutput) -> None:
@@ -398,5 +537,22 @@ def _check_output(out: RequestOutput) -> None:
         raise InternalServerError("The engine failed while generating this request.")
 
 
-def _usage(out: RequestOutput) -> UsageInfo:
-    return UsageInfo.of(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+def _choice_usage(choice: Choice, out: RequestOutput, echo_only: bool = False) -> UsageInfo:
+    """Usage so far of one choice (continuous_usage_stats, as vLLM reports it)."""
+    completion = 0 if echo_only else out.num_output_tokens
+    return UsageInfo.of(choice.request.num_prompt_tokens, completion, out.num_cached_tokens)
+
+
+def _usage(choices: list[Choice], outputs: Sequence[RequestOutput | None], echo_only: bool = False) -> UsageInfo:
+    """Usage of a whole response: each prompt counted once (with its first
+    choice's cached tokens), the completion tokens of every choice."""
+    prompt = cached = completion = 0
+    seen: set[int] = set()
+    for choice, out in zip(choices, outputs):
+        if choice.prompt_index not in seen:
+            seen.add(choice.prompt_index)
+            prompt += choice.request.num_prompt_tokens
+            cached += out.num_cached_tokens if out is not None else 0
+        if out is not None and not echo_only:
+            completion += out.num_output_tokens
+    return UsageInfo.of(prompt, completion, cached)

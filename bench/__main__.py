@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "throughput": "bench.throughput",
     "ipc": "bench.ipc",
     "sched": "bench.sched",
+    "sampling": "bench.sampling",
     "gpu": "bench.gpu",
     "startup": "bench.startup",
     "compare": "bench.compare",

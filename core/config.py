@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 
 DEFAULT_KV_CACHE_MEMORY = 256 * 1024 * 1024  # bytes of CPU memory for the KV cache
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -43,6 +44,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Schedule step N+1 while step N runs on the executor's worker thread.
     async_scheduling: bool = False
     engine_drain_timeout: float = 5.0  # seconds the engine drains on SIGTERM
+    # What logprobs describe: the model's raw logits (vLLM's default) or the
+    # distribution actually sampled from (after penalties, temperature, cuts).
+    logprobs_mode: str = "raw_logprobs"  # raw_logprobs | processed_logprobs
     hf_config: dict[str, Any] | None = None  # the checkpoint's config.json, set by resolve()
 
     @property
@@ -69,6 +73,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             )
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         return msgspec.structs.replace(

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import numpy as np
 
 if TYPE_CHECKING:
     import torch
@@ -73,14 +74,24 @@ class FinishReason(enum.IntEnum):
 FINISH_REASON_STRINGS = ("stop", "length", "abort", "error")
 
 
+# The most alternatives a request may ask for per token (``logprobs``,
+# ``prompt_logprobs``, chat's ``top_logprobs``), as vLLM's --max-logprobs default.
+MAX_LOGPROBS = 20
+# OpenAI's range for a logit_bias value.
+MAX_LOGIT_BIAS = 100.0
+
+
 class SamplingParams(
     msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True
 ):
-    """Per-request decoding parameters.
+    """Per-request decoding parameters, with vLLM's meaning.
 
     The engine uses the token-level fields; ``stop`` (strings) and
     ``include_stop_str_in_output`` are applied by the frontend's detokenizer,
     which aborts the request in the engine once a stop string is seen.
+    ``bad_words_token_ids`` are the frontend's tokenizations of the request's
+    ``bad_words``. Fields are appended at the end: the wire format is
+    positional.
     """
 
     max_tokens: int = 16
@@ -94,10 +105,24 @@ class SamplingParams(
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] = []
+    # Alternatives per generated / prompt token; None: no logprobs at all.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def validate(self) -> None:
         """Raise ValueError with an OpenAI-style message for bad values."""
@@ -117,6 +142,36 @@ class SamplingParams(
             raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}.")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}."
+                )
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty.")
+        if any(not word for word in self.bad_words_token_ids):
+            raise ValueError("bad_words must not be empty.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.")
+
+    def token_ids_to_check(self) -> dict[str, list[int]]:
+        """Every token id this request names, by the parameter that names it."""
+        return {
+            "stop_token_ids": self.stop_token_ids,
+            "logit_bias": list(self.logit_bias or ()),
+            "allowed_token_ids": self.allowed_token_ids or [],
+            "bad_words": [t for word in self.bad_words_token_ids for t in word],
+        }
 
 
 class EngineCoreRequest(
@@ -163,10 +218,42 @@ class EngineCoreEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
         return cls(event_type, time.monotonic())
 
 
+class LogprobsArrays(msgspec.Struct, array_like=True, gc=False):
+    """Log probabilities of N tokens, each with its top-k alternatives.
+
+    Row i describes one token: column 0 of ``token_ids``/``logprobs`` is the
+    token itself (the sampled one, or the prompt token), columns 1..k the k
+    most likely tokens at that position; ``ranks[i]`` is the token's rank
+    among all (1 = most likely). numpy arrays, so they cross the transport
+    in its tensor tiers (inline when small, the shared pool when large) and
+    the frontend reads them without torch.
+    """
+
+    token_ids: np.ndarray  # [N, k + 1] int32
+    logprobs: np.ndarray  # [N, k + 1] float32
+    ranks: np.ndarray  # [N] int32
+
+    def __len__(self) -> int:
+        return int(self.ranks.shape[0])
+
+    def take(self, rows: list[int]) -> LogprobsArrays:
+        """These rows, in this order (the arrays themselves when that is all of them)."""
+        if rows == list(range(len(self))):
+            return self
+        return LogprobsArrays(self.token_ids[rows], self.logprobs[rows], self.ranks[rows])
+
+
 class EngineCoreOutput(
     msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True
 ):
-    """New tokens of one request produced by one engine step."""
+    """New tokens of one request produced by one engine step.
+
+    When the request asked for logprobs, rows ``logprobs_start ..`` of the
+    enclosing ``EngineCoreOutputs.logprobs`` describe ``new_token_ids``, one
+    row per token: the logprobs of a whole step travel as three arrays, not
+    three per request. ``new_prompt_logprobs`` comes once, with the first
+    token: one row per prompt token after the first (which has none).
+    """
 
     request_id: str
     new_token_ids: list[int]
@@ -174,6 +261,8 @@ class EngineCoreOutput(
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     events: list[EngineCoreEvent] | None = None
+    logprobs_start: int = -1
+    new_prompt_logprobs: LogprobsArrays | None = None
 
     @property
     def finished(self) -> bool:
@@ -211,13 +300,19 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 class EngineCoreOutputs(
     msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True
 ):
-    """Everything one engine step has for one client."""
+    """Everything one engine step has for one client.
+
+    ``logprobs`` holds the sampled tokens' logprobs of the outputs that asked
+    (see ``EngineCoreOutput.logprobs_start``), with as many alternatives as
+    the most any of them asked for; each request reads its own first k.
+    """
 
     engine_index: int = 0
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
     utility_output: UtilityOutput | None = None
+    logprobs: LogprobsArrays | None = None
 
 
 # The utility methods a client may call, and the type each one's result is

@@ -91,7 +91,24 @@ def validate_request(request: EngineCoreRequest, limits: ModelLimits) -> None:
             f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the prompt, {params.max_tokens} "
             "in the completion). Please reduce the length of the prompt or of the completion."
         )
-    params.validate()
-    for token_id in params.stop_token_ids:
-        if not 0 <= token_id < limits.vocab_size:
-            raise InvalidRequestError(f"Stop token id {token_id} is out of vocabulary.", "stop_token_ids")
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), _param_named_in(str(exc))) from None
+    for param, token_ids in params.token_ids_to_check().items():
+        for token_id in token_ids:
+            if not 0 <= token_id < limits.vocab_size:
+                raise InvalidRequestError(
+                    f"Token id {token_id} in {param} is out of vocabulary (size {limits.vocab_size}).", param
+                )
+    if params.prompt_logprobs is not None and embeds is not None:
+        raise InvalidRequestError(
+            "prompt_logprobs are not available for a prompt given as embeddings: it has no token ids.",
+            "prompt_logprobs",
+        )
+
+
+def _param_named_in(message: str) -> str | None:
+    """The parameter a SamplingParams.validate message is about (its first word)."""
+    first = message.split(" ", 1)[0]
+    return first if first.isidentifier() and first.islower() else None

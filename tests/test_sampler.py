@@ -3,20 +3,19 @@ temperature, top-k and top-p leave (checked on many rows with a fixed seed)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
 from core.protocol import SamplingParams
-from core.worker.sampler import Sampler, SamplingMetadata, apply_top_k_top_p
+from core.worker.sampler import Sampler, apply_top_k_top_p
+from core.worker.sampling_batch import sampling_metadata
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 ROWS = 20000
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators=None) -> torch.Tensor:
-    return Sampler()(logits, SamplingMetadata.from_params(params, generators))
+    return Sampler()(logits, sampling_metadata(params, logits.shape[-1], generators)).token_ids
 
 
 def frequencies(params: SamplingParams, seed: int = 0) -> torch.Tensor:
@@ -70,16 +69,14 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent():
     assert len(set(first)) > 5  # it did sample, not collapse to one token
 
 
-def test_metadata_from_rows_carries_generators():
-    @dataclass
-    class Row:
-        params: SamplingParams
-        generator: torch.Generator | None
-
-    rows = [Row(SamplingParams(temperature=1.0, seed=5), torch.Generator().manual_seed(5)), Row(SamplingParams(), None)]
-    meta = SamplingMetadata.from_rows(rows)
-    assert meta.generators[0] is rows[0].generator and meta.generators[1] is None
+def test_metadata_carries_generators_and_skips_unused_stages():
+    gen = torch.Generator().manual_seed(5)
+    meta = sampling_metadata([SamplingParams(temperature=1.0, seed=5), SamplingParams()], 16, [gen, None])
+    assert meta.generators[0] is gen and meta.generators[1] is None
     assert not meta.all_greedy and meta.no_top_k and meta.no_top_p
+    # Plain rows: no optional stage is built, so they cost nothing.
+    assert meta.min_p is None and meta.bias is None and meta.banned is None and meta.penalties is None
+    assert meta.logprob_rows is None and not meta.modifies_logits
 
 
 def test_plain_sampling_follows_softmax():

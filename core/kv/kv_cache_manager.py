@@ -75,8 +75,10 @@ class KVCacheManager:
         partly rewritten). Nothing is reference counted yet; pass the blocks
         to ``allocate_slots``.
         """
-        if not self.enable_caching:
-            return [], 0
+        if not self.enable_caching or (
+            request.sampling_params.prompt_logprobs is not None and not request.output_token_ids
+        ):
+            return [], 0  # prompt logprobs (not delivered yet) need the logits of every prompt position
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         lookup = self.block_pool.cached_block_hash_to_block.get
         hits: list[KVCacheBlock] = []

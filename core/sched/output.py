@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.protocol import SamplingParams
+from core.protocol import LogprobsArrays, SamplingParams
 
 
 @dataclass
@@ -31,6 +31,11 @@ class NewRequestData:
     # The prompt as embeddings [num_prompt_tokens, hidden] (token_ids then
     # start with that many placeholders).
     prompt_embeds: torch.Tensor | None = None
+    # token_ids[:num_prompt_tokens] is the prompt (None: all of token_ids).
+    # Penalties and prompt logprobs tell prompt from output by it; min_tokens
+    # holds back eos_token_id.
+    num_prompt_tokens: int | None = None
+    eos_token_id: int | None = None
 
 
 @dataclass
@@ -65,12 +70,19 @@ class ModelRunnerOutput:
     """Sampled tokens per scheduled request, in the order of ``req_ids``.
 
     A request whose prefill chunk did not reach the end of its known tokens
-    gets an empty list: nothing was sampled for it.
+    gets an empty list: nothing was sampled for it. ``logprobs`` holds the
+    sampled tokens' logprobs of the requests that asked, a row each:
+    ``logprobs_rows`` (index-aligned with ``req_ids``) gives the row, or -1.
+    ``prompt_logprobs`` (by request id) comes in the step that samples the
+    request's first token.
     """
 
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
+    logprobs: LogprobsArrays | None = None
+    logprobs_rows: list[int] | None = None
+    prompt_logprobs: dict[str, LogprobsArrays] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -180,6 +180,8 @@ class Scheduler:
                     block_ids=kv.get_block_ids(r.request_id),
                     num_computed_tokens=r.num_computed_tokens,
                     prompt_embeds=r.prompt_embeds,
+                    num_prompt_tokens=r.num_prompt_tokens,
+                    eos_token_id=r.eos_token_id,
                 )
                 for r in plan.new
             ],
@@ -337,6 +339,9 @@ class Scheduler:
         per_client: dict[int, list[EngineCoreOutput]] = {}
         index_of = model_runner_output.req_id_to_index
         sampled = model_runner_output.sampled_token_ids
+        logprobs_rows = model_runner_output.logprobs_rows
+        prompt_logprobs = model_runner_output.prompt_logprobs
+        client_rows: dict[int, list[int]] = {}  # rows of the runner's logprobs, per client
         requests = self.requests
         step_id = scheduler_output.step_id
         stopped: set[str] = set()
@@ -364,6 +369,12 @@ class Scheduler:
                 num_cached_tokens=request.num_cached_tokens,
                 events=request.take_events(),
             )
+            if logprobs_rows is not None and logprobs_rows[i] >= 0:
+                rows = client_rows.setdefault(request.client_index, [])
+                out.logprobs_start = len(rows)
+                rows.append(logprobs_rows[i])
+            if prompt_logprobs is not None:
+                out.new_prompt_logprobs = prompt_logprobs.get(req_id)
             client_outputs = per_client.get(request.client_index)
             if client_outputs is None:
                 per_client[request.client_index] = [out]
@@ -376,10 +387,15 @@ class Scheduler:
         now = time.monotonic()
         if not per_client:
             per_client[0] = []  # the stats go out even when no request produced a token
-        return {
+        outputs = {
             client: EngineCoreOutputs(outputs=outs, scheduler_stats=stats, timestamp=now)
             for client, outs in per_client.items()
         }
+        if client_rows:
+            assert model_runner_output.logprobs is not None
+            for client, rows in client_rows.items():
+                outputs[client].logprobs = model_runner_output.logprobs.take(rows)
+        return outputs
 
     def _check_stop(self, request: Request) -> bool:
         """Set a finished status (and stop_reason) if the last token ends the request."""

@@ -30,11 +30,13 @@ switch it on to exercise the same bookkeeping without a GPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from core.protocol import LogprobsArrays
 from core.sched.output import ModelRunnerOutput
 
 # What the persistent batch holds at a position whose token is still on the device.
@@ -69,24 +71,43 @@ class SampledTokens:
         return self._list
 
 
+# () -> (logprobs, logprobs_rows, prompt_logprobs), as in ModelRunnerOutput.
+LogprobsExtras = Callable[
+    [], tuple[LogprobsArrays | None, list[int] | None, dict[str, LogprobsArrays] | None]
+]
+
+
 class AsyncModelRunnerOutput:
-    """A ModelRunnerOutput whose sampled ids may still be on their way to the host."""
+    """A ModelRunnerOutput whose sampled ids may still be on their way to the host.
+
+    ``extras``, when some request asked for logprobs, brings them to the host
+    (logprobs, prompt logprobs) at the same moment as the ids.
+    """
 
     def __init__(
-        self, req_ids: list[str], sampled_positions: list[int], tokens: SampledTokens
+        self,
+        req_ids: list[str],
+        sampled_positions: list[int],
+        tokens: SampledTokens,
+        extras: LogprobsExtras | None = None,
     ) -> None:
         self.req_ids = req_ids
         self._sampled_positions = sampled_positions  # index into req_ids of each sampled token
         self._tokens = tokens
+        self._extras = extras
 
     def get_output(self) -> ModelRunnerOutput:
         sampled: list[list[int]] = [[] for _ in self.req_ids]
         for i, token_id in zip(self._sampled_positions, self._tokens.tolist()):
             sampled[i] = [token_id]
+        logprobs, rows, prompt_logprobs = self._extras() if self._extras is not None else (None, None, None)
         return ModelRunnerOutput(
             req_ids=self.req_ids,
             req_id_to_index={r: i for i, r in enumerate(self.req_ids)},
             sampled_token_ids=sampled,
+            logprobs=logprobs,
+            logprobs_rows=rows,
+            prompt_logprobs=prompt_logprobs,
         )
 
 

@@ -9,26 +9,23 @@ row into the hole so rows stay dense.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from core.protocol import SamplingParams
 from core.sched.output import NewRequestData
-
-
-@dataclass
-class RowSampling:
-    """Sampling state of one row; the generator is seeded once per request and
-    survives preemption (see ``InputBatch.park_request``)."""
-
-    params: SamplingParams
-    generator: torch.Generator | None
+from core.worker.sampling_batch import SamplingBatch
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_blocks_per_req: int,
+        vocab_size: int,
+        device: torch.device | None = None,
+        processed_logprobs: bool = False,
+    ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.req_ids: list[str] = []
@@ -38,7 +35,9 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
-        self.sampling: list[RowSampling] = []
+        # Sampling parameters and history per row; generators are seeded once
+        # per request and survive preemption (see ``park_request``).
+        self.sampling = SamplingBatch(max_num_reqs, vocab_size, device or torch.device("cpu"), processed_logprobs)
         # Prompts given as embeddings (None for token prompts), on the model's device.
         self.prompt_embeds: list[torch.Tensor | None] = []
         # Seeded generators of preempted requests, until they resume or finish.
@@ -67,7 +66,10 @@ class InputBatch:
             gen = torch.Generator().manual_seed(params.seed)
         self.req_ids.append(new.req_id)
         self.req_id_to_index[new.req_id] = row
-        self.sampling.append(RowSampling(params, gen))
+        num_prompt = n if new.num_prompt_tokens is None else new.num_prompt_tokens
+        self.sampling.add(
+            row, params, new.token_ids, num_prompt, new.eos_token_id, gen, new.prompt_embeds is not None
+        )
         self.prompt_embeds.append(new.prompt_embeds)
 
     def park_request(self, req_id: str) -> None:
@@ -76,7 +78,7 @@ class InputBatch:
         replaying it from the seed (a seeded request gives the same tokens
         whether or not it was preempted)."""
         row = self.req_id_to_index.get(req_id)
-        generator = None if row is None else self.sampling[row].generator
+        generator = None if row is None else self.sampling.generators[row]
         self._drop_row(req_id)
         if generator is not None:
             self.parked_generators[req_id] = generator
@@ -91,11 +93,12 @@ class InputBatch:
         if row is None:
             return
         last = self.num_reqs - 1
+        self.sampling.remove(row)
         if row != last:
             moved = self.req_ids[last]
             self.req_ids[row] = moved
             self.req_id_to_index[moved] = row
-            self.sampling[row] = self.sampling[last]
+            self.sampling.move(last, row)
             self.prompt_embeds[row] = self.prompt_embeds[last]
             n = self.num_tokens[last]
             self.token_ids[row, :n] = self.token_ids[last, :n]
@@ -105,7 +108,6 @@ class InputBatch:
             self.block_table[row, :nb] = self.block_table[last, :nb]
             self.num_blocks[row] = nb
         self.req_ids.pop()
-        self.sampling.pop()
         self.prompt_embeds.pop()
 
     def append_blocks(self, req_id: str, block_ids: list[int]) -> None:

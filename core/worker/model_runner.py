@@ -34,7 +34,7 @@ import torch
 
 from core.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from core.models.loader import kv_block_shape, kv_cache_bytes_per_block, load_model, resolve_dtype
-from core.protocol import SamplingParams
+from core.protocol import LogprobsArrays, SamplingParams
 from core.sched.output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     ModelRunnerOutput,
@@ -50,7 +50,9 @@ from core.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
 from core.worker.gpu_memory import gpu_kv_cache_budget
 from core.worker.input_batch import InputBatch
 from core.worker.input_buffers import InputBuffers
-from core.worker.sampler import Sampler, SamplingMetadata
+from core.worker import logprobs as lp
+from core.worker.sampler import Sampler, SamplerOutput
+from core.worker.sampling_batch import sampling_metadata
 from kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger("ringllm.runner")
@@ -102,7 +104,12 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
         self.max_blocks_per_req = math.ceil(self.max_model_len / self.block_size)
-        self.input_batch = InputBatch(config.max_num_seqs, self.max_model_len, self.max_blocks_per_req)
+        self.input_batch = InputBatch(
+            config.max_num_seqs, self.max_model_len, self.max_blocks_per_req, self.hf_config["vocab_size"],
+            self.device, processed_logprobs=config.logprobs_mode == "processed_logprobs",
+        )
+        # Prompt logprobs of requests still in their prefill, one part per chunk.
+        self.prompt_logprob_parts: dict[str, list[LogprobsArrays]] = {}
         self.buffers = InputBuffers(
             max(config.max_num_batched_tokens, config.max_num_seqs),
             config.max_num_seqs,
@@ -198,7 +205,7 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, caches, meta)
         logits = self.model.compute_logits(hidden[logits_indices])
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
-        self.sampler(logits, SamplingMetadata.from_params([params] * num_reqs))
+        self.sampler(logits, sampling_metadata([params] * num_reqs, logits.shape[-1]))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = (num_blocks, *self._kv_shape())
@@ -242,18 +249,22 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
         deferred = self.deferred
+        parts = self.prompt_logprob_parts
         for req_id in so.finished_req_ids:
             batch.remove_request(req_id)
             deferred.discard(req_id)
+            parts.pop(req_id, None)
         for req_id in so.preempted_req_ids:
             batch.park_request(req_id)
             deferred.discard(req_id)
+            parts.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             if new.prompt_embeds is not None:
                 embeds = new.prompt_embeds.to(self.device, self.dtype)
                 new = dataclasses.replace(new, prompt_embeds=embeds)
             batch.add_request(new)
             deferred.discard(new.req_id)
+            parts.pop(new.req_id, None)
         cached = so.scheduled_cached_reqs
         for req_id, blocks, computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
@@ -280,6 +291,8 @@ class ModelRunner:
                 step.input_ids, step.positions, self.kv_caches, step.meta, inputs_embeds=step.inputs_embeds
             )
         batch = self.input_batch
+        if batch.sampling.num_rows_with["prompt_logprobs"]:
+            self._prompt_logprobs(step, hidden)
         batch.num_computed_tokens[step.rows] = step.seq_lens
         if step.logits_indices is None:
             return ModelRunnerOutput(
@@ -289,7 +302,7 @@ class ModelRunner:
             )
         logits = self.model.compute_logits(hidden[step.logits_indices])
         sample_rows = step.rows[step.sample]
-        metadata = SamplingMetadata.from_rows([batch.sampling[r] for r in sample_rows])
+        metadata = batch.sampling.metadata(sample_rows, batch.num_tokens, batch.token_ids)
         return self._sampled_output(step, sample_rows, self.sampler(logits, metadata))
 
     def _decode_forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
@@ -298,32 +311,117 @@ class ModelRunner:
         return self.model(b.input_ids.device[:size], b.positions.device[:size], self.kv_caches, meta)
 
     def _sampled_output(
-        self, step: _StepInputs, sample_rows: np.ndarray, token_ids: torch.Tensor
+        self, step: _StepInputs, sample_rows: np.ndarray, out: SamplerOutput
     ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
-        """Append the sampled tokens to the persistent batch and report them.
+        """Append the sampled tokens to the persistent batch and report them,
+        with the logprobs their requests asked for.
 
         With deferred tokens the batch gets placeholders and the output is
-        materialised later (core/worker/async_output.py); otherwise the ids
-        are read now.
+        materialised later (core/worker/async_output.py), except for rows
+        whose sampling reads their own history on the host (multi-token bad
+        words), which wait for their ids; otherwise the ids are read now.
         """
         batch = self.input_batch
+        sampling = batch.sampling
         req_ids = step.req_ids
+        token_ids = out.token_ids
+        sampling.record_sampled(sample_rows, token_ids)
+        prompt_logprobs = self._finished_prompt_logprobs(step, sample_rows)
+
+        def logprobs() -> tuple[LogprobsArrays | None, list[int] | None]:
+            if out.logprobs is None:
+                return None, None
+            return LogprobsArrays(*out.logprobs.to_numpy()), self._logprobs_rows(step, sample_rows)
+
         if not self.defer_sampled_tokens:
             sampled: list[list[int]] = [[] for _ in req_ids]
             for i, row, tok in zip(step.sample.tolist(), sample_rows.tolist(), token_ids.tolist()):
                 batch.append_token(row, tok)
                 sampled[i] = [tok]
+            arrays, rows = logprobs()
             return ModelRunnerOutput(
                 req_ids=req_ids,
                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
                 sampled_token_ids=sampled,
+                logprobs=arrays,
+                logprobs_rows=rows,
+                prompt_logprobs=prompt_logprobs,
             )
         tokens = SampledTokens(token_ids, self._copy_stream)
+        on_host = sampling.num_rows_with["bad_words"] > 0
         for k, (i, row) in enumerate(zip(step.sample.tolist(), sample_rows.tolist())):
+            if on_host and sampling.needs_host_tokens(row):
+                batch.append_token(row, tokens.tolist()[k])
+                continue
             position = int(batch.num_tokens[row])
             if batch.append_token(row, PLACEHOLDER_TOKEN_ID):
                 self.deferred.add(req_ids[i], tokens, k, position)
-        return AsyncModelRunnerOutput(req_ids, step.sample.tolist(), tokens)
+        extras = None
+        if out.logprobs is not None or prompt_logprobs is not None:
+            extras = lambda: (*logprobs(), prompt_logprobs)  # noqa: E731 - read on the engine thread
+        return AsyncModelRunnerOutput(req_ids, step.sample.tolist(), tokens, extras)
+
+    def _logprobs_rows(self, step: _StepInputs, sample_rows: np.ndarray) -> list[int]:
+        """Row of the sampler's logprobs of each scheduled request (-1: it asked for none)."""
+        rows = [-1] * len(step.req_ids)
+        asked = np.flatnonzero(self.input_batch.sampling.num_logprobs[sample_rows] >= 0)
+        for j, i in enumerate(step.sample[asked].tolist()):
+            rows[i] = j
+        return rows
+
+    def _prompt_logprobs(self, step: _StepInputs, hidden: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens this step's chunks predict, kept per request
+        until the step that samples its first token.
+
+        The hidden state at position p predicts token p + 1, so a chunk over
+        positions [c, c + n) yields the entries of prompt tokens c + 1 .. c + n
+        that exist. These are extra logits rows, for these requests only.
+        """
+        batch = self.input_batch
+        owed = batch.sampling.prompt_logprobs
+        rows = step.rows
+        computed = batch.num_computed_tokens[rows]
+        counts = step.seq_lens - computed
+        starts = np.cumsum(counts) - counts
+        num_prompt = batch.sampling.num_prompt_tokens[rows]
+        picked = []  # (request index, flat start, first prompt position, count)
+        for i in np.flatnonzero(owed[rows] >= 0).tolist():
+            n = int(min(computed[i] + counts[i], num_prompt[i] - 1) - computed[i])
+            if n > 0:
+                picked.append((i, int(starts[i]), int(computed[i]), n))
+        if not picked:
+            return
+        positions = np.concatenate([np.arange(start, start + n) for _, start, _, n in picked])
+        targets = np.concatenate([batch.token_ids[rows[i], first + 1 : first + 1 + n] for i, _, first, n in picked])
+        k = int(max(owed[rows[i]] for i, *_ in picked))
+        arrays = lp.prompt_logprobs(
+            self.model.compute_logits,
+            hidden,
+            torch.from_numpy(positions).to(self.device),
+            torch.from_numpy(targets).to(self.device),
+            k,
+        )
+        offset = 0
+        for i, _, _, n in picked:
+            part = lp.split_rows(arrays, int(owed[rows[i]]), offset, offset + n)
+            self.prompt_logprob_parts.setdefault(step.req_ids[i], []).append(part)
+            offset += n
+
+    def _finished_prompt_logprobs(
+        self, step: _StepInputs, sample_rows: np.ndarray
+    ) -> dict[str, LogprobsArrays] | None:
+        """Whole prompt logprobs of the requests that sample their first token now."""
+        sampling = self.input_batch.sampling
+        if not sampling.num_rows_with["prompt_logprobs"]:
+            return None
+        done: dict[str, LogprobsArrays] = {}
+        for position, row in enumerate(sample_rows.tolist()):
+            k = int(sampling.prompt_logprobs[row])
+            if k >= 0:
+                req_id = step.req_ids[int(step.sample[position])]
+                done[req_id] = lp.concat(self.prompt_logprob_parts.pop(req_id, []), k)
+                sampling.prompt_logprobs_delivered(row)
+        return done or None
 
     def _prepare_inputs(self, so: SchedulerOutput) -> _StepInputs:
         """Stage this step's inputs in the host buffers and send them to the device."""

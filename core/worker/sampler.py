@@ -1,98 +1,139 @@
-"""Token sampling for a batch of rows with per-row parameters.
+"""Token sampling for a batch of rows with per-row parameters, in vLLM V1's order.
 
-Greedy rows take the argmax. Other rows are scaled by temperature, cut to
-their top-k and top-p (nucleus), and sampled with the "exponential race"
-(argmax of p / E with E ~ Exp(1)), which draws exactly from p and lets each
-seeded row draw its noise from its own generator while the unseeded rows
-share one batched draw from torch's global generator.
+1. logprobs of the raw logits, for the rows that asked (``raw_logprobs`` mode);
+2. logit bias, allowed token ids and banned tokens (bad words, and stop
+   tokens before ``min_tokens``), as one additive bias row per request plus
+   a list of (row, token) cells set to -inf;
+3. penalties: repetition (prompt and output tokens; positive logits divided,
+   negative ones multiplied, as Hugging Face defines it), then frequency and
+   presence (output tokens; OpenAI's definition);
+4. greedy rows take the argmax here;
+5. the others are divided by their temperature, cut by min_p (tokens less
+   likely than min_p times the most likely one), top-k and top-p, and sampled
+   with the "exponential race" (argmax of p / E with E ~ Exp(1)), which draws
+   exactly from p and lets each seeded row draw its noise from its own
+   generator while unseeded rows share one batched draw;
+6. logprobs of the final distribution, for ``processed_logprobs`` mode.
+
+Every optional stage is skipped when no row of the batch uses it, so a batch
+of plain requests costs what it did before these existed. A row's result
+depends only on its own parameters and history, never on its neighbours.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from core.protocol import SamplingParams
+from core.worker.logprobs import LogprobsTensors, gather_logprobs
 
 _GREEDY_EPS = 1e-5
+NO_TOP_K = 2**62
 
 
-class RowState(Protocol):
-    """What the sampler needs from a request's row in the persistent batch."""
+@dataclass
+class Penalties:
+    """The penalised rows' parameters and token history, gathered for one step."""
 
-    params: SamplingParams
-    generator: torch.Generator | None
+    rows: torch.Tensor  # [M] logits rows
+    presence: torch.Tensor  # [M, 1] float32
+    frequency: torch.Tensor  # [M, 1] float32
+    repetition: torch.Tensor  # [M, 1] float32
+    output_counts: torch.Tensor  # [M, V] float32: times each token was generated
+    prompt_mask: torch.Tensor  # [M, V] bool: tokens in the prompt
 
 
 @dataclass
 class SamplingMetadata:
-    """Per-row parameters as tensors, plus flags that let common batches skip work."""
+    """One step's per-row parameters as tensors on the logits' device (built by
+    ``core.worker.sampling_batch``); optional stages are None when unused."""
 
-    temperature: torch.Tensor  # [N] float32; rows with < _GREEDY_EPS are greedy
-    top_k: torch.Tensor  # [N] int64; >= vocab means no cut
+    temperature: torch.Tensor  # [N] float32; 1.0 on greedy rows
+    top_k: torch.Tensor  # [N] int64; NO_TOP_K means no cut
     top_p: torch.Tensor  # [N] float32; 1.0 means no cut
-    generators: list[torch.Generator | None]
-    greedy: list[bool]
+    greedy: torch.Tensor  # [N] bool
+    generators: Sequence[torch.Generator | None]
     all_greedy: bool
     no_top_k: bool
     no_top_p: bool
+    min_p: torch.Tensor | None = None  # [N] float32
+    bias_rows: torch.Tensor | None = None  # [M] logits rows with a bias row
+    bias: torch.Tensor | None = None  # [M, V] float32, added to those rows
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) set to -inf
+    penalties: Penalties | None = None
+    logprob_rows: torch.Tensor | None = None  # [L] rows that want logprobs
+    num_logprobs: int = 0  # alternatives computed for each of them (the largest asked)
+    processed_logprobs: bool = False  # of the distribution sampled from, not the raw logits
 
-    @classmethod
-    def from_params(
-        cls,
-        params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None] | None = None,
-    ) -> SamplingMetadata:
-        """Build from SamplingParams; ``generators[i]`` (if any) makes row i reproducible."""
-        gens = list(generators) if generators is not None else [None] * len(params)
-        greedy = [p.temperature < _GREEDY_EPS or p.top_k == 1 for p in params]
-        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
-        return cls(
-            temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
-            top_k=torch.tensor([k if k > 0 else 2**62 for k in top_k], dtype=torch.int64),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
-            generators=gens,
-            greedy=greedy,
-            all_greedy=all(greedy),
-            no_top_k=all(k == 0 for k in top_k),
-            no_top_p=all(p.top_p >= 1.0 for p in params),
-        )
+    @property
+    def modifies_logits(self) -> bool:
+        return self.bias is not None or self.banned is not None or self.penalties is not None
 
-    @classmethod
-    def from_rows(cls, rows: Sequence[RowState]) -> SamplingMetadata:
-        return cls.from_params([r.params for r in rows], [r.generator for r in rows])
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N] int64
+    logprobs: LogprobsTensors | None  # rows of ``SamplingMetadata.logprob_rows``, in that order
 
 
 class Sampler:
-    """``Sampler()(logits [N, V] float32, metadata) -> token ids LongTensor [N]``."""
+    """``Sampler()(logits [N, V] float32, metadata) -> SamplerOutput``; ``logits`` is left unchanged."""
 
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        greedy_ids = logits.argmax(dim=-1)
-        if metadata.all_greedy:
-            return greedy_ids
-        device = logits.device
-        logits = logits / to_device(metadata.temperature, device)[:, None]
-        if not (metadata.no_top_k and metadata.no_top_p):
-            logits = apply_top_k_top_p(logits, to_device(metadata.top_k, device), to_device(metadata.top_p, device))
-        probs = logits.softmax(dim=-1)
-        sampled = (probs / exponential_noise(probs, metadata.generators)).argmax(dim=-1)
-        greedy = to_device(torch.tensor(metadata.greedy), device)
-        return torch.where(greedy, greedy_ids, sampled)
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        raw_logprobs = None
+        if md.logprob_rows is not None and not md.processed_logprobs:
+            raw_logprobs = _take_rows(logits, md.logprob_rows).log_softmax(dim=-1)
+        if md.modifies_logits:
+            logits = logits.clone()
+            if md.bias is not None:
+                logits.index_add_(0, md.bias_rows, md.bias)
+            if md.banned is not None:
+                logits.index_put_(md.banned, torch.tensor(float("-inf"), device=logits.device))
+            if md.penalties is not None:
+                apply_penalties(logits, md.penalties)
+        token_ids = logits.argmax(dim=-1)
+        final = logits
+        if not md.all_greedy:
+            scaled = logits / md.temperature[:, None]
+            if md.min_p is not None:
+                scaled = apply_min_p(scaled, md.min_p)
+            if not (md.no_top_k and md.no_top_p):
+                scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p)
+            probs = scaled.softmax(dim=-1)
+            sampled = (probs / exponential_noise(probs, md.generators)).argmax(dim=-1)
+            token_ids = torch.where(md.greedy, token_ids, sampled)
+            if md.processed_logprobs:
+                final = torch.where(md.greedy[:, None], logits, scaled)
+        if md.logprob_rows is None:
+            return SamplerOutput(token_ids, None)
+        logprobs = raw_logprobs
+        if logprobs is None:
+            logprobs = _take_rows(final, md.logprob_rows).log_softmax(dim=-1)
+        sampled_ids = _take_rows(token_ids, md.logprob_rows)
+        return SamplerOutput(token_ids, gather_logprobs(logprobs, sampled_ids, md.num_logprobs))
 
 
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device`` without making the host wait for the GPU.
+def _take_rows(tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return tensor if rows.shape[0] == tensor.shape[0] else tensor[rows]
 
-    A plain ``.to("cuda")`` from pageable memory synchronises the stream,
-    which would stall the host until the forward pass it just enqueued has
-    run; a pinned copy with ``non_blocking`` is only enqueued.
-    """
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
+    """Repetition, frequency and presence penalties on ``p.rows`` of ``logits``, in place."""
+    rows = logits[p.rows]
+    seen = p.output_counts > 0
+    factor = torch.where(seen | p.prompt_mask, p.repetition, 1.0)
+    rows = torch.where(rows > 0, rows / factor, rows * factor)
+    rows -= p.frequency * p.output_counts + p.presence * seen
+    logits[p.rows] = rows
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """-inf for tokens whose probability is below min_p times the row's largest."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -120,3 +161,15 @@ def exponential_noise(probs: torch.Tensor, generators: Sequence[torch.Generator 
             row = torch.empty(probs.shape[-1], dtype=probs.dtype, device=gen.device)
             noise[i] = to_device(row.exponential_(generator=gen), probs.device)
     return noise
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without making the host wait for the GPU.
+
+    A plain ``.to("cuda")`` from pageable memory synchronises the stream,
+    which would stall the host until the forward pass it just enqueued has
+    run; a pinned copy with ``non_blocking`` is only enqueued.
+    """
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
