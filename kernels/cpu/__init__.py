@@ -184,7 +184,7 @@ def paged_decode_attention(
     blocks in block_tables[tables[d]] (int32), read in place from the caches."""
     heads, head_dim = query.shape[1], query.shape[2]
     kv_heads = k_cache.shape[2]
-    scratch = torch.empty((heads // kv_heads) * max_len, dtype=torch.float32)
+    scratch = torch.empty(heads * max_len, dtype=torch.float32)
     _lib.paged_decode_attention(
         query.data_ptr(), query.stride(0), rows.data_ptr(), rows.shape[0], heads, kv_heads, head_dim,
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], block_tables.data_ptr(), block_tables.stride(0),
