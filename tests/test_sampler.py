@@ -76,7 +76,7 @@ def test_metadata_carries_generators_and_skips_unused_stages():
     assert not meta.all_greedy and meta.no_top_k and meta.no_top_p
     # Plain rows: no optional stage is built, so they cost nothing.
     assert meta.min_p is None and meta.bias is None and meta.banned is None and meta.penalties is None
-    assert meta.logprob_rows is None and not meta.modifies_logits
+    assert meta.logprob_rows is None
 
 
 def test_plain_sampling_follows_softmax():

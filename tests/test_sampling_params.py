@@ -20,7 +20,7 @@ from app.llm import LLM
 from core.protocol import SamplingParams
 from core.worker.model_runner import ModelRunner
 from core.worker.sampler import Sampler
-from core.worker.sampling_batch import sampling_metadata
+from core.worker.sampling_batch import SamplingBatch, sampling_metadata
 from tests.support.oracle import load_hf
 
 VOCAB = 40
@@ -93,6 +93,27 @@ def _fields(p: SamplingParams) -> dict:
     return {f: getattr(p, f) for f in p.__struct_fields__}
 
 
+def test_penalty_state_updated_by_deltas_equals_one_built_from_the_history() -> None:
+    """Sampled tokens are folded into a request's penalty rows one at a time;
+    the rows must equal those built from scratch from the same history (which
+    is what a request resumed after preemption gets)."""
+    g = torch.Generator().manual_seed(1)
+    history = torch.randint(0, VOCAB, (30,), generator=g).tolist()
+    prompt_len = 10
+    params = SamplingParams(presence_penalty=0.4, frequency_penalty=-0.3, repetition_penalty=1.7)
+    stepped = SamplingBatch(4, VOCAB, torch.device("cpu"))
+    stepped.add(2, SamplingParams(), [1, 2], 2, None, None)  # a neighbour without penalties
+    stepped.add(0, params, history[:prompt_len], prompt_len, None, None)
+    rows = np.array([2, 0])
+    for token in history[prompt_len:]:
+        stepped.record_sampled(rows, torch.tensor([5, token]))
+    fresh = SamplingBatch(4, VOCAB, torch.device("cpu"))
+    fresh.add(0, params, history, prompt_len, None, None)
+    for name in ("folded", "counts"):
+        slot_a, slot_b = int(stepped.penalty_slot[0]), int(fresh.penalty_slot[0])
+        assert torch.equal(stepped.penalty_table[name][slot_a], fresh.penalty_table[name][slot_b])
+
+
 @pytest.fixture(scope="module", params=["stories260K", "tiny-llama"])
 def model(request, stories_dir, llama):
     if request.param == "stories260K":
@@ -123,6 +144,32 @@ def test_repetition_penalty_greedy_equals_transformers(model) -> None:
         llm.shutdown()
     assert [r.token_ids for r in results[:2]] == expected
     assert [r.token_ids for r in results[2:]] != expected  # the penalty changed something
+
+
+def test_presence_and_frequency_greedy_equal_the_reference_on_transformers_logits(model) -> None:
+    """Greedy decoding with presence, frequency and repetition penalties and a
+    logit bias: at every step the engine's token is the argmax of the
+    reference penalties applied to transformers' logits for the same history."""
+    hf, path = model
+    prompt = [1, 45, 90, 45, 7, 90, 12]
+    params = SamplingParams(
+        max_tokens=20, temperature=0.0, presence_penalty=0.9, frequency_penalty=0.7, repetition_penalty=1.1,
+        logit_bias={prompt[1]: 1.5}, ignore_eos=True,
+    )
+    llm = LLM(path, **ENGINE)
+    try:
+        (result,) = llm.generate([prompt], params)
+    finally:
+        llm.shutdown()
+    output: list[int] = []
+    for token in result.token_ids:
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + output])).logits[0, -1].float()
+        expected = reference_logits(logits, params, prompt, output)
+        top2 = expected.topk(2).values
+        assert token == int(expected.argmax()) or top2[0] - top2[1] < 1e-4
+        output.append(token)
+    assert len(set(output)) > 5
 
 
 @pytest.fixture(scope="module")

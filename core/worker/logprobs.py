@@ -33,16 +33,21 @@ class LogprobsTensors:
         return self.token_ids.cpu().numpy(), self.logprobs.cpu().numpy(), self.ranks.cpu().numpy()
 
 
-def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
-    """Entries for ``token_ids`` [M] from their rows of ``logprobs`` [M, V] (log-softmaxed), k alternatives each."""
+def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
+    """Entries for ``token_ids`` [M] from their rows of ``logits`` [M, V], k alternatives each.
+
+    A logprob is the logit minus the row's log-sum-exp (log_softmax without
+    materialising it: only k + 1 values per row are wanted).
+    """
     token_ids = token_ids.long().unsqueeze(-1)
-    token_logprobs = logprobs.gather(-1, token_ids)
-    ranks = (logprobs >= token_logprobs).sum(-1, dtype=torch.int32)
+    token_logits = logits.gather(-1, token_ids)
+    ranks = (logits >= token_logits).sum(-1, dtype=torch.int32)
     if k > 0:
-        top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+        top_logits, top_ids = logits.topk(k, dim=-1)
         token_ids = torch.cat((token_ids, top_ids), dim=-1)
-        token_logprobs = torch.cat((token_logprobs, top_logprobs), dim=-1)
-    return LogprobsTensors(token_ids.to(torch.int32), token_logprobs.float(), ranks)
+        token_logits = torch.cat((token_logits, top_logits), dim=-1)
+    logprobs = token_logits.float() - logits.float().logsumexp(dim=-1, keepdim=True)
+    return LogprobsTensors(token_ids.to(torch.int32), logprobs, ranks)
 
 
 def split_rows(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], k: int, start: int, stop: int) -> LogprobsArrays:
@@ -75,7 +80,7 @@ def prompt_logprobs(
     for start in range(0, positions.shape[0], PROMPT_LOGITS_CHUNK):
         stop = start + PROMPT_LOGITS_CHUNK
         logits = compute_logits(hidden[positions[start:stop]])
-        parts.append(gather_logprobs(logits.log_softmax(dim=-1), targets[start:stop], k).to_numpy())
+        parts.append(gather_logprobs(logits, targets[start:stop], k).to_numpy())
     if len(parts) == 1:
         return parts[0]
     return tuple(np.concatenate(column) for column in zip(*parts))  # type: ignore[return-value]

@@ -404,11 +404,10 @@ class ModelRunner:
 
     def _logprobs_rows(self, step: _Staged | _StepInputs, sample_rows: np.ndarray) -> list[int]:
         """Row of the sampler's logprobs of each scheduled request (-1: it asked for none)."""
-        rows = [-1] * len(step.req_ids)
+        rows = np.full(len(step.req_ids), -1, np.int64)
         asked = np.flatnonzero(self.input_batch.sampling.num_logprobs[sample_rows] >= 0)
-        for j, i in enumerate(step.sample[asked].tolist()):
-            rows[i] = j
-        return rows
+        rows[step.sample[asked]] = np.arange(asked.size)
+        return rows.tolist()
 
     def _prompt_logprobs(self, step: _Staged, hidden: torch.Tensor) -> None:
         """Logprobs of the prompt tokens this step's chunks predict, kept per request

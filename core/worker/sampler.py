@@ -35,14 +35,16 @@ NO_TOP_K = 2**62
 
 @dataclass
 class Penalties:
-    """The penalised rows' parameters and token history, gathered for one step."""
+    """The penalised rows' penalties for one step, already folded from their history.
 
-    rows: torch.Tensor  # [M] logits rows
-    presence: torch.Tensor  # [M, 1] float32
-    frequency: torch.Tensor  # [M, 1] float32
-    repetition: torch.Tensor  # [M, 1] float32
-    output_counts: torch.Tensor  # [M, V] float32: times each token was generated
-    prompt_mask: torch.Tensor  # [M, V] bool: tokens in the prompt
+    ``factor`` is the repetition penalty on tokens of the prompt or the
+    output and 1 elsewhere; ``offset`` is minus frequency times the token's
+    count in the output, minus presence for tokens in the output.
+    """
+
+    rows: torch.Tensor | None  # [M] logits rows; None: every row
+    factor: torch.Tensor  # [M, V] float32
+    offset: torch.Tensor  # [M, V] float32
 
 
 @dataclass
@@ -67,9 +69,6 @@ class SamplingMetadata:
     num_logprobs: int = 0  # alternatives computed for each of them (the largest asked)
     processed_logprobs: bool = False  # of the distribution sampled from, not the raw logits
 
-    @property
-    def modifies_logits(self) -> bool:
-        return self.bias is not None or self.banned is not None or self.penalties is not None
 
 
 @dataclass
@@ -82,17 +81,13 @@ class Sampler:
     """``Sampler()(logits [N, V] float32, metadata) -> SamplerOutput``; ``logits`` is left unchanged."""
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        raw_logprobs = None
-        if md.logprob_rows is not None and not md.processed_logprobs:
-            raw_logprobs = _take_rows(logits, md.logprob_rows).log_softmax(dim=-1)
-        if md.modifies_logits:
-            logits = logits.clone()
-            if md.bias is not None:
-                logits.index_add_(0, md.bias_rows, md.bias)
-            if md.banned is not None:
-                logits.index_put_(md.banned, torch.tensor(float("-inf"), device=logits.device))
-            if md.penalties is not None:
-                apply_penalties(logits, md.penalties)
+        raw = logits  # every stage below works out of place: these stay the raw logits
+        if md.bias is not None:
+            logits = logits.index_add(0, md.bias_rows, md.bias)
+        if md.banned is not None:
+            logits = logits.index_put(md.banned, torch.tensor(float("-inf"), device=logits.device))
+        if md.penalties is not None:
+            logits = apply_penalties(logits, md.penalties)
         token_ids = logits.argmax(dim=-1)
         final = logits
         if not md.all_greedy:
@@ -108,25 +103,27 @@ class Sampler:
                 final = torch.where(md.greedy[:, None], logits, scaled)
         if md.logprob_rows is None:
             return SamplerOutput(token_ids, None)
-        logprobs = raw_logprobs
-        if logprobs is None:
-            logprobs = _take_rows(final, md.logprob_rows).log_softmax(dim=-1)
+        described = final if md.processed_logprobs else raw
         sampled_ids = _take_rows(token_ids, md.logprob_rows)
-        return SamplerOutput(token_ids, gather_logprobs(logprobs, sampled_ids, md.num_logprobs))
+        return SamplerOutput(
+            token_ids, gather_logprobs(_take_rows(described, md.logprob_rows), sampled_ids, md.num_logprobs)
+        )
 
 
 def _take_rows(tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return tensor if rows.shape[0] == tensor.shape[0] else tensor[rows]
 
 
-def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
-    """Repetition, frequency and presence penalties on ``p.rows`` of ``logits``, in place."""
-    rows = logits[p.rows]
-    seen = p.output_counts > 0
-    factor = torch.where(seen | p.prompt_mask, p.repetition, 1.0)
-    rows = torch.where(rows > 0, rows / factor, rows * factor)
-    rows -= p.frequency * p.output_counts + p.presence * seen
-    logits[p.rows] = rows
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """Penalised logits (a new tensor): positive logits divided by the factor,
+    negative ones multiplied (Hugging Face's repetition penalty), then the offset."""
+
+    def penalise(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x > 0, x / p.factor, x * p.factor).add_(p.offset)
+
+    if p.rows is None:
+        return penalise(logits)
+    return logits.index_copy(0, p.rows, penalise(logits[p.rows]))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -3,11 +3,17 @@
 Scalar parameters live in numpy arrays indexed by batch row, so a step's
 ``SamplingMetadata`` is a handful of fancy-indexing gathers over the rows
 that sample, not a rebuild from Python objects. State of vocabulary width
-(generated-token counts and prompt masks for penalties, the additive bias
-row of logit_bias / allowed_token_ids / single-token bad words) lives on the
-device in ``SlotTable`` rows that only the requests using them get; a row
-refers to its slot, so swapping rows never copies a vocabulary-sized row.
-Token counts are updated by deltas: one increment per sampled token.
+lives on the device in ``SlotTable`` rows that only the requests using it
+get; a row refers to its slot, so swapping rows never copies a
+vocabulary-sized row:
+
+- penalties, folded: a factor row (the repetition penalty on tokens of the
+  prompt or output, 1 elsewhere) and an offset row (minus frequency times
+  count, minus presence once generated), plus the generated-token counts.
+  Each sampled token updates them by a delta (a few cells), so a step reads
+  two rows per request, whatever the history's length;
+- the additive bias row of logit_bias / allowed_token_ids / single-token
+  bad words, fixed for the request's life.
 
 Counters of the rows using each optional feature let a step skip every
 gather for features nobody in the batch uses.
@@ -35,10 +41,11 @@ class SlotTable:
     used the feature at once, not ``max_num_seqs``.
     """
 
-    def __init__(self, width: int, device: torch.device, dtypes: dict[str, torch.dtype]) -> None:
-        self.width = width
+    def __init__(self, device: torch.device, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
         self.device = device
-        self.tensors = {name: torch.zeros((0, width), dtype=dt, device=device) for name, dt in dtypes.items()}
+        self.tensors = {
+            name: torch.zeros((0, *shape), dtype=dt, device=device) for name, (shape, dt) in shapes.items()
+        }
         self.free: list[int] = []
 
     def acquire(self) -> int:
@@ -47,7 +54,7 @@ class SlotTable:
             capacity = next(iter(self.tensors.values())).shape[0]
             grown = max(4, 2 * capacity)
             for name, old in self.tensors.items():
-                new = torch.zeros((grown, self.width), dtype=old.dtype, device=self.device)
+                new = torch.zeros((grown, *old.shape[1:]), dtype=old.dtype, device=self.device)
                 new[:capacity] = old
                 self.tensors[name] = new
             self.free.extend(range(grown - 1, capacity - 1, -1))
@@ -80,9 +87,8 @@ class SamplingBatch:
         self.top_k = np.full(n, NO_TOP_K, np.int64)
         self.top_p = np.ones(n, np.float32)
         self.min_p = np.zeros(n, np.float32)
-        self.presence = np.zeros(n, np.float32)
-        self.frequency = np.zeros(n, np.float32)
-        self.repetition = np.ones(n, np.float32)
+        # repetition, frequency, presence penalty per row (what a sampled token adds to its slot)
+        self.penalty_params = np.zeros((n, 3), np.float32)
         self.num_logprobs = np.full(n, -1, np.int64)  # alternatives per sampled token; -1: none
         # Alternatives per prompt token while the prompt's logprobs are still owed; -1 otherwise.
         self.prompt_logprobs = np.full(n, -1, np.int64)
@@ -94,8 +100,10 @@ class SamplingBatch:
         self.bias_slot = np.full(n, -1, np.int64)
         self.features: list[tuple[str, ...]] = [() for _ in range(n)]
         self.num_rows_with = dict.fromkeys(_FEATURES, 0)
-        self.penalty_table = SlotTable(vocab_size, device, {"counts": torch.float32, "prompt": torch.bool})
-        self.bias_table = SlotTable(vocab_size, device, {"bias": torch.float32})
+        v = vocab_size
+        # "folded": [factor, offset] rows read every step; "counts": read only to update them.
+        self.penalty_table = SlotTable(device, {"folded": ((2, v), torch.float32), "counts": ((v,), torch.float32)})
+        self.bias_table = SlotTable(device, {"bias": ((v,), torch.float32)})
 
     # ------------------------------------------------------------ rows
 
@@ -118,9 +126,7 @@ class SamplingBatch:
         self.top_k[row] = params.top_k if params.top_k > 0 else NO_TOP_K
         self.top_p[row] = params.top_p
         self.min_p[row] = params.min_p
-        self.presence[row] = params.presence_penalty
-        self.frequency[row] = params.frequency_penalty
-        self.repetition[row] = params.repetition_penalty
+        self.penalty_params[row] = (params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         owed = params.prompt_logprobs is not None and len(token_ids) == num_prompt_tokens
         self.prompt_logprobs[row] = params.prompt_logprobs if owed else -1
@@ -139,7 +145,7 @@ class SamplingBatch:
             features.append("min_p")
         if params.has_penalties:
             features.append("penalties")
-            self.penalty_slot[row] = self._fill_penalty_slot(token_ids, num_prompt_tokens, prompt_is_embeds)
+            self.penalty_slot[row] = self._fill_penalty_slot(params, token_ids, num_prompt_tokens, prompt_is_embeds)
         if params.logit_bias or params.allowed_token_ids is not None or single:
             features.append("bias")
             self.bias_slot[row] = self._fill_bias_slot(params, single)
@@ -155,15 +161,22 @@ class SamplingBatch:
         for name in features:
             self.num_rows_with[name] += 1
 
-    def _fill_penalty_slot(self, token_ids: Sequence[int], num_prompt: int, prompt_is_embeds: bool) -> int:
+    def _fill_penalty_slot(
+        self, params: SamplingParams, token_ids: Sequence[int], num_prompt: int, prompt_is_embeds: bool
+    ) -> int:
+        """A slot folded from the whole history (a new request, or one resumed after preemption)."""
         table = self.penalty_table
         slot = table.acquire()
         ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64), device=self.device)
-        if not prompt_is_embeds:  # placeholder ids stand for embeddings: no prompt tokens to penalise
-            table["prompt"][slot, ids[:num_prompt]] = True
         output = ids[num_prompt:]
-        if output.numel():
-            table["counts"][slot].index_add_(0, output, torch.ones(output.shape, device=self.device))
+        # Placeholder ids stand for prompt embeddings: no prompt tokens to penalise.
+        seen = output if prompt_is_embeds else ids
+        counts = table["counts"][slot]
+        counts.index_add_(0, output, torch.ones(output.shape, device=self.device))
+        factor, offset = table["folded"][slot]
+        factor.fill_(1.0)
+        factor[seen] = params.repetition_penalty
+        offset.copy_(-(params.frequency_penalty * counts + params.presence_penalty * (counts > 0)))
         return slot
 
     def _fill_bias_slot(self, params: SamplingParams, banned: list[int]) -> int:
@@ -198,8 +211,8 @@ class SamplingBatch:
     def move(self, src: int, dst: int) -> None:
         """Row ``src`` becomes row ``dst`` (which must have been removed); ``src`` is left empty."""
         for array in (
-            self.temperature, self.greedy, self.top_k, self.top_p, self.min_p, self.presence, self.frequency,
-            self.repetition, self.num_logprobs, self.prompt_logprobs, self.num_prompt_tokens, self.min_tokens,
+            self.temperature, self.greedy, self.top_k, self.top_p, self.min_p, self.penalty_params,
+            self.num_logprobs, self.prompt_logprobs, self.num_prompt_tokens, self.min_tokens,
             self.penalty_slot, self.bias_slot,
         ):
             array[dst] = array[src]
@@ -221,19 +234,29 @@ class SamplingBatch:
 
     # ------------------------------------------------------------ steps
 
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        """A host array as a tensor on the device (no copy on a CPU)."""
+        tensor = torch.from_numpy(array)
+        return tensor if self.device.type == "cpu" else to_device(tensor, self.device)
+
     def record_sampled(self, rows: np.ndarray, token_ids: torch.Tensor) -> None:
-        """Count the tokens just sampled for ``rows`` (in sampling order) towards their penalties."""
+        """Fold the tokens just sampled for ``rows`` (in sampling order) into their
+        penalties: a few cells per token, on the device, without reading the ids."""
         if not self.num_rows_with["penalties"]:
             return
         slots = self.penalty_slot[rows]
         picked = np.flatnonzero(slots >= 0)
         if not picked.size:
             return
-        counts = self.penalty_table["counts"]
-        index = to_device(torch.from_numpy(picked), token_ids.device)
-        slot_index = to_device(torch.from_numpy(slots[picked]), counts.device)
-        ones = torch.ones(picked.size, dtype=counts.dtype, device=counts.device)
-        counts.index_put_((slot_index, token_ids[index].to(counts.device)), ones, accumulate=True)
+        table = self.penalty_table
+        counts, folded = table["counts"], table["folded"]
+        slot = self._tensor(slots[picked])
+        token = token_ids if picked.size == len(rows) else token_ids[self._tensor(picked)]
+        repetition, frequency, presence = self._tensor(self.penalty_params[rows[picked]]).unbind(1)
+        before = counts[slot, token]
+        counts[slot, token] = before + 1
+        folded[slot, 0, token] = repetition
+        folded[slot, 1, token] = folded[slot, 1, token] - frequency - presence * (before == 0)
 
     def metadata(self, rows: np.ndarray, num_tokens: np.ndarray, token_ids: np.ndarray) -> SamplingMetadata:
         """This step's metadata for the batch ``rows`` that sample, in sampling order.
@@ -241,16 +264,15 @@ class SamplingBatch:
         ``num_tokens`` and ``token_ids`` are the persistent batch's (for
         min_tokens and multi-token bad words).
         """
-        device = self.device
         greedy = self.greedy[rows]
         top_k = self.top_k[rows]
         top_p = self.top_p[rows]
         counts = self.num_rows_with
         md = SamplingMetadata(
-            temperature=to_device(torch.from_numpy(self.temperature[rows]), device),
-            top_k=to_device(torch.from_numpy(top_k), device),
-            top_p=to_device(torch.from_numpy(top_p), device),
-            greedy=to_device(torch.from_numpy(greedy), device),
+            temperature=self._tensor(self.temperature[rows]),
+            top_k=self._tensor(top_k),
+            top_p=self._tensor(top_p),
+            greedy=self._tensor(greedy),
             generators=[self.generators[r] for r in rows] if counts["seeded"] else [None] * len(rows),
             all_greedy=bool(greedy.all()),
             no_top_k=bool((top_k == NO_TOP_K).all()),
@@ -260,13 +282,13 @@ class SamplingBatch:
         if counts["min_p"]:
             min_p = self.min_p[rows]
             if min_p.any():
-                md.min_p = to_device(torch.from_numpy(min_p), device)
+                md.min_p = self._tensor(min_p)
         if counts["bias"]:
             slots = self.bias_slot[rows]
             picked = np.flatnonzero(slots >= 0)
             if picked.size:
-                md.bias_rows = to_device(torch.from_numpy(picked), device)
-                md.bias = self.bias_table["bias"][to_device(torch.from_numpy(slots[picked]), device)]
+                md.bias_rows = self._tensor(picked)
+                md.bias = self.bias_table["bias"][self._tensor(slots[picked])]
         if counts["penalties"]:
             md.penalties = self._penalties(rows)
         if counts["min_tokens"] or counts["bad_words"]:
@@ -275,7 +297,7 @@ class SamplingBatch:
             k = self.num_logprobs[rows]
             picked = np.flatnonzero(k >= 0)
             if picked.size:
-                md.logprob_rows = to_device(torch.from_numpy(picked), device)
+                md.logprob_rows = self._tensor(picked)
                 md.num_logprobs = int(k[picked].max())
         return md
 
@@ -284,20 +306,10 @@ class SamplingBatch:
         picked = np.flatnonzero(slots >= 0)
         if not picked.size:
             return None
-        device = self.device
-        slot_index = to_device(torch.from_numpy(slots[picked]), device)
-        picked_rows = rows[picked]
-
-        def column(values: np.ndarray) -> torch.Tensor:
-            return to_device(torch.from_numpy(values[picked_rows])[:, None], device)
-
+        folded = self.penalty_table["folded"].index_select(0, self._tensor(slots[picked]))
+        every_row = picked.size == len(rows)
         return Penalties(
-            rows=to_device(torch.from_numpy(picked), device),
-            presence=column(self.presence),
-            frequency=column(self.frequency),
-            repetition=column(self.repetition),
-            output_counts=self.penalty_table["counts"][slot_index],
-            prompt_mask=self.penalty_table["prompt"][slot_index],
+            rows=None if every_row else self._tensor(picked), factor=folded[:, 0], offset=folded[:, 1]
         )
 
     def _banned(
@@ -323,8 +335,8 @@ class SamplingBatch:
         if not cells_rows:
             return None
         return (
-            to_device(torch.tensor(cells_rows), self.device),
-            to_device(torch.tensor(cells_ids), self.device),
+            self._tensor(np.array(cells_rows, np.int64)),
+            self._tensor(np.array(cells_ids, np.int64)),
         )
 
 
