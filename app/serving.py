@@ -327,7 +327,7 @@ class OpenAIServing:
         """Text and logprobs of a delta (or of a whole output), the echoed prompt
         in front of the first one."""
         text = "" if echo_only else out.text
-        entries = None if echo_only or out.logprobs is None else out.logprobs
+        entries = Logprobs([], [], []) if echo_only or out.logprobs is None else out.logprobs
         first_prompt_token = None
         if req.echo and not choice.started:
             text = choice.prompt_text + text
@@ -335,21 +335,17 @@ class OpenAIServing:
             if req.logprobs is not None and prompt_ids:
                 first_prompt_token = prompt_ids[0]
                 prompt_entries = out.prompt_logprobs or Logprobs([], [], [])
-                if entries is not None:
-                    prompt_entries = Logprobs(
-                        prompt_entries.token_ids + entries.token_ids,
-                        prompt_entries.logprobs + entries.logprobs,
-                        prompt_entries.ranks + entries.ranks,
-                    )
-                entries = prompt_entries
+                entries = Logprobs(
+                    prompt_entries.token_ids + entries.token_ids,
+                    prompt_entries.logprobs + entries.logprobs,
+                    prompt_entries.ranks + entries.ranks,
+                )
         choice.started = True
         if req.logprobs is None:
             return text, None
-        if entries is None and first_prompt_token is None:
-            entries = Logprobs([], [], [])
         logprobs, choice.text_offset = completion_logprobs(
-            self.token_texts, entries or Logprobs([], [], []), req.logprobs, choice.text_offset,
-            first_prompt_token, req.return_tokens_as_token_ids,
+            self.token_texts, entries, req.logprobs, choice.text_offset, first_prompt_token,
+            req.return_tokens_as_token_ids,
         )
         return text, logprobs
 

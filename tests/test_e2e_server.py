@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow
 
@@ -343,3 +344,30 @@ def test_prompt_embeds_match_transformers_inputs_embeds(tiny_llama_dir: str, ser
             model="tiny", prompt="", max_tokens=2,
             extra_body={"prompt_embeds": base64.b64encode(buf.getvalue()).decode()},
         )
+
+
+def test_logprobs_through_the_transport(server, random_model_dir: str) -> None:
+    """Echo with logprobs on a long prompt: its prompt logprobs are large enough to
+    cross out of band (the shared pool on shm, an aux frame on zmq), and still equal
+    transformers'; streamed n=2 choices carry their logprobs as well."""
+    from tests.support.oracle import ATOL, hf_logprobs, load_hf
+
+    prompt = [(i * 37) % 250 + 3 for i in range(400)]
+    client = client_for(server)
+    out = client.completions.create(
+        model="ringllm-default", prompt=prompt, echo=True, logprobs=2, max_tokens=1, temperature=0
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(prompt) + 1 and lp.token_logprobs[0] is None
+    rows = hf_logprobs(load_hf(random_model_dir), prompt)
+    expected = rows[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(lp.token_logprobs[1 : len(prompt)]), expected, atol=ATOL, rtol=0)
+    stream = client.completions.create(
+        model="ringllm-default", prompt="Hello", max_tokens=5, n=2, logprobs=1, stream=True, seed=1,
+        extra_body={"ignore_eos": True},
+    )
+    tokens = {0: 0, 1: 0}
+    for chunk in stream:
+        for choice in chunk.choices:
+            tokens[choice.index] += len(choice.logprobs.tokens)
+    assert tokens == {0: 5, 1: 5}
