@@ -156,7 +156,8 @@ def test_prefix_cache_hits_are_reported_and_reset_prefix_cache_route(server) -> 
 
 
 def test_reset_prefix_cache_is_refused_while_a_request_runs_unless_told(server) -> None:
-    body = {"model": "ringllm-default", "prompt": LONG_PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    # Long enough to be still running when the forced reset arrives, however slow the client is.
+    body = {"model": "ringllm-default", "prompt": LONG_PROMPT, "max_tokens": 1200, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         for _ in range(3):
