@@ -51,7 +51,7 @@ from core.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
 from core.worker.gpu_memory import gpu_kv_cache_budget
 from core.worker.input_batch import InputBatch
 from core.worker.input_buffers import InputBuffers
-from core.worker import logprobs as lp
+from core.worker.logprobs import PromptLogprobs
 from core.worker.sampler import Sampler, SamplerOutput
 from core.worker.sampling_batch import sampling_metadata
 from kernels.metadata import AttentionMetadata
@@ -135,8 +135,7 @@ class ModelRunner:
             config.max_num_seqs, self.max_model_len, self.max_blocks_per_req, self.hf_config["vocab_size"],
             self.device, processed_logprobs=config.logprobs_mode == "processed_logprobs",
         )
-        # Prompt logprobs of requests still in their prefill, one part per chunk.
-        self.prompt_logprob_parts: dict[str, list[LogprobsArrays]] = {}
+        self.prompt_logprobs = PromptLogprobs(self.input_batch, self.device)
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         self._arange = np.arange(max_tokens + 1, dtype=np.int64)  # sliced, never written
         self._ones = np.ones(max_tokens, dtype=np.int64)
@@ -282,22 +281,22 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
         deferred = self.deferred
-        parts = self.prompt_logprob_parts
+        prompt_logprobs = self.prompt_logprobs
         for req_id in so.finished_req_ids:
             batch.remove_request(req_id)
             deferred.discard(req_id)
-            parts.pop(req_id, None)
+            prompt_logprobs.forget(req_id)
         for req_id in so.preempted_req_ids:
             batch.park_request(req_id)
             deferred.discard(req_id)
-            parts.pop(req_id, None)
+            prompt_logprobs.forget(req_id)
         for new in so.scheduled_new_reqs:
             if new.prompt_embeds is not None:
                 embeds = new.prompt_embeds.to(self.device, self.dtype)
                 new = dataclasses.replace(new, prompt_embeds=embeds)
             batch.add_request(new)
             deferred.discard(new.req_id)
-            parts.pop(new.req_id, None)
+            prompt_logprobs.forget(new.req_id)
         cached = so.scheduled_cached_reqs
         for req_id, blocks, computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
@@ -333,7 +332,7 @@ class ModelRunner:
                 step.input_ids, step.positions, self.kv_caches, step.meta, inputs_embeds=step.inputs_embeds
             )
         if batch.sampling.num_rows_with["prompt_logprobs"]:
-            self._prompt_logprobs(staged, hidden)
+            self.prompt_logprobs.collect(staged, hidden, self.model.compute_logits)
         batch.num_computed_tokens[step.rows] = step.seq_lens
         if step.logits_indices is None:
             return ModelRunnerOutput(
@@ -367,7 +366,7 @@ class ModelRunner:
         req_ids = step.req_ids
         token_ids = out.token_ids
         sampling.record_sampled(sample_rows, token_ids)
-        prompt_logprobs = self._finished_prompt_logprobs(step, sample_rows)
+        prompt_logprobs = self.prompt_logprobs.finished(step.req_ids, step.sample, sample_rows)
 
         def logprobs() -> tuple[LogprobsArrays | None, list[int] | None]:
             if out.logprobs is None:
@@ -408,57 +407,6 @@ class ModelRunner:
         asked = np.flatnonzero(self.input_batch.sampling.num_logprobs[sample_rows] >= 0)
         rows[step.sample[asked]] = np.arange(asked.size)
         return rows.tolist()
-
-    def _prompt_logprobs(self, step: _Staged, hidden: torch.Tensor) -> None:
-        """Logprobs of the prompt tokens this step's chunks predict, kept per request
-        until the step that samples its first token.
-
-        The hidden state at position p predicts token p + 1, so a chunk over
-        positions [c, c + n) yields the entries of prompt tokens c + 1 .. c + n
-        that exist. These are extra logits rows, for these requests only.
-        """
-        batch = self.input_batch
-        owed = batch.sampling.prompt_logprobs
-        rows, computed, counts, starts = step.rows, step.computed, step.counts, step.starts
-        num_prompt = batch.sampling.num_prompt_tokens[rows]
-        picked = []  # (request index, flat start, first prompt position, count)
-        for i in np.flatnonzero(owed[rows] >= 0).tolist():
-            n = int(min(computed[i] + counts[i], num_prompt[i] - 1) - computed[i])
-            if n > 0:
-                picked.append((i, int(starts[i]), int(computed[i]), n))
-        if not picked:
-            return
-        positions = np.concatenate([np.arange(start, start + n) for _, start, _, n in picked])
-        targets = np.concatenate([batch.token_ids[rows[i], first + 1 : first + 1 + n] for i, _, first, n in picked])
-        k = int(max(owed[rows[i]] for i, *_ in picked))
-        arrays = lp.prompt_logprobs(
-            self.model.compute_logits,
-            hidden,
-            torch.from_numpy(positions).to(self.device),
-            torch.from_numpy(targets).to(self.device),
-            k,
-        )
-        offset = 0
-        for i, _, _, n in picked:
-            part = lp.split_rows(arrays, int(owed[rows[i]]), offset, offset + n)
-            self.prompt_logprob_parts.setdefault(step.req_ids[i], []).append(part)
-            offset += n
-
-    def _finished_prompt_logprobs(
-        self, step: _Staged | _StepInputs, sample_rows: np.ndarray
-    ) -> dict[str, LogprobsArrays] | None:
-        """Whole prompt logprobs of the requests that sample their first token now."""
-        sampling = self.input_batch.sampling
-        if not sampling.num_rows_with["prompt_logprobs"]:
-            return None
-        done: dict[str, LogprobsArrays] = {}
-        for position, row in enumerate(sample_rows.tolist()):
-            k = int(sampling.prompt_logprobs[row])
-            if k >= 0:
-                req_id = step.req_ids[int(step.sample[position])]
-                done[req_id] = lp.concat(self.prompt_logprob_parts.pop(req_id, []), k)
-                sampling.prompt_logprobs_delivered(row)
-        return done or None
 
     def _stage_inputs(self, so: SchedulerOutput) -> _Staged:
         """Lay the step out and write its inputs to the host buffers (numpy only)."""
