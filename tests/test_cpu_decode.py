@@ -19,9 +19,27 @@ from kernels import cpu
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason="no C compiler to build kernels/cpu with")
 
 
-@pytest.mark.parametrize("model", ["stories", "llama"])
-def test_program_logits_equal_the_forward_pass(model: str, stories_dir: str, llama) -> None:
-    path = stories_dir if model == "stories" else llama[1]
+@pytest.fixture(scope="module")
+def qwen_dirs(tmp_path_factory) -> dict[str, str]:
+    """Tiny seeded Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms) checkpoints."""
+    import transformers
+
+    from core.models.random_model import write_tokenizer
+    from tests.support.engines import tiny_config
+
+    dirs = {}
+    for arch, cls in (("qwen2", transformers.Qwen2ForCausalLM), ("qwen3", transformers.Qwen3ForCausalLM)):
+        torch.manual_seed(5)
+        path = tmp_path_factory.mktemp(arch)
+        cls(tiny_config(arch)).eval().save_pretrained(path)
+        write_tokenizer(path)
+        dirs[arch] = str(path)
+    return dirs
+
+
+@pytest.mark.parametrize("model", ["stories", "llama", "qwen2", "qwen3"])
+def test_program_logits_equal_the_forward_pass(model: str, stories_dir: str, llama, qwen_dirs) -> None:
+    path = {"stories": stories_dir, "llama": llama[1], **qwen_dirs}[model]
     engine = EngineCore(EngineConfig(model=path, max_model_len=128, max_num_seqs=8, block_size=4))
     runner = engine.model_executor.runner
     assert runner.cpu_decode is not None

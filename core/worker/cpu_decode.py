@@ -12,8 +12,8 @@ does. Its results are those of ``model.forward`` on the same step: the same
 kernels in the same order (tests/test_cpu_decode.py checks the logits bit
 for bit).
 
-It covers the Llama-family layer without biases, per-head norms or
-activations other than silu, in float32 with the C kernels available;
+It covers the Llama-family layers (biases and Qwen3's per-head q/k norms
+included) with silu, in float32 with the C kernels available;
 ``DecodeProgram.build`` returns None otherwise, and the runner keeps calling
 the model.
 """
@@ -31,6 +31,10 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy()
 
 
+def _bias(linear: torch.nn.Linear) -> np.ndarray | None:
+    return None if linear.bias is None else _np(linear.bias)
+
+
 class _Layer:
     """One decoder layer's weights as numpy views and raw pointers."""
 
@@ -38,10 +42,12 @@ class _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1 = layer.input_layernorm.weight.data_ptr()
         self.norm2 = layer.post_attention_layernorm.weight.data_ptr()
-        self.qkv_t = _np(attn.qkv_proj.weight).T
-        self.o_t = _np(attn.o_proj.weight).T
-        self.gate_up_t = _np(mlp.gate_up_proj.weight).T
-        self.down_t = _np(mlp.down_proj.weight).T
+        self.qkv_t, self.qkv_bias = _np(attn.qkv_proj.weight).T, _bias(attn.qkv_proj)
+        self.o_t, self.o_bias = _np(attn.o_proj.weight).T, _bias(attn.o_proj)
+        self.gate_up_t, self.gate_up_bias = _np(mlp.gate_up_proj.weight).T, _bias(mlp.gate_up_proj)
+        self.down_t, self.down_bias = _np(mlp.down_proj.weight).T, _bias(mlp.down_proj)
+        self.q_norm = attn.q_norm.weight.data_ptr() if attn.q_norm is not None else None
+        self.k_norm = attn.k_norm.weight.data_ptr() if attn.k_norm is not None else None
         self.k_cache, self.v_cache = (c.data_ptr() for c in kv_cache)
 
 
@@ -56,8 +62,7 @@ class DecodeProgram:
         cfg = getattr(model, "config", None)
         weight = model.get_input_embeddings().weight
         if (
-            cfg is None or not kv_caches or not cpu.usable(weight, kv_caches[0][0])
-            or cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or cfg.qk_norm or cfg.hidden_act != "silu"
+            cfg is None or not kv_caches or not cpu.usable(weight, kv_caches[0][0]) or cfg.hidden_act != "silu"
         ):
             return None
         return cls(model, kv_caches, buffers, max_model_len)
@@ -93,12 +98,13 @@ class DecodeProgram:
         self.act = np.zeros((rows, self.intermediate), np.float32)
         self.logits = np.zeros((rows, self.lm_head_t.shape[1]), np.float32)
         self.scratch = np.zeros(self.heads * max_model_len, np.float32)
+        self.head_norms = np.zeros((rows, self.heads, self.head_dim), np.float32)  # q/k norm outputs
         self.row_ids = np.arange(rows, dtype=np.int64)  # decode d is row d and block-table row d
         self.seq_lens = np.zeros(rows, np.int64)
         self.qkv_width = qkv_width
         # The buffers never move: their addresses, and those of the staged inputs, are fixed.
         self._ptr = {name: getattr(self, name).ctypes.data for name in (
-            "hidden", "normed", "qkv", "attn", "proj", "gate_up", "act", "scratch", "row_ids", "seq_lens")}
+            "hidden", "normed", "qkv", "attn", "proj", "gate_up", "act", "scratch", "row_ids", "seq_lens", "head_norms")}
         self._ptr.update(
             positions=buffers.positions.np.ctypes.data, slots=buffers.slot_mapping.np.ctypes.data,
             tables=buffers.block_tables.np.ctypes.data,
@@ -137,6 +143,11 @@ class DecodeProgram:
             else:  # the residual add of the previous layer's MLP, fused with this norm
                 lib.add_rms_norm(proj_p, hidden_p, layer.norm1, normed_p, n, size, eps)
             np.matmul(normed, layer.qkv_t, out=qkv)
+            if layer.qkv_bias is not None:
+                np.add(qkv, layer.qkv_bias, out=qkv)
+            if layer.q_norm is not None:  # per-head norms of q and of k, written back in place
+                self._head_norm(n, 0, heads, layer.q_norm)
+                self._head_norm(n, heads, kv_heads, layer.k_norm)
             lib.rotary(qkv_p, n, width, heads + kv_heads, head_dim, self.cos, self.sin, positions_p)
             lib.write_kv(qkv_p + k_offset, width, qkv_p + v_offset, width, n, kv_heads * head_dim,
                          layer.k_cache, layer.v_cache, slots_p)
@@ -145,10 +156,25 @@ class DecodeProgram:
                 tables_p, table_stride, rows_p, lens_p, self.scale, attn_p, heads * head_dim, scratch_p,
             )
             np.matmul(attn, layer.o_t, out=proj)
+            if layer.o_bias is not None:
+                np.add(proj, layer.o_bias, out=proj)
             lib.add_rms_norm(proj_p, hidden_p, layer.norm2, normed_p, n, size, eps)
             np.matmul(normed, layer.gate_up_t, out=gate_up)
+            if layer.gate_up_bias is not None:
+                np.add(gate_up, layer.gate_up_bias, out=gate_up)
             lib.silu_mul(gate_up_p, n, self.intermediate, act_p)
             np.matmul(act, layer.down_t, out=proj)
+            if layer.down_bias is not None:
+                np.add(proj, layer.down_bias, out=proj)
         lib.add_rms_norm(proj_p, hidden_p, self.final_norm, normed_p, n, size, eps)
         np.matmul(normed, self.lm_head_t, out=logits)
         return self._logits_t[n]
+
+    def _head_norm(self, n: int, first: int, count: int, weight: int) -> None:
+        """RMSNorm over heads ``first:first+count`` of each row of qkv, written back."""
+        d = self.head_dim
+        self.lib.rms_norm(
+            self._ptr["qkv"] + first * d * 4, n, self.qkv_width, count, d, weight, self._ptr["head_norms"], d, self.eps
+        )
+        out = self.head_norms.reshape(-1)[: n * count * d].reshape(n, count * d)
+        self.qkv[:n, first * d : (first + count) * d] = out
