@@ -15,7 +15,11 @@ same context lengths and the shared machine's noise falls on all of them:
 - ``penalties``: + presence 0.5, frequency 0.5, repetition 1.1;
 - ``both``: the two together.
 
-Reported: the median wall time per step of each case and its ratio to ``off``.
+Reported per case: the median wall time and the median CPU time of the
+process (all its threads) per step, each with its ratio to ``off``. On a
+shared machine the CPU time is the steadier of the two: time spent waiting
+for a core is not in it. ``--torch-threads 1`` keeps torch's intra-op
+threads from waiting for each other when another process holds a core.
 """
 
 from __future__ import annotations
@@ -50,8 +54,11 @@ def _prompts(n: int, length: int) -> list[list[int]]:
     return [[1] + [(i * 7919 + j * 131) % 500 + 3 for j in range(length - 1)] for i in range(n)]
 
 
-def _run_case(core, encoder, prompts: list[list[int]], extra: dict, steps: int, tag: str) -> list[float]:
-    """Start the requests, finish their prefill, time ``steps`` decode steps, abort them."""
+def _run_case(
+    core, encoder, prompts: list[list[int]], extra: dict, steps: int, tag: str
+) -> list[tuple[float, float]]:
+    """Start the requests, finish their prefill, time ``steps`` decode steps
+    (wall, process CPU), abort them."""
     params = SamplingParams(max_tokens=MAX_MODEL_LEN - len(prompts[0]), temperature=1.0, ignore_eos=True, **extra)
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     for req_id, prompt in zip(ids, prompts):
@@ -63,11 +70,11 @@ def _run_case(core, encoder, prompts: list[list[int]], extra: dict, steps: int, 
         core.step()
     times = []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         outputs, _ = core.step()
         for message in outputs.values():
             encoder.encode(message)
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start, time.process_time() - start_cpu))
     assert len(scheduler.running) == len(prompts), "a request finished during the measurement"
     core.abort_requests(ids)
     while scheduler.has_requests():
@@ -92,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     core = EngineCore(config)
     encoder = MsgpackEncoder()
     prompts = _prompts(args.requests, args.prompt_len)
-    samples: dict[str, list[float]] = {name: [] for name in CASES}
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in CASES}
     try:
         for name, extra in CASES.items():  # warm-up: first-call costs out of the way
             _run_case(core, encoder, prompts, extra, 4, f"warm-{name}")
@@ -101,12 +108,18 @@ def run(args: argparse.Namespace) -> int:
                 samples[name] += _run_case(core, encoder, prompts, extra, args.steps, f"{name}-{r}")
     finally:
         core.shutdown()
-    base = statistics.median(samples["off"])
+    def medians(times: list[tuple[float, float]]) -> tuple[float, float]:
+        return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
+
+    base_wall, base_cpu = medians(samples["off"])
     print(
         f"sampling: stories260K, {args.requests} decoding requests, {args.rounds} rounds x {args.steps} steps "
-        f"per case, torch threads {torch.get_num_threads()}; engine step + output encoding, median wall time"
+        f"per case, torch threads {torch.get_num_threads()}; engine step + output encoding, medians"
     )
     for name, times in samples.items():
-        median = statistics.median(times)
-        print(f"  {name:10s} {median * 1e3:7.3f} ms/step  {median / base:5.3f}x off  {CASES[name] or ''}")
+        wall, cpu = medians(times)
+        print(
+            f"  {name:10s} wall {wall * 1e3:7.3f} ms/step {wall / base_wall:5.3f}x   "
+            f"CPU {cpu * 1e3:7.3f} ms/step {cpu / base_cpu:5.3f}x   {CASES[name] or ''}"
+        )
     return 0
