@@ -40,20 +40,38 @@ class LogprobsTensors:
 
 
 def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
-    """Entries for ``token_ids`` [M] from their rows of ``logits`` [M, V], k alternatives each.
-
-    A logprob is the logit minus the row's log-sum-exp (log_softmax without
-    materialising it: only k + 1 values per row are wanted).
-    """
+    """Entries for ``token_ids`` [M] from their rows of ``logits`` [M, V], k alternatives each."""
+    logprobs = logits.float().log_softmax(dim=-1)
     token_ids = token_ids.long().unsqueeze(-1)
-    token_logits = logits.gather(-1, token_ids)
-    ranks = (logits >= token_logits).sum(-1, dtype=torch.int32)
-    if k > 0:
-        top_logits, top_ids = logits.topk(k, dim=-1)
-        token_ids = torch.cat((token_ids, top_ids), dim=-1)
-        token_logits = torch.cat((token_logits, top_logits), dim=-1)
-    logprobs = token_logits.float() - logits.float().logsumexp(dim=-1, keepdim=True)
-    return LogprobsTensors(token_ids.to(torch.int32), logprobs, ranks)
+    token_logprobs = logprobs.gather(-1, token_ids)
+    if k == 0:
+        ranks = (logprobs >= token_logprobs).sum(-1, dtype=torch.int32)
+        return LogprobsTensors(token_ids.to(torch.int32), token_logprobs, ranks)
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+    ranks = _ranks(logprobs, token_logprobs, top_logprobs)
+    return LogprobsTensors(
+        torch.cat((token_ids, top_ids), dim=-1).to(torch.int32),
+        torch.cat((token_logprobs, top_logprobs), dim=-1),
+        ranks,
+    )
+
+
+def _ranks(logprobs: torch.Tensor, token_logprobs: torch.Tensor, top_logprobs: torch.Tensor) -> torch.Tensor:
+    """How many tokens are at least as likely as each row's token (its rank).
+
+    A token above its row's k-th alternative is ranked by the top k alone;
+    only the others need a count over the vocabulary. On a CPU, where a
+    comparison over [M, V] costs more than the rest of this module, just those
+    rows are counted; on a GPU, where picking them would make the host wait,
+    all rows are.
+    """
+    if logprobs.device.type != "cpu":
+        return (logprobs >= token_logprobs).sum(-1, dtype=torch.int32)
+    ranks = (top_logprobs >= token_logprobs).sum(-1, dtype=torch.int32)
+    below = (token_logprobs[:, 0] <= top_logprobs[:, -1]).nonzero()[:, 0]
+    if below.numel():
+        ranks[below] = (logprobs[below] >= token_logprobs[below]).sum(-1, dtype=torch.int32)
+    return ranks
 
 
 def split_rows(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], k: int, start: int, stop: int) -> LogprobsArrays:

@@ -37,13 +37,19 @@ NO_TOP_K = 2**62
 class Penalties:
     """The penalised rows' penalties for one step, already folded from their history.
 
-    ``factor`` is the repetition penalty on tokens of the prompt or the
-    output and 1 elsewhere; ``offset`` is minus frequency times the token's
-    count in the output, minus presence for tokens in the output.
+    A logit x becomes ``x * factor + max(x, 0) * correction + offset``:
+    ``factor`` is the repetition penalty r on tokens of the prompt or the
+    output (1 elsewhere) and ``correction`` is 1/r - r there, so a positive
+    logit is divided by r and any other multiplied by it (Hugging Face's
+    definition) with arithmetic alone: on a CPU a comparison or a select
+    over the logits costs several times a multiply-add. ``offset`` is minus
+    frequency times the token's count in the output, minus presence for
+    tokens in the output.
     """
 
     rows: torch.Tensor | None  # [M] logits rows; None: every row
     factor: torch.Tensor  # [M, V] float32
+    correction: torch.Tensor  # [M, V] float32
     offset: torch.Tensor  # [M, V] float32
 
 
@@ -115,11 +121,10 @@ def _take_rows(tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
-    """Penalised logits (a new tensor): positive logits divided by the factor,
-    negative ones multiplied (Hugging Face's repetition penalty), then the offset."""
+    """Penalised logits (a new tensor), as ``Penalties`` describes."""
 
     def penalise(x: torch.Tensor) -> torch.Tensor:
-        return torch.where(x > 0, x / p.factor, x * p.factor).add_(p.offset)
+        return torch.addcmul(p.offset, x, p.factor).addcmul_(torch.relu(x), p.correction)
 
     if p.rows is None:
         return penalise(logits)

@@ -7,11 +7,10 @@ lives on the device in ``SlotTable`` rows that only the requests using it
 get; a row refers to its slot, so swapping rows never copies a
 vocabulary-sized row:
 
-- penalties, folded: a factor row (the repetition penalty on tokens of the
-  prompt or output, 1 elsewhere) and an offset row (minus frequency times
-  count, minus presence once generated), plus the generated-token counts.
-  Each sampled token updates them by a delta (a few cells), so a step reads
-  two rows per request, whatever the history's length;
+- penalties, folded (``core.worker.sampler.Penalties``): factor,
+  correction and offset rows, plus a row marking the generated tokens. Each
+  sampled token updates them by a delta (four cells), so a step reads three
+  rows per request, whatever the history's length;
 - the additive bias row of logit_bias / allowed_token_ids / single-token
   bad words, fixed for the request's life.
 
@@ -80,15 +79,15 @@ class SamplingBatch:
         self.vocab_size = vocab_size
         self.device = device
         self.processed_logprobs = processed_logprobs
-        self.params: list[SamplingParams | None] = [None] * n
         self.generators: list[torch.Generator | None] = [None] * n
         self.temperature = np.ones(n, np.float32)  # 1.0 on greedy rows
         self.greedy = np.zeros(n, np.bool_)
         self.top_k = np.full(n, NO_TOP_K, np.int64)
         self.top_p = np.ones(n, np.float32)
         self.min_p = np.zeros(n, np.float32)
-        # repetition, frequency, presence penalty per row (what a sampled token adds to its slot)
-        self.penalty_params = np.zeros((n, 3), np.float32)
+        # What a sampled token writes into its slot: factor r, correction 1/r - r, presence,
+        # frequency + presence.
+        self.penalty_params = np.zeros((n, 4), np.float32)
         self.num_logprobs = np.full(n, -1, np.int64)  # alternatives per sampled token; -1: none
         # Alternatives per prompt token while the prompt's logprobs are still owed; -1 otherwise.
         self.prompt_logprobs = np.full(n, -1, np.int64)
@@ -101,8 +100,10 @@ class SamplingBatch:
         self.features: list[tuple[str, ...]] = [() for _ in range(n)]
         self.num_rows_with = dict.fromkeys(_FEATURES, 0)
         v = vocab_size
-        # "folded": [factor, offset] rows read every step; "counts": read only to update them.
-        self.penalty_table = SlotTable(device, {"folded": ((2, v), torch.float32), "counts": ((v,), torch.float32)})
+        # Planes of a penalised request: factor, correction, offset (read every step) and
+        # seen (1 for generated tokens, read only to update the others).
+        self.penalty_table = SlotTable(device, {"planes": ((4, v), torch.float32)})
+        self._plane_offsets = torch.arange(4, device=device) * v
         self.bias_table = SlotTable(device, {"bias": ((v,), torch.float32)})
 
     # ------------------------------------------------------------ rows
@@ -118,7 +119,6 @@ class SamplingBatch:
         prompt_is_embeds: bool = False,
     ) -> None:
         """Fill ``row`` for a request whose known tokens are ``token_ids`` (prompt first)."""
-        self.params[row] = params
         self.generators[row] = generator
         greedy = params.greedy
         self.greedy[row] = greedy
@@ -126,7 +126,9 @@ class SamplingBatch:
         self.top_k[row] = params.top_k if params.top_k > 0 else NO_TOP_K
         self.top_p[row] = params.top_p
         self.min_p[row] = params.min_p
-        self.penalty_params[row] = (params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
+        r = params.repetition_penalty
+        presence = params.presence_penalty
+        self.penalty_params[row] = (r, 1.0 / r - r, presence, params.frequency_penalty + presence)
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         owed = params.prompt_logprobs is not None and len(token_ids) == num_prompt_tokens
         self.prompt_logprobs[row] = params.prompt_logprobs if owed else -1
@@ -170,13 +172,15 @@ class SamplingBatch:
         ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64), device=self.device)
         output = ids[num_prompt:]
         # Placeholder ids stand for prompt embeddings: no prompt tokens to penalise.
-        seen = output if prompt_is_embeds else ids
-        counts = table["counts"][slot]
-        counts.index_add_(0, output, torch.ones(output.shape, device=self.device))
-        factor, offset = table["folded"][slot]
+        repeated = output if prompt_is_embeds else ids
+        counts = torch.bincount(output, minlength=self.vocab_size).float()
+        factor, correction, offset, seen = table["planes"][slot]
+        r = params.repetition_penalty
         factor.fill_(1.0)
-        factor[seen] = params.repetition_penalty
-        offset.copy_(-(params.frequency_penalty * counts + params.presence_penalty * (counts > 0)))
+        factor[repeated] = r
+        correction.copy_(1.0 / factor - factor)
+        seen.copy_(counts > 0)
+        offset.copy_(-(params.frequency_penalty * counts + params.presence_penalty * seen))
         return slot
 
     def _fill_bias_slot(self, params: SamplingParams, banned: list[int]) -> int:
@@ -199,7 +203,6 @@ class SamplingBatch:
         for name in self.features[row]:
             self.num_rows_with[name] -= 1
         self.features[row] = ()
-        self.params[row] = None
         self.generators[row] = None
         if self.penalty_slot[row] >= 0:
             self.penalty_table.release(int(self.penalty_slot[row]))
@@ -216,9 +219,9 @@ class SamplingBatch:
             self.penalty_slot, self.bias_slot,
         ):
             array[dst] = array[src]
-        for lst in (self.params, self.generators, self.min_tokens_stops, self.bad_words, self.features):
+        for lst in (self.generators, self.min_tokens_stops, self.bad_words, self.features):
             lst[dst] = lst[src]
-        self.params[src] = self.generators[src] = None
+        self.generators[src] = None
         self.features[src] = ()
         self.penalty_slot[src] = self.bias_slot[src] = -1
 
@@ -248,15 +251,16 @@ class SamplingBatch:
         picked = np.flatnonzero(slots >= 0)
         if not picked.size:
             return
-        table = self.penalty_table
-        counts, folded = table["counts"], table["folded"]
-        slot = self._tensor(slots[picked])
+        planes = self.penalty_table["planes"]
         token = token_ids if picked.size == len(rows) else token_ids[self._tensor(picked)]
-        repetition, frequency, presence = self._tensor(self.penalty_params[rows[picked]]).unbind(1)
-        before = counts[slot, token]
-        counts[slot, token] = before + 1
-        folded[slot, 0, token] = repetition
-        folded[slot, 1, token] = folded[slot, 1, token] - frequency - presence * (before == 0)
+        # The token's cell in each of its slot's four planes, as indices into the flat table.
+        cells = (self._tensor(slots[picked]) * planes[0].numel() + token)[:, None] + self._plane_offsets
+        flat = planes.view(-1)
+        old = flat[cells]
+        p = self._tensor(self.penalty_params[rows[picked]])
+        # Presence is charged once: the seen plane gives it back to tokens already generated.
+        offset = torch.addcmul(old[:, 2], p[:, 2], old[:, 3]).sub_(p[:, 3])
+        flat[cells] = torch.stack((p[:, 0], p[:, 1], offset, torch.ones_like(offset)), dim=1)
 
     def metadata(self, rows: np.ndarray, num_tokens: np.ndarray, token_ids: np.ndarray) -> SamplingMetadata:
         """This step's metadata for the batch ``rows`` that sample, in sampling order.
@@ -306,10 +310,13 @@ class SamplingBatch:
         picked = np.flatnonzero(slots >= 0)
         if not picked.size:
             return None
-        folded = self.penalty_table["folded"].index_select(0, self._tensor(slots[picked]))
+        planes = self.penalty_table["planes"].index_select(0, self._tensor(slots[picked]))
         every_row = picked.size == len(rows)
         return Penalties(
-            rows=None if every_row else self._tensor(picked), factor=folded[:, 0], offset=folded[:, 1]
+            rows=None if every_row else self._tensor(picked),
+            factor=planes[:, 0],
+            correction=planes[:, 1],
+            offset=planes[:, 2],
         )
 
     def _banned(
