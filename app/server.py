@@ -1,12 +1,14 @@
 """The Starlette application: routes, OpenAI-shaped errors, optional API key.
 
 Routes: GET /health, GET /v1/models, POST /v1/completions,
-POST /v1/chat/completions, GET /engine/stats (scheduler counters, for
-operators and tests) and POST /reset_prefix_cache (as in vLLM; 409 while
-requests run, unless ``?reset_running_requests=true``), plus the chat page
-(app/ui.py) unless it is disabled. Every error, including unknown routes, has
-OpenAI's ``{"error": {...}}`` body. With an API key, every route but /health
-and the page's own files requires ``Authorization: Bearer <key>``.
+POST /v1/chat/completions, GET /metrics (Prometheus, app/metrics.py),
+GET /engine/stats (scheduler counters, for operators and tests), POST
+/reset_prefix_cache (as in vLLM; 409 while requests run, unless
+``?reset_running_requests=true``), the control routes of app/control.py, and
+the chat page (app/ui.py) unless it is disabled. Every error, including
+unknown routes, has OpenAI's ``{"error": {...}}`` body. With an API key,
+every route but /health and the page's own files requires
+``Authorization: Bearer <key>``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from app.control import ControlClient, control_routes
 from app.errors import (
     AuthenticationError,
     BadRequestError,
@@ -29,10 +32,10 @@ from app.errors import (
     MethodNotAllowedError,
     NotFoundError,
     OpenAIError,
+    ServiceUnavailableError,
     error_body,
 )
 from app.serving import (
-    EngineClient,
     EventStreamResponse,
     OpenAIServing,
     as_openai_error,
@@ -66,7 +69,7 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> 
 
 
 def build_app(
-    engine: EngineClient,
+    engine: ControlClient,
     served_model_name: str,
     max_model_len: int,
     api_key: str | None = None,
@@ -74,6 +77,8 @@ def build_app(
     *,
     model_aliases: Sequence[str] = (),
     enable_ui: bool = True,
+    enable_sleep_mode: bool = False,
+    enable_dev_endpoints: bool = False,
 ) -> Starlette:
     serving = OpenAIServing(engine, served_model_name, max_model_len, chat_template, model_aliases)
     expected_auth = f"Bearer {api_key}".encode() if api_key else None
@@ -103,13 +108,25 @@ def build_app(
     async def models(request: Request) -> Response:
         return serving.list_models()
 
+    def check_awake() -> None:
+        if engine.sleeping:
+            raise ServiceUnavailableError(
+                "The model is asleep (POST /sleep) and serves no requests; POST /wake_up to wake it."
+            )
+
     async def completions(request: Request) -> Response:
+        check_awake()
         body = await request.body()
         return await _cancel_on_disconnect(request, serving.create_completion(body))
 
     async def chat_completions(request: Request) -> Response:
+        check_awake()
         body = await request.body()
         return await _cancel_on_disconnect(request, serving.create_chat_completion(body))
+
+    async def metrics(request: Request) -> Response:
+        body, content_type = engine.render_metrics()
+        return Response(body, headers={"Content-Type": content_type})
 
     async def engine_stats(request: Request) -> Response:
         stats = await engine.get_scheduler_stats()
@@ -142,9 +159,13 @@ def build_app(
         Route("/v1/models", openai_route(models), methods=["GET"]),
         Route("/v1/completions", openai_route(completions), methods=["POST"]),
         Route("/v1/chat/completions", openai_route(chat_completions), methods=["POST"]),
+        Route("/metrics", openai_route(metrics), methods=["GET"]),
         Route("/engine/stats", openai_route(engine_stats), methods=["GET"]),
         Route("/reset_prefix_cache", openai_route(reset_prefix_cache), methods=["POST"]),
     ]
+    routes += control_routes(
+        engine, openai_route, enable_sleep_mode=enable_sleep_mode, enable_dev_endpoints=enable_dev_endpoints
+    )
     if enable_ui:
         routes += ui_routes(api_key_required=expected_auth is not None)
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error})

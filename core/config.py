@@ -43,6 +43,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Schedule step N+1 while step N runs on the executor's worker thread.
     async_scheduling: bool = False
     engine_drain_timeout: float = 5.0  # seconds the engine drains on SIGTERM
+    # Attach scheduler and engine stats to outputs (the frontend's metrics);
+    # off with --disable-log-stats, as in vLLM.
+    log_stats: bool = True
+    # Allow the sleep/wake_up utilities (--enable-sleep-mode).
+    enable_sleep_mode: bool = False
     hf_config: dict[str, Any] | None = None  # the checkpoint's config.json, set by resolve()
 
     @property
