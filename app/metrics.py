@@ -74,7 +74,7 @@ REQUEST_LATENCY_BUCKETS = [
 ]
 ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
-FLUSH_INTERVAL_S = 0.1
+FLUSH_INTERVAL_S = 0.1  # at most this stale between scrapes (another process's /metrics, multiprocess mode)
 LABELS = ("model_name", "engine")
 
 
@@ -96,7 +96,13 @@ def multiprocess_dir() -> str | None:
 
 
 class _Observations:
-    """One histogram series' observations, counted here and added to prometheus_client in bulk."""
+    """One histogram series' observations, counted here and added to prometheus_client in bulk.
+
+    prometheus_client has no bulk observe, so ``flush`` adds to the child's
+    bucket and sum values directly (``_upper_bounds``, ``_buckets``,
+    ``_sum``: internals of the pinned version, the same in its multiprocess
+    mode, whose values are files); tests/test_metrics.py checks the result.
+    """
 
     __slots__ = ("_child", "_bounds", "_counts", "_sum", "_pending")
 

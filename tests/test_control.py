@@ -271,3 +271,42 @@ def test_offline_client_pause_wait_steps_the_engine_until_drained(stories_dir) -
             client.pause_scheduler("later")
     finally:
         client.shutdown()
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_scheduler_pause_modes_hold_new_requests_and_keep_outputs_exact(pipelined: bool) -> None:
+    from tests.support.scheduler_harness import Harness, expected_outputs, make_config, make_request
+
+    h = Harness(make_config(), num_blocks=40)
+    run = h.run_pipelined if pipelined else h.run
+    h.add(make_request("a", 6, max_tokens=12))
+    h.add(make_request("b", 5, max_tokens=12))
+    for _ in range(3):
+        h.step()
+
+    assert h.scheduler.pause("keep") == []
+    h.add(make_request("new", 4, max_tokens=3))
+    frozen = {r: list(h.results[r].token_ids) for r in ("a", "b")}
+    assert not h.scheduler.has_requests()  # nothing to schedule: the engine idles
+    assert h.scheduler.make_stats().num_waiting_reqs == 1 and len(h.scheduler.running) == 2
+    h.scheduler.pause("wait")  # "a" and "b" may finish, "new" is still held
+    run()
+    assert {r: h.results[r].token_ids for r in ("a", "b")} == {
+        "a": expected_outputs("a", 6, 12), "b": expected_outputs("b", 5, 12)
+    }
+    assert all(len(frozen[r]) < 12 for r in frozen) and h.results["new"].token_ids == []
+    h.scheduler.resume()
+    run()
+    assert h.results["new"].token_ids == expected_outputs("new", 4, 3)
+
+    h.add(make_request("c", 6, max_tokens=20))
+    h.step()
+    aborted = h.scheduler.pause("abort")
+    h.add(make_request("d", 3, max_tokens=2))  # held, not aborted
+    assert [r.request_id for r in aborted] == ["c"] and "c" not in h.scheduler.requests
+    run()
+    assert h.results["d"].token_ids == []
+    h.scheduler.resume()
+    run()
+    assert h.results["d"].token_ids == expected_outputs("d", 3, 2)
+    h.assert_no_leak()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -100,6 +101,11 @@ async def test_metrics_move_by_exactly_the_requests_served(stories_dir) -> None:
     assert bucket_bounds(after, "vllm:request_prompt_tokens", **LABELS)[:-1] == [1, 2, 5, 10, 20, 50]  # max_model_len 64
     info = [dict(labels) for (name, labels) in after if name == "vllm:cache_config_info"]
     assert info and info[0]["block_size"] == "16" and info[0]["engine"] == "0"
+    # The example dashboard queries only series that exist.
+    dashboard = (Path(__file__).parents[1] / "examples" / "grafana.json").read_text()
+    queried = set(re.findall(r"(?:vllm|ringllm):\w+", dashboard))
+    exposed = {name for name, _ in after}
+    assert queried and queried <= exposed, queried - exposed
 
 
 async def test_kv_cache_usage_moves_while_a_long_request_runs(stories_dir) -> None:
