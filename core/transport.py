@@ -199,7 +199,9 @@ class EngineTransport:
 
             channel: Channel = ZmqDuplex.attach(spec.channel)
         else:
-            channel = Duplex.attach(spec.channel)
+            # The input thread sleeps on its doorbell rather than spinning: a
+            # spinning Python thread takes the GIL from the busy loop's thread.
+            channel = Duplex.attach(spec.channel, spin_s=0.0)
             if spec.to_engine_pool and spec.to_client_pool:
                 pools = (TensorPool.attach(spec.to_engine_pool), TensorPool.attach(spec.to_client_pool))
         try:

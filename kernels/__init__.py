@@ -106,13 +106,13 @@ def paged_attention(
     backend = _attention_backend(query)
     if backend is not torch_ref or not (cpu.usable(query, k_cache) and _heads_contiguous(query)):
         return backend.paged_attention(query, k_cache, v_cache, meta, scale, out)
-    step = torch_ref.plan(meta, k_cache.shape[1], query.device)
+    step = torch_ref.plan(meta, k_cache.shape[1], query.device, cpu.ROW_PAIRS_LIMIT)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype)
-    if step.num_decodes:
+    if step.query_rows is not None:
         cpu.paged_decode_attention(
-            query, k_cache, v_cache, meta.block_tables, step.decode_tokens, step.decode_requests,
-            step.decode_seq_lens, step.decode_len, scale, out,
+            query, k_cache, v_cache, meta.block_tables, step.query_rows, step.query_tables,
+            step.query_seq_lens, step.query_max_len, scale, out,
         )
     torch_ref.attend_prefills(query, k_cache, v_cache, step, scale, out)
     return out

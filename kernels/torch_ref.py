@@ -99,38 +99,50 @@ class _Prefill:
 
 @dataclass
 class CpuAttentionPlan:
-    """What every layer of one step needs to know, worked out once."""
+    """What every layer of one step needs to know, worked out once.
+
+    ``query_*`` list the rows that the C kernel attends one query at a time
+    (kernels/cpu): the decodes, plus, when the plan is built with a
+    ``row_pairs_limit``, every token of the prefill chunks small enough
+    (query length x context length at most the limit) for that to beat a
+    batched SDPA call; ``prefills`` are the chunks left to SDPA. The torch
+    path builds it with no limit and batches its decodes itself.
+    """
 
     decode_rows: torch.Tensor | None  # token rows of the decodes; None when every token is a decode
     decode_blocks: torch.Tensor | None  # [num_decodes * blocks] int64, padded with valid ids
-    decode_tokens: torch.Tensor | None  # int64 token row of each decode (for the C kernel)
-    decode_requests: torch.Tensor | None  # int64 block-table row of each decode
-    decode_seq_lens: torch.Tensor | None  # int64 context length of each decode
     num_decodes: int
     decode_len: int  # longest decode context: the padded length
     decode_mask: torch.Tensor | None  # [B, 1, 1, S] additive mask (-inf on padding), None if no padding
+    query_rows: torch.Tensor | None  # int64 token row of each single query
+    query_tables: torch.Tensor | None  # int64 block-table row of each
+    query_seq_lens: torch.Tensor | None  # int64 context length each one sees (causal)
+    query_max_len: int
     prefills: list[_Prefill]
 
     @classmethod
-    def build(cls, meta: AttentionMetadata, block_size: int, device: torch.device) -> CpuAttentionPlan:
+    def build(
+        cls, meta: AttentionMetadata, block_size: int, device: torch.device, row_pairs_limit: int = 0
+    ) -> CpuAttentionPlan:
         qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         decodes = [r for r in range(meta.num_reqs) if qsl[r + 1] - qsl[r] == 1]
         tables = meta.block_tables
-        decode_rows = decode_blocks = decode_mask = decode_tokens = decode_requests = decode_lens = None
+        decode_rows = decode_blocks = decode_mask = None
         decode_len = 0
+        rows: list[int] = []
+        row_tables: list[int] = []
+        row_lens: list[int] = []
         if decodes:
             lens = [seq_lens[r] for r in decodes]
             decode_len = max(lens)
             num_blocks = -(-decode_len // block_size)
-            rows = torch.tensor(decodes, dtype=torch.int64, device=device)
+            reqs = torch.tensor(decodes, dtype=torch.int64, device=device)
             # Rows past a shorter context point at valid blocks (table padding), masked below.
-            decode_blocks = tables.index_select(0, rows)[:, :num_blocks].reshape(-1).long()
-            tokens = [qsl[r] for r in decodes]
-            decode_tokens = torch.tensor(tokens, dtype=torch.int64, device=device)
-            decode_requests = rows
-            decode_lens = torch.tensor(lens, dtype=torch.int64, device=device)
-            if tokens != list(range(qsl[meta.num_reqs])):
-                decode_rows = decode_tokens
+            decode_blocks = tables.index_select(0, reqs)[:, :num_blocks].reshape(-1).long()
+            rows = [qsl[r] for r in decodes]
+            row_tables, row_lens = list(decodes), list(lens)
+            if rows != list(range(qsl[meta.num_reqs])):
+                decode_rows = torch.tensor(rows, dtype=torch.int64, device=device)
             if min(lens) != decode_len:
                 pad = torch.arange(decode_len, device=device)[None, :] >= torch.tensor(lens, device=device)[:, None]
                 decode_mask = torch.zeros(pad.shape, device=device).masked_fill_(pad, float("-inf"))[:, None, None]
@@ -140,23 +152,34 @@ class CpuAttentionPlan:
             q_len, seq_len = end - start, seq_lens[r]
             if q_len <= 1:
                 continue
+            if q_len * seq_len <= row_pairs_limit:  # token i sees the context up to its own position
+                first = seq_len - q_len + 1
+                rows += range(start, end)
+                row_tables += [r] * q_len
+                row_lens += range(first, seq_len + 1)
+                continue
             block_ids = tables[r, : -(-seq_len // block_size)].long()
             mask, causal = None, q_len == seq_len  # no cached prefix: the plain causal mask
             if not causal:
                 q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
                 mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
             prefills.append(_Prefill(start, end, block_ids, seq_len, mask, causal))
+        query_rows = query_tables = query_lens = None
+        if rows:
+            query_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+            query_tables = torch.tensor(row_tables, dtype=torch.int64, device=device)
+            query_lens = torch.tensor(row_lens, dtype=torch.int64, device=device)
         return cls(
-            decode_rows, decode_blocks, decode_tokens, decode_requests, decode_lens, len(decodes), decode_len,
-            decode_mask, prefills,
+            decode_rows, decode_blocks, len(decodes), decode_len, decode_mask, query_rows, query_tables,
+            query_lens, max(row_lens, default=0), prefills,
         )
 
 
-def plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> CpuAttentionPlan:
+def plan(meta: AttentionMetadata, block_size: int, device: torch.device, row_pairs_limit: int = 0) -> CpuAttentionPlan:
     """The step's plan, built by the first layer that asks and cached on ``meta``."""
     plan = meta.cpu_plan
     if plan is None:
-        plan = meta.cpu_plan = CpuAttentionPlan.build(meta, block_size, device)
+        plan = meta.cpu_plan = CpuAttentionPlan.build(meta, block_size, device, row_pairs_limit)
     return plan
 
 

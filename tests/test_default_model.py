@@ -72,7 +72,10 @@ def test_streamed_chat_arrives_in_many_chunks_of_readable_text(server) -> None:
     chunks = list(stream)
     pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     text = "".join(pieces)
-    assert len(pieces) >= 8, pieces
+    # More than one chunk: when the engine is ahead of the stream (a short
+    # reply takes milliseconds), deltas are merged by design, so how many
+    # depends on timing; one chunk would mean no streaming at all.
+    assert len(pieces) >= 2, pieces
     assert "\ufffd" not in text and text.isascii() and text.isprintable(), text
     words = text.split()
     assert len(words) >= 5 and sum(w.strip(".,!?'").isalpha() for w in words) >= 0.8 * len(words), text

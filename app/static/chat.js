@@ -7,6 +7,7 @@ const $ = (id) => document.getElementById(id);
 const ui = {
   model: $("model"), modelInfo: $("model-info"), keyRow: $("api-key-row"), key: $("api-key"),
   settings: $("settings"), temperature: $("temperature"), maxTokens: $("max-tokens"), topP: $("top-p"),
+  ignoreEos: $("ignore-eos"),
   logs: { chat: $("log-chat"), completion: $("log-completion") },
   status: $("status"), form: $("composer"), prompt: $("prompt"), promptLabel: $("prompt-label"),
   send: $("send"), stop: $("stop"), clear: $("clear"),
@@ -136,6 +137,7 @@ function requestBody() {
     temperature: numberFrom(ui.temperature, 1),
     top_p: numberFrom(ui.topP, 1),
     max_tokens: Math.max(1, Math.round(numberFrom(ui.maxTokens, 128))),
+    ignore_eos: ui.ignoreEos.checked,  // a vLLM extension: generate up to max_tokens
   };
 }
 
@@ -165,8 +167,12 @@ function formatStats(s) {
   const approx = s.usageTokens === null ? "≈" : "";
   const tokens = s.usageTokens ?? s.chunks;
   parts.push(`${approx}${tokens} tokens`);
+  // Decode speed between the first and last token; when the whole answer came
+  // in one network read (a fast server, a short answer), over the whole request.
   if (tokens > 1 && s.last > s.first) {
     parts.push(`${((tokens - 1) / ((s.last - s.first) / 1000)).toFixed(1)} tokens/s`);
+  } else if (tokens > 1 && s.last > s.start) {
+    parts.push(`${(tokens / ((s.last - s.start) / 1000)).toFixed(1)} tokens/s`);
   }
   if (s.first !== null) parts.push(`TTFT ${Math.round(s.first - s.start)} ms`);
   if (s.finish) parts.push(s.finish === "aborted" ? "stopped" : `finish: ${s.finish}`);
@@ -186,6 +192,19 @@ async function run(article, path, body, onText) {
   ui.send.disabled = true;
   ui.stop.disabled = false;
   setStatus("");
+  // Text is shown in batches: a fast server sends hundreds of chunks a
+  // second, and rendering each one would starve the page (and the Stop
+  // button) of the main thread. Every ~30 ms the loop shows what arrived
+  // and yields, so clicks and painting get their turn.
+  let pending = "";
+  let shownAt = performance.now();
+  const show = () => {
+    const log = article.parentElement;
+    const atBottom = log.scrollHeight - log.scrollTop - log.clientHeight < 48;
+    if (pending) { output.appendData(pending); pending = ""; }
+    statsLine.textContent = formatStats(stats);
+    if (atBottom) log.scrollTop = log.scrollHeight;  // follow the answer unless the user scrolled up
+  };
   try {
     const response = await fetch(path, {
       method: "POST", headers: headers(), body: JSON.stringify(body), signal: controller.signal,
@@ -197,20 +216,22 @@ async function run(article, path, body, onText) {
       for (const choice of event.choices || []) {
         const piece = choice.delta ? choice.delta.content : choice.text;
         if (piece) {
-          const log = article.parentElement;
-          const atBottom = log.scrollHeight - log.scrollTop - log.clientHeight < 48;
           const now = performance.now();
           if (stats.first === null) stats.first = now;
           stats.last = now;
           stats.chunks += 1;
-          output.data += piece;
+          pending += piece;
           onText(piece);
-          if (atBottom) log.scrollTop = log.scrollHeight;  // follow the answer unless the user scrolled up
         }
         if (choice.finish_reason) stats.finish = choice.finish_reason;
       }
-      statsLine.textContent = formatStats(stats);
+      if (stats.chunks === 1 || performance.now() - shownAt > 30) {
+        show();
+        await new Promise((resolve) => setTimeout(resolve, 0));
+        shownAt = performance.now();
+      }
     }
+    show();
     article.dataset.state = "done";
   } catch (err) {
     if (controller.signal.aborted) {
@@ -223,7 +244,7 @@ async function run(article, path, body, onText) {
       article.append(line);
     }
   } finally {
-    statsLine.textContent = formatStats(stats);
+    show();
     article.removeAttribute("aria-busy");
     state.controller = null;
     ui.send.disabled = false;

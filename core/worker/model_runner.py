@@ -40,6 +40,7 @@ from core.sched.output import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from core.worker.cpu_decode import DecodeProgram
 from core.worker.async_output import (
     PLACEHOLDER_TOKEN_ID,
     AsyncModelRunnerOutput,
@@ -67,6 +68,32 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+@dataclass
+class _Staged:
+    """One step's host-side layout, its inputs written to the runner's host buffers."""
+
+    req_ids: list[str]
+    rows: np.ndarray  # persistent-batch row of each scheduled request
+    counts: np.ndarray  # tokens scheduled per request
+    cu: np.ndarray  # their prefix sums
+    starts: np.ndarray  # first flat token of each request
+    computed: np.ndarray  # tokens in the KV cache before this step
+    seq_lens: np.ndarray  # context length of each request after this step
+    sample: np.ndarray  # indices into req_ids of the requests that sample a token
+    total: int  # tokens scheduled
+    max_query_len: int
+    embeds_rows: list[tuple[int, int]]  # requests whose chunk covers prompt embeddings
+    decode_size: int | None  # padded batch size of a decode-only step (CUDA graphs), None otherwise
+
+    @property
+    def plain_decode(self) -> bool:
+        """One token per request, every one sampled, no embeddings, no padding."""
+        return (
+            self.max_query_len == 1 and self.sample.size == len(self.req_ids) and not self.embeds_rows
+            and self.decode_size is None
+        )
 
 
 @dataclass
@@ -103,6 +130,9 @@ class ModelRunner:
         self.max_model_len = config.max_model_len
         self.max_blocks_per_req = math.ceil(self.max_model_len / self.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, self.max_model_len, self.max_blocks_per_req)
+        max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        self._arange = np.arange(max_tokens + 1, dtype=np.int64)  # sliced, never written
+        self._ones = np.ones(max_tokens, dtype=np.int64)
         self.buffers = InputBuffers(
             max(config.max_num_batched_tokens, config.max_num_seqs),
             config.max_num_seqs,
@@ -116,8 +146,9 @@ class ModelRunner:
         self.defer_sampled_tokens = on_gpu or self.emulate_gpu_paths
         self.deferred = DeferredTokens()
         self._copy_stream = torch.cuda.Stream(self.device) if on_gpu else None
-        # Set up with the KV cache, which the graphs read in place.
+        # Set up with the KV cache, which the graphs (and the CPU decode program) read in place.
         self.decode_graphs: DecodeGraphs | None = None
+        self.cpu_decode: DecodeProgram | None = None
         fail_after = os.environ.get(FAIL_AFTER_STEPS_ENV)
         self._steps_before_failure = int(fail_after) if fail_after else None
 
@@ -209,6 +240,8 @@ class ModelRunner:
             )
             for _ in range(self.hf_config["num_hidden_layers"])
         ]
+        if self.device.type == "cpu" and not self.emulate_gpu_paths:
+            self.cpu_decode = DecodeProgram.build(self.model, self.kv_caches, self.buffers, self.max_model_len)
         capture = self.device.type == "cuda" and not self.config.enforce_eager
         if capture or self.emulate_gpu_paths:
             sizes = decode_batch_sizes(self.config.max_num_seqs, self.config.max_num_batched_tokens)
@@ -270,7 +303,16 @@ class ModelRunner:
             if self._steps_before_failure == 0:
                 raise RuntimeError(f"fault injected by {FAIL_AFTER_STEPS_ENV}")
             self._steps_before_failure -= 1
-        step = self._prepare_inputs(so)
+        staged = self._stage_inputs(so)
+        batch = self.input_batch
+        if self.cpu_decode is not None and staged.plain_decode:
+            # A decode step on a CPU: the prepared kernel sequence, logits included.
+            batch.num_computed_tokens[staged.rows] = staged.seq_lens
+            logits = self.cpu_decode.run(len(staged.req_ids))
+            sample_rows = staged.rows
+            metadata = SamplingMetadata.from_rows([batch.sampling[r] for r in sample_rows])
+            return self._sampled_output(staged, sample_rows, self.sampler(logits, metadata))
+        step = self._device_inputs(staged)
         if step.decode_size is not None:
             assert self.decode_graphs is not None
             size, meta = step.decode_size, step.meta
@@ -279,7 +321,6 @@ class ModelRunner:
             hidden = self.model(
                 step.input_ids, step.positions, self.kv_caches, step.meta, inputs_embeds=step.inputs_embeds
             )
-        batch = self.input_batch
         batch.num_computed_tokens[step.rows] = step.seq_lens
         if step.logits_indices is None:
             return ModelRunnerOutput(
@@ -298,7 +339,7 @@ class ModelRunner:
         return self.model(b.input_ids.device[:size], b.positions.device[:size], self.kv_caches, meta)
 
     def _sampled_output(
-        self, step: _StepInputs, sample_rows: np.ndarray, token_ids: torch.Tensor
+        self, step: _Staged | _StepInputs, sample_rows: np.ndarray, token_ids: torch.Tensor
     ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         """Append the sampled tokens to the persistent batch and report them.
 
@@ -325,38 +366,44 @@ class ModelRunner:
                 self.deferred.add(req_ids[i], tokens, k, position)
         return AsyncModelRunnerOutput(req_ids, step.sample.tolist(), tokens)
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> _StepInputs:
-        """Stage this step's inputs in the host buffers and send them to the device."""
+    def _stage_inputs(self, so: SchedulerOutput) -> _Staged:
+        """Lay the step out and write its inputs to the host buffers (numpy only)."""
         batch = self.input_batch
         req_ids = list(so.num_scheduled_tokens)
         num_reqs = len(req_ids)
         rows = np.fromiter((batch.req_id_to_index[r] for r in req_ids), np.int64, num_reqs)
-        counts = np.fromiter(so.num_scheduled_tokens.values(), np.int64, num_reqs)
-        cu = np.cumsum(counts)
-        total = int(cu[-1])
-        starts = cu - counts
-        tok_req = np.repeat(np.arange(num_reqs), counts)
         computed = batch.num_computed_tokens[rows]
-        seq_lens = computed + counts
-        max_query_len = int(counts.max())
+        b = self.buffers
+        b.wait_for_copies()
+        bs = self.block_size
+        if so.total_num_scheduled_tokens == num_reqs:  # decodes only: one token each, at its position
+            total, max_query_len = num_reqs, 1
+            counts = self._ones[:num_reqs]
+            cu = self._arange[1 : num_reqs + 1]
+            starts = self._arange[:num_reqs]
+            seq_lens = computed + 1
+            positions = b.positions.np[:total]
+            positions[:] = computed
+            tok_rows = rows
+        else:
+            counts = np.fromiter(so.num_scheduled_tokens.values(), np.int64, num_reqs)
+            cu = np.cumsum(counts)
+            total = int(cu[-1])
+            starts = cu - counts
+            tok_req = np.repeat(self._arange[:num_reqs], counts)
+            seq_lens = computed + counts
+            max_query_len = int(counts.max())
+            positions = b.positions.np[:total]
+            np.add(computed[tok_req], self._arange[:total] - starts[tok_req], out=positions)
+            tok_rows = rows[tok_req]
         # Sample only where the chunk reaches the end of the known tokens.
         sample = np.nonzero(seq_lens >= batch.num_tokens[rows])[0]
         embeds_rows = self._prompt_embeds_rows(rows, computed)
-
         decode_size = None
         if max_query_len == 1 and not embeds_rows and self.decode_graphs is not None:
             decode_size = self.decode_graphs.padded_size(num_reqs)
-        num_tokens = num_padded_reqs = decode_size or total
-        if decode_size is None:
-            num_padded_reqs = num_reqs
 
-        b = self.buffers
-        b.wait_for_copies()
-        positions = b.positions.np[:total]
-        np.add(computed[tok_req], np.arange(total) - starts[tok_req], out=positions)
-        tok_rows = rows[tok_req]
         b.input_ids.np[:total] = batch.token_ids[tok_rows, positions]
-        bs = self.block_size
         b.slot_mapping.np[:total] = batch.block_table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
         b.query_start_loc.np[0] = 0
         b.query_start_loc.np[1 : num_reqs + 1] = cu
@@ -365,25 +412,35 @@ class ModelRunner:
         if decode_size is not None:
             b.fill_decode_padding(num_reqs, decode_size)
         b.logits_indices.np[: sample.size] = cu[sample] - 1
+        return _Staged(
+            req_ids, rows, counts, cu, starts, computed, seq_lens, sample, total, max_query_len, embeds_rows,
+            decode_size,
+        )
 
-        meta = self._metadata(num_tokens, num_padded_reqs, max_query_len, may_pad=num_tokens != total)
+    def _device_inputs(self, st: _Staged) -> _StepInputs:
+        """The staged step's tensors on the device and its attention metadata."""
+        b = self.buffers
+        num_tokens = num_padded_reqs = st.decode_size or st.total
+        if st.decode_size is None:
+            num_padded_reqs = len(st.req_ids)
+        meta = self._metadata(num_tokens, num_padded_reqs, st.max_query_len, may_pad=num_tokens != st.total)
         input_ids = b.input_ids.to_device(num_tokens)
         positions_t = b.positions.to_device(num_tokens)
-        logits_indices = b.logits_indices.to_device(sample.size) if sample.size else None
+        logits_indices = b.logits_indices.to_device(st.sample.size) if st.sample.size else None
         if self.deferred:
-            self._fill_deferred_inputs(input_ids, req_ids, computed, counts, starts)
+            self._fill_deferred_inputs(input_ids, st.req_ids, st.computed, st.counts, st.starts)
         b.copies_issued()
         return _StepInputs(
-            req_ids=req_ids,
-            rows=rows,
-            seq_lens=seq_lens,
+            req_ids=st.req_ids,
+            rows=st.rows,
+            seq_lens=st.seq_lens,
             input_ids=input_ids,
             positions=positions_t,
             meta=meta,
-            inputs_embeds=self._inputs_embeds(input_ids, embeds_rows, computed, counts, starts),
-            sample=sample,
+            inputs_embeds=self._inputs_embeds(input_ids, st.embeds_rows, st.computed, st.counts, st.starts),
+            sample=st.sample,
             logits_indices=logits_indices,
-            decode_size=decode_size,
+            decode_size=st.decode_size,
         )
 
     def _metadata(self, num_tokens: int, num_reqs: int, max_query_len: int, may_pad: bool = True) -> AttentionMetadata:

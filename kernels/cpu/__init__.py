@@ -39,6 +39,11 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd", "-shared", "-fPIC"]
 DISABLE_ENV = "RINGLLM_CPU_KERNELS"
 
+# Prefill chunks of at most this many (query, key) pairs are attended by the C
+# kernel one query at a time; larger ones by torch's SDPA, whose per-call cost
+# only pays off on longer chunks (bench/README.md).
+ROW_PAIRS_LIMIT = int(os.environ.get("RINGLLM_CPU_PREFILL_PAIRS", str(512 * 512)))
+
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "rms_norm": [_P, _I, _I, _I, _I, _P, _P, _I, _F],
@@ -184,7 +189,7 @@ def paged_decode_attention(
     blocks in block_tables[tables[d]] (int32), read in place from the caches."""
     heads, head_dim = query.shape[1], query.shape[2]
     kv_heads = k_cache.shape[2]
-    scratch = torch.empty((heads // kv_heads) * max_len, dtype=torch.float32)
+    scratch = torch.empty(heads * max_len, dtype=torch.float32)
     _lib.paged_decode_attention(
         query.data_ptr(), query.stride(0), rows.data_ptr(), rows.shape[0], heads, kv_heads, head_dim,
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], block_tables.data_ptr(), block_tables.stride(0),
