@@ -12,13 +12,13 @@ seconds (hypercorn's graceful timeout), then shut the engine down.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import logging
 import signal
 import socket
 import sys
-from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -54,9 +54,7 @@ async def serve(
     engine_core: AsyncMPClient,
     chat_template: str | None,
     sock: socket.socket,
-    api_key: str | None,
-    model_aliases: Sequence[str] = (),
-    enable_ui: bool = True,
+    args: argparse.Namespace,
 ) -> None:
     from app.async_llm import AsyncLLM
 
@@ -67,7 +65,13 @@ async def serve(
 
     # The engine process starts first and boots (torch, the model) while this
     # thread imports the web stack: start-up takes the longer of the two.
-    starting = loop.run_in_executor(None, partial(AsyncLLM, config, chat_template, engine_core=engine_core))
+    starting = loop.run_in_executor(
+        None,
+        partial(
+            AsyncLLM, config, chat_template, engine_core=engine_core,
+            log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+        ),
+    )
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config as HypercornConfig
 
@@ -75,10 +79,12 @@ async def serve(
     from app.server import build_app
 
     engine = await starting
+    model_aliases = served_model_names(args)[1:]
     try:
         app = build_app(
-            engine, engine.served_model_name, engine.max_model_len, api_key, chat_template,
-            model_aliases=model_aliases, enable_ui=enable_ui,
+            engine, engine.served_model_name, engine.max_model_len, args.api_key, chat_template,
+            model_aliases=model_aliases, enable_ui=not args.disable_frontend_ui,
+            enable_sleep_mode=bool(args.enable_sleep_mode), enable_dev_endpoints=args.enable_dev_endpoints,
         )
         freeze_startup_heap()
         host, port = sock.getsockname()[:2]
@@ -143,9 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     engine_core = AsyncMPClient(config, wait=False)
     import uvloop
 
-    aliases = served_model_names(args)[1:]
     try:
-        uvloop.run(serve(config, engine_core, chat_template, sock, args.api_key, aliases, not args.disable_frontend_ui))
+        uvloop.run(serve(config, engine_core, chat_template, sock, args))
     finally:
         engine_core.shutdown()
 

@@ -6,6 +6,10 @@ collectors; each ``generate()`` caller awaits its own collector. Stop strings
 found by the detokenizer are aborted in the engine, and a caller that goes
 away (client disconnect: the generator is closed or cancelled) aborts its
 request so the engine stops spending compute on it.
+
+The same task feeds the metrics (app/metrics.py) from the engine's step
+timestamps and scheduler snapshots; the control calls (pause, sleep,
+collective_rpc) are utility calls into the EngineCore.
 """
 
 from __future__ import annotations
@@ -14,13 +18,16 @@ import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncGenerator
+from typing import Any
 
 from app.input_processor import InputProcessor
-from app.tokenizer import load_tokenizer
+from app.metrics import FrontendMetrics
 from app.output_processor import OutputProcessor, RequestOutput, RequestOutputCollector
+from app.stats_logger import LOG_STATS_INTERVAL_S, RequestLogger, StatsLogger
+from app.tokenizer import load_tokenizer
 from core.client import AsyncEngineCoreClient, AsyncInprocClient, AsyncMPClient
 from core.config import EngineConfig
-from core.protocol import EngineCoreRequest, EngineDeadError, SchedulerStats
+from core.protocol import EngineCoreRequest, EngineDeadError, MemoryUsage, SchedulerStats, SleepResult
 
 logger = logging.getLogger("ringllm.frontend")
 
@@ -36,9 +43,15 @@ class AsyncLLM:
         *,
         in_process: bool = False,
         engine_core: AsyncMPClient | None = None,
+        log_requests: bool = False,
+        max_log_len: int = 0,
+        stats_interval: float = LOG_STATS_INTERVAL_S,
     ) -> None:
         """``engine_core``: an engine process already started (``AsyncMPClient(config,
-        wait=False)``), which this waits for."""
+        wait=False)``), which this waits for. ``log_requests``/``max_log_len``:
+        --enable-log-requests and how many prompt characters it may show;
+        ``stats_interval``: seconds between stats lines (unless
+        ``config.log_stats`` is off)."""
         self.config = config = config.resolve()
         assert config.tokenizer is not None and config.served_model_name is not None
         # The tokenizer loads on a thread while the engine boots: start-up takes
@@ -57,6 +70,25 @@ class AsyncLLM:
         self.input_processor = InputProcessor.from_config(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._output_handler: asyncio.Task | None = None
+        self.metrics = FrontendMetrics(
+            self.served_model_name,
+            self.max_model_len,
+            {
+                "block_size": config.block_size,
+                "num_gpu_blocks": self.engine_core.num_gpu_blocks,
+                "enable_prefix_caching": config.enable_prefix_caching,
+                "cache_dtype": config.dtype,
+                "gpu_memory_utilization": config.gpu_memory_utilization,
+            },
+            self.engine_core.transport_stats,
+            log_stats=config.log_stats,
+        )
+        self.stats_logger = StatsLogger(self.metrics, stats_interval) if config.log_stats else None
+        self._stats_task: asyncio.Task | None = None
+        self.request_logger = RequestLogger(self.tokenizer, max_log_len) if log_requests else None
+        # Set by sleep() (before the engine is asleep) and cleared by wake_up():
+        # the server answers 503 meanwhile instead of queueing requests.
+        self.sleeping = False
 
     @property
     def is_dead(self) -> bool:
@@ -64,13 +96,19 @@ class AsyncLLM:
 
     def _ensure_output_handler(self) -> None:
         if self._output_handler is None:
-            self._output_handler = asyncio.get_running_loop().create_task(self._run_output_handler())
+            loop = asyncio.get_running_loop()
+            self._output_handler = loop.create_task(self._run_output_handler())
+            if self.stats_logger is not None:
+                self._stats_task = loop.create_task(self.stats_logger.run())
 
     async def _run_output_handler(self) -> None:
+        metrics = self.metrics if self.config.log_stats else None
         try:
             while True:
                 outputs = await self.engine_core.get_output_async()
                 reqs_to_abort = self.output_processor.process_outputs(outputs.outputs, outputs.logprobs)
+                if metrics is not None:
+                    metrics.record(outputs, reqs_to_abort)
                 if reqs_to_abort:
                     await self.engine_core.abort_requests_async(reqs_to_abort)
         except asyncio.CancelledError:
@@ -79,6 +117,7 @@ class AsyncLLM:
             dead = exc if isinstance(exc, EngineDeadError) else EngineDeadError(str(exc))
             logger.error("output handler stopped: %s", dead)
             self.output_processor.propagate_error(dead)
+            self.metrics.forget_requests()
 
     async def generate(self, request: EngineCoreRequest) -> AsyncGenerator[RequestOutput, None]:
         """Yield output deltas of one request until it finishes.
@@ -91,7 +130,12 @@ class AsyncLLM:
         self._ensure_output_handler()
         collector = RequestOutputCollector()
         self.output_processor.add_request(request, collector)
+        if self.config.log_stats:
+            self.metrics.add_request(request)
+        if self.request_logger is not None:
+            self.request_logger.received(request)
         finished = False
+        out: RequestOutput | None = None
         try:
             await self.engine_core.add_request_async(request)
             while not finished:
@@ -100,7 +144,14 @@ class AsyncLLM:
                 yield out
         finally:
             if not finished:
+                self.metrics.finish_request(request.request_id, "abort")
                 await self._abort_quietly(request.request_id)
+            if self.request_logger is not None:
+                self.request_logger.finished(
+                    request.request_id,
+                    out.finish_reason if finished and out is not None else "abort",
+                    out.num_output_tokens if out is not None else 0,
+                )
 
     async def _abort_quietly(self, request_id: str) -> None:
         self.output_processor.abort_requests([request_id])
@@ -118,7 +169,47 @@ class AsyncLLM:
         running and ``reset_running_requests`` was not given)."""
         return await self.engine_core.reset_prefix_cache_async(reset_running_requests)
 
+    # ---------------------------------------------------------------- control
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = False) -> None:
+        """Returns once the pause is in effect (core.protocol.PAUSE_MODES): with "abort"
+        the aborted requests have had their last output, with "wait" they finished."""
+        await self.engine_core.pause_scheduler_async(mode, clear_cache)
+
+    async def resume_generation(self) -> None:
+        await self.engine_core.resume_scheduler_async()
+
+    async def is_paused(self) -> bool:
+        return await self.engine_core.is_scheduler_paused_async()
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> SleepResult:
+        was_sleeping, self.sleeping = self.sleeping, True
+        try:
+            return await self.engine_core.sleep_async(level, mode)
+        except BaseException:
+            self.sleeping = was_sleeping
+            raise
+
+    async def wake_up(self) -> MemoryUsage:
+        memory = await self.engine_core.wake_up_async()
+        self.sleeping = False
+        return memory
+
+    async def is_sleeping(self) -> bool:
+        self.sleeping = await self.engine_core.is_sleeping_async()
+        return self.sleeping
+
+    async def collective_rpc(
+        self, method: str, args: list[Any] | None = None, kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        return await self.engine_core.collective_rpc_async(method, args, kwargs)
+
+    def render_metrics(self) -> tuple[bytes, str]:
+        """GET /metrics: the text exposition and its content type."""
+        return self.metrics.render()
+
     def shutdown(self) -> None:
-        if self._output_handler is not None:
-            self._output_handler.cancel()
+        for task in (self._output_handler, self._stats_task):
+            if task is not None:
+                task.cancel()
         self.engine_core.shutdown()

@@ -35,7 +35,7 @@ _ENGINE_FIELDS = (
     "block_size", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
     "enable_prefix_caching", "num_gpu_blocks_override", "kv_cache_memory",
     "gpu_memory_utilization", "enforce_eager", "transport", "scheduling_policy", "enable_prompt_embeds",
-    "async_scheduling", "logprobs_mode",
+    "async_scheduling", "enable_sleep_mode", "logprobs_mode",
 )
 
 
@@ -161,6 +161,32 @@ def make_parser() -> argparse.ArgumentParser:
         help="logging threshold (default info)",
     )
 
+    observe = p.add_argument_group(
+        "observability and control", "metrics at /metrics, log lines, and the control routes"
+    )
+    observe.add_argument(
+        "--disable-log-stats", action="store_true",
+        help="collect no engine statistics: no periodic stats line, and no vllm: series at /metrics "
+        "(the ringllm: transport counters remain)",
+    )
+    observe.add_argument(
+        "--enable-log-requests", action="store_true",
+        help="log a line when each request arrives and when it ends (ids, token counts, sampling "
+        "parameters; not the prompt unless --max-log-len)",
+    )
+    observe.add_argument(
+        "--max-log-len", type=int, default=0, metavar="CHARS",
+        help="with --enable-log-requests, also log this many characters of each prompt (default 0: none)",
+    )
+    observe.add_argument(
+        "--enable-sleep-mode", action="store_true", default=None,
+        help="serve POST /sleep, POST /wake_up and GET /is_sleeping (free the KV cache and weights while idle)",
+    )
+    observe.add_argument(
+        "--enable-dev-endpoints", action="store_true",
+        help="serve POST /collective_rpc (whitelisted executor methods, e.g. reload_weights)",
+    )
+
     transport = p.add_argument_group("transport", "between the frontend and the EngineCore process")
     transport.add_argument(
         "--transport", choices=["shm", "zmq"],
@@ -210,6 +236,8 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
 def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the parsed options (no --model: the embedded stories260K)."""
     given = {name: getattr(args, name) for name in _ENGINE_FIELDS if getattr(args, name, None) is not None}
+    if getattr(args, "disable_log_stats", False):
+        given["log_stats"] = False
     model = args.model
     if model is None:
         from core.models.default_model import default_model_dir

@@ -70,6 +70,13 @@ class InternalServerError(OpenAIError):
     type = "InternalServerError"
 
 
+class ServiceUnavailableError(OpenAIError):
+    """The server is up but cannot serve this now (the engine is asleep)."""
+
+    status = HTTPStatus.SERVICE_UNAVAILABLE
+    type = "ServiceUnavailableError"
+
+
 def error_body(
     message: str, type: str, status: HTTPStatus | int, param: str | None = None
 ) -> ErrorResponse:

@@ -2,12 +2,14 @@
 
 Routes: GET /health, GET /v1/models, POST /v1/completions,
 POST /v1/chat/completions, vLLM's POST /tokenize, POST /detokenize and
-GET /version, GET /engine/stats (scheduler counters, for
-operators and tests) and POST /reset_prefix_cache (as in vLLM; 409 while
-requests run, unless ``?reset_running_requests=true``), plus the chat page
-(app/ui.py) unless it is disabled. Every error, including unknown routes, has
-OpenAI's ``{"error": {...}}`` body. With an API key, every route but /health
-and the page's own files requires ``Authorization: Bearer <key>``.
+GET /version, GET /metrics (Prometheus, app/metrics.py),
+GET /engine/stats (scheduler counters, for operators and tests), POST
+/reset_prefix_cache (as in vLLM; 409 while requests run, unless
+``?reset_running_requests=true``), the control routes of app/control.py, and
+the chat page (app/ui.py) unless it is disabled. Every error, including
+unknown routes, has OpenAI's ``{"error": {...}}`` body. With an API key,
+every route but /health and the page's own files requires
+``Authorization: Bearer <key>``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from app.control import ControlClient, control_routes
 from app.errors import (
     AuthenticationError,
     BadRequestError,
@@ -31,10 +34,10 @@ from app.errors import (
     MethodNotAllowedError,
     NotFoundError,
     OpenAIError,
+    ServiceUnavailableError,
     error_body,
 )
 from app.serving import (
-    EngineClient,
     EventStreamResponse,
     OpenAIServing,
     as_openai_error,
@@ -77,7 +80,7 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> 
 
 
 def build_app(
-    engine: EngineClient,
+    engine: ControlClient,
     served_model_name: str,
     max_model_len: int,
     api_key: str | None = None,
@@ -85,6 +88,8 @@ def build_app(
     *,
     model_aliases: Sequence[str] = (),
     enable_ui: bool = True,
+    enable_sleep_mode: bool = False,
+    enable_dev_endpoints: bool = False,
 ) -> Starlette:
     serving = OpenAIServing(engine, served_model_name, max_model_len, chat_template, model_aliases)
     expected_auth = f"Bearer {api_key}".encode() if api_key else None
@@ -114,11 +119,19 @@ def build_app(
     async def models(request: Request) -> Response:
         return serving.list_models()
 
+    def check_awake() -> None:
+        if engine.sleeping:
+            raise ServiceUnavailableError(
+                "The model is asleep (POST /sleep) and serves no requests; POST /wake_up to wake it."
+            )
+
     async def completions(request: Request) -> Response:
+        check_awake()
         body = await request.body()
         return await _cancel_on_disconnect(request, serving.create_completion(body))
 
     async def chat_completions(request: Request) -> Response:
+        check_awake()
         body = await request.body()
         return await _cancel_on_disconnect(request, serving.create_chat_completion(body))
 
@@ -130,6 +143,10 @@ def build_app(
 
     async def version(request: Request) -> Response:
         return json_response(VersionResponse(ringllm_version()))
+
+    async def metrics(request: Request) -> Response:
+        body, content_type = engine.render_metrics()
+        return Response(body, headers={"Content-Type": content_type})
 
     async def engine_stats(request: Request) -> Response:
         stats = await engine.get_scheduler_stats()
@@ -165,9 +182,13 @@ def build_app(
         Route("/tokenize", openai_route(tokenize), methods=["POST"]),
         Route("/detokenize", openai_route(detokenize), methods=["POST"]),
         Route("/version", openai_route(version), methods=["GET"]),
+        Route("/metrics", openai_route(metrics), methods=["GET"]),
         Route("/engine/stats", openai_route(engine_stats), methods=["GET"]),
         Route("/reset_prefix_cache", openai_route(reset_prefix_cache), methods=["POST"]),
     ]
+    routes += control_routes(
+        engine, openai_route, enable_sleep_mode=enable_sleep_mode, enable_dev_endpoints=enable_dev_endpoints
+    )
     if enable_ui:
         routes += ui_routes(api_key_required=expected_auth is not None)
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error})

@@ -47,6 +47,12 @@ class CommandServer(ManagedServer):
         return ["bash", "-c", "exec " + self.template.format(port=port, concurrency=self.concurrency)]
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` alone, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+
+
 def process_tree_cpu_s(pid: int) -> float:
     """User + system CPU seconds of ``pid`` and all its descendants (Linux /proc)."""
     total, pending, seen = 0.0, [pid], set()
@@ -56,8 +62,7 @@ def process_tree_cpu_s(pid: int) -> float:
             continue
         seen.add(p)
         try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+            total += process_cpu_s(p)
             for task in Path(f"/proc/{p}/task").iterdir():
                 pending += [int(c) for c in (task / "children").read_text().split()]
         except (FileNotFoundError, ProcessLookupError):

@@ -25,6 +25,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from bench.compare import process_cpu_s, process_tree_cpu_s
 from bench.report import percentile_key, save_result
 from bench.serve import BACKENDS, add_workload_arguments, run_benchmark
 from app.launcher import ManagedServer, ServerStartError
@@ -43,6 +44,8 @@ THROUGHPUT_ROWS = [
     ("max_output_tokens_per_s", "Peak output token throughput (tok/s)", True),
     ("max_concurrent_requests", "Peak concurrent requests", True),
     ("client_cpu_s", "Benchmark client CPU (s)", False),
+    ("frontend_cpu_us_per_token", "Frontend CPU per output token (us)", False),
+    ("server_cpu_us_per_token", "Server CPU per output token, engine included (us)", False),
 ]
 LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL"}
 
@@ -139,8 +142,16 @@ def start_servers(configs: list[ConfigRun], args: argparse.Namespace, model_dir:
 def run_once(config: ConfigRun, args: argparse.Namespace, model_dir: str, tag: str) -> None:
     """One run of the workload against the configuration's server; a failure is kept as its error."""
     print(f"\n### {config.name}: {tag}")
+    assert config.server is not None and config.server.proc is not None
+    pid = config.server.proc.pid
     try:
-        config.results.append(run_benchmark(serve_args_for(args, config, model_dir, tag)))
+        frontend, server = process_cpu_s(pid), process_tree_cpu_s(pid)
+        result = run_benchmark(serve_args_for(args, config, model_dir, tag))
+        tokens = max(result["total_output_tokens"], 1)
+        # The server's own process is the frontend (the engine is its child).
+        result["frontend_cpu_us_per_token"] = (process_cpu_s(pid) - frontend) * 1e6 / tokens
+        result["server_cpu_us_per_token"] = (process_tree_cpu_s(pid) - server) * 1e6 / tokens
+        config.results.append(result)
     except (ValueError, RuntimeError, OSError) as exc:
         config.error = f"benchmark failed: {exc}"
         print(f"### {config.name} FAILED: {config.error}")

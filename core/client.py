@@ -19,12 +19,14 @@ ENGINE_CORE_DEAD message turns into ``EngineDeadError`` for every waiter.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing
 import os
 import queue
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -41,7 +43,10 @@ from core.protocol import (
     EngineDeadError,
     FinishReason,
     HandshakeReady,
+    MemoryUsage,
     SchedulerStats,
+    SleepResult,
+    TransportStats,
     UtilityOutput,
     finished_outputs,
 )
@@ -71,6 +76,22 @@ class EngineCoreClient(Protocol):
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool: ...
 
+    def pause_scheduler(self, mode: str = "abort", clear_cache: bool = False) -> bool: ...
+
+    def resume_scheduler(self) -> bool: ...
+
+    def is_scheduler_paused(self) -> bool: ...
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> SleepResult: ...
+
+    def wake_up(self) -> MemoryUsage: ...
+
+    def is_sleeping(self) -> bool: ...
+
+    def collective_rpc(
+        self, method: str, args: list[Any] | None = None, kwargs: dict[str, Any] | None = None
+    ) -> list[Any]: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -93,6 +114,25 @@ class AsyncEngineCoreClient(Protocol):
 
     async def reset_prefix_cache_async(self, reset_running_requests: bool = False) -> bool: ...
 
+    async def pause_scheduler_async(self, mode: str = "abort", clear_cache: bool = False) -> bool: ...
+
+    async def resume_scheduler_async(self) -> bool: ...
+
+    async def is_scheduler_paused_async(self) -> bool: ...
+
+    async def sleep_async(self, level: int = 1, mode: str = "abort") -> SleepResult: ...
+
+    async def wake_up_async(self) -> MemoryUsage: ...
+
+    async def is_sleeping_async(self) -> bool: ...
+
+    async def collective_rpc_async(
+        self, method: str, args: list[Any] | None = None, kwargs: dict[str, Any] | None = None
+    ) -> list[Any]: ...
+
+    def transport_stats(self) -> TransportStats | None:
+        """This side's transport counters; None when the engine is in this process."""
+
     def shutdown(self) -> None: ...
 
 
@@ -108,6 +148,29 @@ class _Utilities:
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         return self.call_utility("reset_prefix_cache", reset_running_requests)
 
+    def pause_scheduler(self, mode: str = "abort", clear_cache: bool = False) -> bool:
+        return self.call_utility("pause_scheduler", mode, clear_cache)
+
+    def resume_scheduler(self) -> bool:
+        return self.call_utility("resume_scheduler")
+
+    def is_scheduler_paused(self) -> bool:
+        return self.call_utility("is_scheduler_paused")
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> SleepResult:
+        return self.call_utility("sleep", level, mode)
+
+    def wake_up(self) -> MemoryUsage:
+        return self.call_utility("wake_up")
+
+    def is_sleeping(self) -> bool:
+        return self.call_utility("is_sleeping")
+
+    def collective_rpc(
+        self, method: str, args: list[Any] | None = None, kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        return self.call_utility("collective_rpc", method, args, kwargs)
+
 
 class _AsyncUtilities:
     """The typed utility calls of ``AsyncEngineCoreClient``, over ``call_utility_async``."""
@@ -120,6 +183,38 @@ class _AsyncUtilities:
 
     async def reset_prefix_cache_async(self, reset_running_requests: bool = False) -> bool:
         return await self.call_utility_async("reset_prefix_cache", reset_running_requests)
+
+    async def pause_scheduler_async(self, mode: str = "abort", clear_cache: bool = False) -> bool:
+        return await self.call_utility_async("pause_scheduler", mode, clear_cache)
+
+    async def resume_scheduler_async(self) -> bool:
+        return await self.call_utility_async("resume_scheduler")
+
+    async def is_scheduler_paused_async(self) -> bool:
+        return await self.call_utility_async("is_scheduler_paused")
+
+    async def sleep_async(self, level: int = 1, mode: str = "abort") -> SleepResult:
+        return await self.call_utility_async("sleep", level, mode)
+
+    async def wake_up_async(self) -> MemoryUsage:
+        return await self.call_utility_async("wake_up")
+
+    async def is_sleeping_async(self) -> bool:
+        return await self.call_utility_async("is_sleeping")
+
+    async def collective_rpc_async(
+        self, method: str, args: list[Any] | None = None, kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        return await self.call_utility_async("collective_rpc", method, args, kwargs)
+
+
+@contextlib.contextmanager
+def _as_utility_failure(method: str) -> Iterator[None]:
+    """In-process utility errors, raised as an engine process's reply raises them."""
+    try:
+        yield
+    except Exception as exc:
+        raise RuntimeError(f"utility {method!r} failed: {exc}") from exc
 
 
 class InprocClient(_Utilities):
@@ -136,14 +231,32 @@ class InprocClient(_Utilities):
         self.engine_core.add_request(self.engine_core.preprocess_add_request(request))
 
     def get_output(self) -> EngineCoreOutputs:
-        outputs, _ = self.engine_core.step_fn()
+        engine = self.engine_core
+        if engine.side_outputs:
+            return engine.side_outputs.pop(0)[1]
+        outputs, _ = engine.step_fn()
         return outputs.get(0) or EngineCoreOutputs()
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.engine_core.abort_requests(request_ids)
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        return self.engine_core.call_utility(method, list(args))
+        """A call that waits for the engine to be idle (pause "wait") steps it until
+        then; the outputs of those steps are kept for ``get_output``. Failures are
+        RuntimeErrors, as from an engine process."""
+        engine = self.engine_core
+        with _as_utility_failure(method):
+            result = engine.call_utility(method, list(args))
+            if not isinstance(result, Future):
+                return result
+            while not result.done():
+                if engine.has_work():
+                    outputs, _ = engine.step_fn()
+                    if 0 in outputs:
+                        engine.side_outputs.append((0, outputs[0]))
+                else:
+                    engine.notify_idle()
+            return result.result()
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
@@ -183,9 +296,13 @@ class AsyncInprocClient(_AsyncUtilities):
         outputs, has_work = self._start()
         engine = self.engine_core
         while True:
-            if not (engine.scheduler.has_requests() or engine.has_batches_in_flight()):
-                has_work.clear()
-                await has_work.wait()
+            if not engine.has_work():
+                engine.notify_idle()  # completes a pause or sleep that waited for this
+                self._flush_side_outputs()
+                if not engine.has_work():
+                    has_work.clear()
+                    await has_work.wait()
+                    continue
             try:
                 step_outputs, _ = engine.step_fn()
             except Exception as exc:  # noqa: BLE001 - the engine is dead, as a crashed process would be
@@ -194,9 +311,16 @@ class AsyncInprocClient(_AsyncUtilities):
                 outputs.put_nowait(self.engine_dead)
                 return
             out = step_outputs.get(0)
-            if out is not None and out.outputs:
+            if out is not None and (out.outputs or out.scheduler_stats is not None):
                 outputs.put_nowait(out)
             await asyncio.sleep(0)
+
+    def _flush_side_outputs(self) -> None:
+        """Outputs the engine made outside a step (requests a pause aborted)."""
+        outputs, _ = self._start()
+        side = self.engine_core.side_outputs
+        while side:
+            outputs.put_nowait(side.pop(0)[1])
 
     def _check_alive(self) -> None:
         if self.engine_dead is not None:
@@ -227,7 +351,19 @@ class AsyncInprocClient(_AsyncUtilities):
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         self._check_alive()
-        return self.engine_core.call_utility(method, list(args))
+        _, has_work = self._start()
+        with _as_utility_failure(method):
+            result = self.engine_core.call_utility(method, list(args))
+            self._flush_side_outputs()
+            # The call may have made work (resume) or wait for idleness, which the
+            # stepper notices (and completes) only once woken.
+            has_work.set()
+            if isinstance(result, Future):
+                return await asyncio.wrap_future(result)
+            return result
+
+    def transport_stats(self) -> TransportStats | None:
+        return None
 
     def shutdown(self) -> None:
         if self._stepper is not None:
@@ -399,6 +535,9 @@ class MPClient:
 
     def _join_reader(self) -> None:
         """Wait for whatever reads the transport to stop (it sees the engine exit)."""
+
+    def transport_stats(self) -> TransportStats | None:
+        return self.transport.stats()
 
 
 class SyncMPClient(MPClient, _Utilities):

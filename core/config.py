@@ -44,6 +44,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Schedule step N+1 while step N runs on the executor's worker thread.
     async_scheduling: bool = False
     engine_drain_timeout: float = 5.0  # seconds the engine drains on SIGTERM
+    # Attach scheduler and engine stats to outputs (the frontend's metrics);
+    # off with --disable-log-stats, as in vLLM.
+    log_stats: bool = True
+    # Allow the sleep/wake_up utilities (--enable-sleep-mode).
+    enable_sleep_mode: bool = False
     # What logprobs describe: the model's raw logits (vLLM's default) or the
     # distribution actually sampled from (after penalties, temperature, cuts).
     logprobs_mode: str = "raw_logprobs"  # raw_logprobs | processed_logprobs

@@ -12,6 +12,12 @@ state machine.
 ``step_fn`` is ``step`` (schedule, execute, update) or, with async
 scheduling, ``step_with_batch_queue``, which schedules and dispatches batch
 N+1 before it waits for batch N.
+
+Control utilities (pause, sleep) that must wait for the engine to be idle
+return a ``Future``: whoever drives the engine calls ``notify_idle`` when it
+has no work, which completes them, and the process replies to the client
+only then. Outputs they produce outside a step (requests a pause aborted) go
+through ``emit_output``.
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -33,15 +40,19 @@ from core.config import EngineConfig
 from core.heap import freeze_startup_heap
 from core.protocol import (
     ENGINE_CORE_DEAD,
+    PAUSE_MODES,
+    UTILITY_RESULT_TYPES,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
+    EngineStats,
     FinishReason,
     HandshakeReady,
-    UTILITY_RESULT_TYPES,
-    finished_outputs,
+    MemoryUsage,
     SchedulerStats,
+    SleepResult,
     UtilityOutput,
+    finished_outputs,
 )
 from core.sched.output import ModelRunnerOutput, SchedulerOutput
 from core.request import Request, RequestStatus
@@ -54,6 +65,7 @@ from shm.serial import MsgpackDecoder, MsgpackEncoder
 logger = logging.getLogger("ringllm.engine")
 
 UtilityCall = tuple[int, int, str, list[Any]]  # client_index, call_id, method, args
+T = TypeVar("T")
 
 
 class EngineCore:
@@ -76,6 +88,10 @@ class EngineCore:
         if self.batch_queue_size > 1:
             self.batch_queue = deque(maxlen=self.batch_queue_size)
         self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
+        # Control calls waiting for the engine to be idle, and outputs made
+        # outside a step that an in-process client collects (emit_output).
+        self._idle_waiters: list[tuple[Future, Callable[[], Any]]] = []
+        self.side_outputs: list[tuple[int, EngineCoreOutputs]] = []
         logger.info(
             "EngineCore ready: %d KV blocks of %d tokens, max_model_len %d",
             self.num_gpu_blocks, self.config.block_size, self.config.max_model_len,
@@ -174,6 +190,109 @@ class EngineCore:
     def has_batches_in_flight(self) -> bool:
         return bool(self.batch_queue)
 
+    def has_work(self) -> bool:
+        """A step is due: requests to schedule, or batches whose outputs are owed."""
+        return self.scheduler.has_requests() or self.has_batches_in_flight()
+
+    # ---------------------------------------------------------------- control
+
+    def emit_output(self, client_index: int, outputs: EngineCoreOutputs) -> None:
+        """Deliver outputs made outside a step; in-process clients collect ``side_outputs``."""
+        self.side_outputs.append((client_index, outputs))
+
+    def when_idle(self, fn: Callable[[], T]) -> Future[T]:
+        """A Future of ``fn()``, run the next time the engine has no work (``notify_idle``)."""
+        future: Future[T] = Future()
+        self._idle_waiters.append((future, fn))
+        return future
+
+    def notify_idle(self) -> bool:
+        """Called by the engine's driver when ``has_work()`` is False: completes the
+        control calls that waited for it. True if there were any (they may have
+        left work, such as preemptions to tell the runner about)."""
+        if not self._idle_waiters:
+            return False
+        waiters, self._idle_waiters = self._idle_waiters, []
+        for future, fn in waiters:
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - the caller gets it as the utility's failure
+                future.set_exception(exc)
+        return True
+
+    def _report_aborted(self, requests: list[Request]) -> None:
+        by_client: dict[int, list[str]] = {}
+        for request in requests:
+            by_client.setdefault(request.client_index, []).append(request.request_id)
+        for client_index, ids in by_client.items():
+            self.emit_output(client_index, finished_outputs(ids, FinishReason.ABORT))
+
+    def _check_pause_mode(self, mode: str) -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"unknown pause mode {mode!r}; use one of {', '.join(PAUSE_MODES)}")
+
+    def pause_scheduler(self, mode: str = "abort", clear_cache: bool = False) -> Future[bool]:
+        """Stop starting requests (``core.protocol.PAUSE_MODES``). Completes once the
+        engine is idle: the aborted requests reported ("abort"), the ones in flight
+        finished ("wait"), no batch in flight; then, with ``clear_cache`` (not with
+        "keep", whose requests hold their blocks), the prefix cache is emptied."""
+        self._check_pause_mode(mode)
+        self._report_aborted(self.scheduler.pause(mode))
+
+        def paused() -> bool:
+            if clear_cache and mode != "keep":
+                self.scheduler.reset_prefix_cache()
+            return True
+
+        return self.when_idle(paused)
+
+    def resume_scheduler(self) -> bool:
+        if self.model_executor.sleep_level:
+            raise ValueError("the engine is asleep; wake it up (POST /wake_up), which also resumes it")
+        self.scheduler.resume()
+        return True
+
+    def is_scheduler_paused(self) -> bool:
+        return self.scheduler.paused
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> Future[SleepResult]:
+        """Pause (``mode``), then once idle free the KV cache and, by ``level``, the
+        weights (core/worker/sleep.py). Requests kept by "keep" lose their KV cache
+        and are recomputed after ``wake_up``."""
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep mode is off; start the server with --enable-sleep-mode")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.model_executor.sleep_level:
+            raise ValueError("the engine is already asleep")
+        self._check_pause_mode(mode)
+        self._report_aborted(self.scheduler.pause(mode))
+
+        def go_to_sleep() -> SleepResult:
+            # The KV cache is about to vanish: no block may be held or cached.
+            if not self.scheduler.reset_prefix_cache(reset_running_requests=True):
+                raise RuntimeError("KV cache blocks are still in use; not going to sleep")
+            before = self.model_executor.memory_usage()
+            self.model_executor.sleep(level)
+            return SleepResult(level=level, before=before, after=self.model_executor.memory_usage())
+
+        return self.when_idle(go_to_sleep)
+
+    def wake_up(self) -> MemoryUsage:
+        """Weights and KV cache back, then resume; does nothing unless asleep."""
+        if self.model_executor.sleep_level:
+            self.model_executor.wake_up(self.num_gpu_blocks)
+            self.scheduler.resume()
+        return self.model_executor.memory_usage()
+
+    def is_sleeping(self) -> bool:
+        return bool(self.model_executor.sleep_level)
+
+    def collective_rpc(
+        self, method: str, args: list[Any] | None = None, kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        return self.model_executor.collective_rpc(method, args, kwargs)
+
     # ---------------------------------------------------------------- utilities
 
     def get_scheduler_stats(self) -> SchedulerStats:
@@ -190,7 +309,8 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache(reset_running_requests)
 
     def call_utility(self, method: str, args: list[Any]) -> Any:
-        """Run one of the methods a client may call (``UTILITY_RESULT_TYPES``)."""
+        """Run one of the methods a client may call (``UTILITY_RESULT_TYPES``);
+        a Future when the result waits for the engine to be idle."""
         if method not in UTILITY_RESULT_TYPES:
             raise ValueError(f"unknown utility method {method!r}")
         return getattr(self, method)(*args)
@@ -218,6 +338,9 @@ class EngineCoreProc(EngineCore):
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self.shutdown_state = EngineShutdownState.RUNNING
         self._drain_deadline = 0.0
+        # Busy-loop accounting for EngineStats: time blocked waiting for work.
+        self.idle_seconds = 0.0
+        self._loop_started = time.monotonic()
         super().__init__(config)
         # READY goes out before the I/O threads start, so the output thread is
         # the only user of the sending side from then on.
@@ -317,13 +440,10 @@ class EngineCoreProc(EngineCore):
 
     def run_busy_loop(self) -> None:
         freeze_startup_heap()
+        self._loop_started = time.monotonic()
         while self._handle_shutdown():
             self._process_input_queue()
             self._process_engine_step()
-
-    def has_work(self) -> bool:
-        """A step is due: requests to schedule, or batches whose outputs are owed."""
-        return self.scheduler.has_requests() or self.has_batches_in_flight()
 
     def is_running(self) -> bool:
         return self.shutdown_state == EngineShutdownState.RUNNING
@@ -331,18 +451,39 @@ class EngineCoreProc(EngineCore):
     def _process_input_queue(self) -> None:
         """Block while idle; then drain everything queued so ADDs batch together."""
         while not self.has_work() and self.is_running():
+            if self.notify_idle():
+                continue  # a pause or sleep completed, perhaps leaving work behind
             if self.input_queue.empty():
                 with self.aborts_queue.mutex:
                     self.aborts_queue.queue.clear()
-            self._handle_client_request(*self.input_queue.get())
+            waited_from = time.monotonic()
+            item = self.input_queue.get()
+            self.idle_seconds += time.monotonic() - waited_from
+            self._handle_client_request(*item)
         while not self.input_queue.empty():
             self._handle_client_request(*self.input_queue.get_nowait())
 
     def _process_engine_step(self) -> bool:
         outputs, model_executed = self.step_fn()
+        first = outputs.get(0)
+        if first is not None and first.scheduler_stats is not None:
+            first.engine_stats = self._engine_stats()
         for item in outputs.items():
             self.output_queue.put_nowait(item)
         return model_executed
+
+    def _engine_stats(self) -> EngineStats:
+        now = time.monotonic()
+        return EngineStats(
+            transport=self.transport.stats(),
+            idle_seconds=self.idle_seconds,
+            loop_seconds=now - self._loop_started,
+            idle=not self.has_work() and self.input_queue.empty(),
+            timestamp=now,
+        )
+
+    def emit_output(self, client_index: int, outputs: EngineCoreOutputs) -> None:
+        self.output_queue.put_nowait((client_index, outputs))
 
     def _handle_client_request(self, req_type: Any, payload: Any) -> None:
         if req_type is _PeerGone:
@@ -355,13 +496,39 @@ class EngineCoreProc(EngineCore):
             self.abort_requests(payload)
         elif req_type == EngineCoreRequestType.UTILITY:
             client_index, call_id, method, args = payload
-            out = UtilityOutput(call_id)
             try:
-                out.result = msgspec.Raw(msgspec.msgpack.encode(self.call_utility(method, args)))
-            except Exception as exc:
-                out.failure_message = f"utility {method!r} failed: {exc}"
-            self.output_queue.put_nowait((client_index, EngineCoreOutputs(utility_output=out)))
+                result = self.call_utility(method, args)
+            except Exception as exc:  # noqa: BLE001 - reported to the caller
+                self._reply_utility(client_index, call_id, method, exc=exc)
+                return
+            if isinstance(result, Future):  # replied once the engine is idle
+                result.add_done_callback(
+                    lambda done: self._reply_utility(client_index, call_id, method, done=done)
+                )
+            else:
+                self._reply_utility(client_index, call_id, method, result)
         # WAKEUP only unblocks input_queue.get(); nothing else to do.
+
+    def _reply_utility(
+        self,
+        client_index: int,
+        call_id: int,
+        method: str,
+        result: Any = None,
+        exc: BaseException | None = None,
+        done: Future | None = None,
+    ) -> None:
+        out = UtilityOutput(call_id)
+        try:
+            if done is not None:
+                result = done.result()
+            if exc is None:
+                out.result = msgspec.Raw(msgspec.msgpack.encode(result))
+        except Exception as error:  # noqa: BLE001 - reported to the caller
+            exc = error
+        if exc is not None:
+            out.failure_message = f"utility {method!r} failed: {exc}"
+        self.output_queue.put_nowait((client_index, EngineCoreOutputs(utility_output=out)))
 
     def _handle_add(self, request: Request) -> None:
         if not self.is_running():
@@ -383,8 +550,9 @@ class EngineCoreProc(EngineCore):
             )
         if not self.scheduler.has_unfinished_requests():
             return False
-        if time.monotonic() < self._drain_deadline:
+        if time.monotonic() < self._drain_deadline and self.has_work():
             return True
+        # Out of time, or nothing left can progress (held or kept by a pause).
         self._abort_all_and_report()
         return False
 

@@ -285,16 +285,54 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     The counters (prefix cache queries and hits, preemptions) are totals since
     the engine started, not per-interval deltas as in vLLM:
     a snapshot that is dropped or merged then loses nothing, and they map
-    directly onto Prometheus counters.
+    directly onto Prometheus counters. Every step's snapshot goes to client 0
+    only, so that one frontend, not each of them, turns them into series.
     """
 
     num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
+    num_waiting_reqs: int = 0  # held requests (arrived while paused) included
     kv_cache_usage: float = 0.0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
-    step_counter: int = 0
+    step_counter: int = 0  # steps whose outputs were processed so far
+    num_batched_tokens: int = 0  # tokens the step that took this snapshot computed
+
+
+class TransportStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One side's end of the frontend <-> engine transport: totals since start.
+
+    Bytes are wire bytes (on the rings: records with their headers and
+    padding); ``oob_bytes_sent`` counts tensor bytes that went through the
+    out-of-band pool instead; ``ring_full_waits`` the sends that had to sleep
+    until the consumer made room (back-pressure); ``doorbell_rings`` the
+    wake-up syscalls this side made for a peer that had gone to sleep.
+    """
+
+    messages_sent: int = 0
+    bytes_sent: int = 0
+    messages_received: int = 0
+    bytes_received: int = 0
+    oob_bytes_sent: int = 0
+    ring_full_waits: int = 0
+    doorbell_rings: int = 0
+
+
+class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The EngineCore process's own counters, attached to client 0's step outputs.
+
+    ``idle_seconds`` is the time the busy loop has spent blocked waiting for
+    work, out of ``loop_seconds`` since it started, both up to ``timestamp``
+    (engine monotonic clock). ``idle`` says the loop had no work left when
+    the snapshot was taken, so that the frontend can count the time after it
+    as idle too: a waiting engine sends nothing.
+    """
+
+    transport: TransportStats | None = None
+    idle_seconds: float = 0.0
+    loop_seconds: float = 0.0
+    idle: bool = False
+    timestamp: float = 0.0
 
 
 class EngineCoreOutputs(
@@ -310,9 +348,36 @@ class EngineCoreOutputs(
     engine_index: int = 0
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
+    # When the step's tokens were produced (engine monotonic clock): the
+    # "new tokens" event of every output in this message.
     timestamp: float = 0.0
     utility_output: UtilityOutput | None = None
+    engine_stats: EngineStats | None = None
     logprobs: LogprobsArrays | None = None
+
+
+# How a pause treats the requests already in the engine (vLLM's PauseMode):
+# "abort" finishes them (finish_reason "abort"), "wait" lets them finish,
+# "keep" freezes them with their KV cache until resume. In every mode the
+# requests that arrive while paused wait, and run after resume.
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+class MemoryUsage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What the engine process holds: resident set size, and device memory on a GPU."""
+
+    rss_bytes: int = 0
+    device_bytes: int = 0  # torch's allocated memory on the GPU; 0 on a CPU
+    kv_cache_bytes: int = 0
+    weights_bytes: int = 0  # weights resident on the device
+
+
+class SleepResult(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What a sleep freed: the engine's memory just before and just after it."""
+
+    level: int
+    before: MemoryUsage
+    after: MemoryUsage
 
 
 # The utility methods a client may call, and the type each one's result is
@@ -321,6 +386,13 @@ UTILITY_RESULT_TYPES: dict[str, Any] = {
     "get_scheduler_stats": SchedulerStats,
     "get_num_unfinished_requests": int,
     "reset_prefix_cache": bool,
+    "pause_scheduler": bool,
+    "resume_scheduler": bool,
+    "is_scheduler_paused": bool,
+    "sleep": SleepResult,
+    "wake_up": MemoryUsage,
+    "is_sleeping": bool,
+    "collective_rpc": list[Any],
 }
 
 

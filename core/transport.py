@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
+from core.protocol import TransportStats
 from shm.channel import ChannelSpec, Duplex
 from shm.cuda_ipc import CudaIpcExporter, CudaIpcImporter
 from shm.interface import AsyncRecvEnd, AsyncSendEnd, Channel
@@ -60,6 +61,20 @@ class TransportSpec:
 def _check_kind(kind: str) -> None:
     if kind not in TRANSPORTS:
         raise ValueError(f"unknown transport {kind!r}; available: {', '.join(TRANSPORTS)}")
+
+
+def _stats(channel: Channel, pool_writer: TensorPoolWriter | None) -> TransportStats:
+    """This side's counters; reading them costs the hot path nothing (plain ints)."""
+    sender, receiver = channel.sender, channel.receiver
+    return TransportStats(
+        messages_sent=sender.messages_sent,
+        bytes_sent=sender.bytes_sent,
+        messages_received=receiver.messages_received,
+        bytes_received=receiver.bytes_received,
+        oob_bytes_sent=pool_writer.bytes_written if pool_writer is not None else 0,
+        ring_full_waits=sender.waits_for_space,
+        doorbell_rings=sender.doorbell_rings + receiver.doorbell_rings,
+    )
 
 
 class ClientTransport:
@@ -110,6 +125,9 @@ class ClientTransport:
     def set_peer(self, alive: Callable[[], bool], sentinel: int | None = None) -> None:
         """How to tell the engine is gone: ``alive()`` and an fd readable once it exits."""
         self._channel.set_peer(alive, sentinel)
+
+    def stats(self) -> TransportStats:
+        return _stats(self._channel, self.pool_writer)
 
     def engine_attached(self, timeout: float) -> None:
         """Call once the engine said HELLO: finish the connection and drop every name,
@@ -192,6 +210,9 @@ class EngineTransport:
             sentinel = None
         channel.set_peer(lambda: os.getppid() == parent_pid, sentinel)
         return cls(channel, sentinel, pools)
+
+    def stats(self) -> TransportStats:
+        return _stats(self._channel, self.pool_writer)
 
     def send(self, frames: Sequence[Frame]) -> None:
         """Output thread only. PeerDeadError if the frontend is gone and the channel full."""

@@ -115,6 +115,12 @@ class Sender(_Endpoint):
 
     waits_for_space = 0  # how often a send had to sleep because the ring was full
     woke_consumer_at = float("-inf")  # perf_counter() of the last doorbell ring
+    messages_sent = 0
+    doorbell_rings = 0  # wake-ups of a consumer that had gone to sleep
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.ring.bytes_written
 
     @property
     def own_bell(self) -> Doorbell:
@@ -132,7 +138,10 @@ class Sender(_Endpoint):
         done = self.ring.try_write(frames)
         if self.ring.consumer_wakeup_due():
             self.woke_consumer_at = time.perf_counter()
+            self.doorbell_rings += 1
             self.data_bell.ring()
+        if done:
+            self.messages_sent += 1
         return done
 
     def send(self, frames: Sequence[Frame], timeout: float | None = None) -> None:
@@ -157,6 +166,12 @@ class Receiver(_Endpoint):
     _interrupted = False
     partner: Sender | None = None  # this side's sender of the other direction, if any
     last_message_at = float("-inf")  # perf_counter() when a message was last returned
+    messages_received = 0
+    doorbell_rings = 0  # wake-ups of a producer that waited for space
+
+    @property
+    def bytes_received(self) -> int:
+        return self.ring.bytes_read
 
     @property
     def own_bell(self) -> Doorbell:
@@ -195,8 +210,10 @@ class Receiver(_Endpoint):
         """The next message if one is complete, else None; never waits."""
         frames = self.ring.try_read()
         if self.ring.producer_wakeup_due():
+            self.doorbell_rings += 1
             self.space_bell.ring()
         if frames is not None:
+            self.messages_received += 1
             self.last_message_at = time.perf_counter()
         return frames
 

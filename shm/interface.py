@@ -15,7 +15,12 @@ from shm.ring import Frame
 
 
 class SendEnd(Protocol):
+    """Counters are totals since the channel was made (metrics read them, never reset them)."""
+
     waits_for_space: int  # how often a send had to wait for the peer to make room
+    messages_sent: int
+    bytes_sent: int  # wire bytes: on a ring, records with their headers and padding
+    doorbell_rings: int  # wake-up syscalls made for a sleeping consumer
 
     def try_send(self, frames: Sequence[Frame]) -> bool: ...
 
@@ -24,6 +29,10 @@ class SendEnd(Protocol):
 
 
 class RecvEnd(Protocol):
+    messages_received: int
+    bytes_received: int
+    doorbell_rings: int  # wake-up syscalls made for a producer that waited for space
+
     def try_recv(self) -> list | None: ...
 
     def recv(self, timeout: float | None = None) -> list | None:

@@ -251,6 +251,17 @@ class ShmRing:
             self._counters.release()
             self._mm.close()
 
+    @property
+    def bytes_written(self) -> int:
+        """Producer side: bytes put in the ring so far, record headers and padding
+        included (the tail counter, so counting costs nothing)."""
+        return self._tail
+
+    @property
+    def bytes_read(self) -> int:
+        """Consumer side: bytes taken out of the ring so far (the head counter)."""
+        return self._head
+
     # --------------------------------------------------------------- producer
 
     def try_write(self, frames: Sequence[Frame]) -> bool:

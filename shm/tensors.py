@@ -108,6 +108,7 @@ class TensorPoolWriter:
         # Outstanding regions in allocation order: (offset, bytes it occupies incl. skipped tail).
         self._regions: deque[tuple[int, int]] = deque()
         self.fallbacks = 0  # times put() found no room
+        self.bytes_written = 0  # tensor bytes sent out of band so far
 
     def _reclaim(self) -> None:
         words = self.pool._words
@@ -155,6 +156,7 @@ class TensorPoolWriter:
         if _WEAK_MEMORY:
             _fence()
         pool._words[index] = _IN_USE  # published to the consumer by the message that follows
+        self.bytes_written += view.nbytes
         return PoolHandle(offset, view.nbytes)
 
     def take_ticket(self) -> int | None:

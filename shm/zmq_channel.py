@@ -89,6 +89,9 @@ class ZmqSender(_End):
         self.identity = identity
         self.registered = identity is None
         self.waits_for_space = 0
+        self.messages_sent = 0
+        self.bytes_sent = 0
+        self.doorbell_rings = 0  # zmq's own I/O thread wakes the peer: no doorbells here
 
     def frames_out(self, frames: Sequence[Frame]) -> list:
         out = list(frames)
@@ -99,6 +102,8 @@ class ZmqSender(_End):
             self.socket.send_multipart(self.frames_out(frames), flags=zmq.NOBLOCK, copy=_copy(frames))
         except zmq.Again:
             return False
+        self.messages_sent += 1
+        self.bytes_sent += sum(map(len, frames))
         return True
 
     def send(self, frames: Sequence[Frame], timeout: float | None = None) -> None:
@@ -117,6 +122,9 @@ class ZmqReceiver(_End):
     """Receives multipart messages."""
 
     _interrupted = False
+    messages_received = 0
+    bytes_received = 0
+    doorbell_rings = 0
 
     def __init__(self, socket: zmq.Socket, poll_interval: float) -> None:
         super().__init__(socket, poll_interval, zmq.POLLIN)
@@ -135,6 +143,8 @@ class ZmqReceiver(_End):
             parts = self.socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
+        self.messages_received += 1
+        self.bytes_received += sum(map(len, parts))
         return _frames_in(parts)
 
     def recv(self, timeout: float | None = None) -> list | None:

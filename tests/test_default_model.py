@@ -124,5 +124,5 @@ def test_start_up_banner(server) -> None:
     assert "stories260K (also answers to ringllm-default)" in banner
     assert "float32 on cpu" in banner and "transport  shm" in banner
     assert f"chat page  {server.base_url}/" in banner and f"API        {server.base_url}/v1" in banner
-    assert "metrics" not in banner  # no /metrics route yet
+    assert f"metrics    {server.base_url}/metrics" in banner
     assert "KV cache" in banner and " tokens; max_model_len 512" in banner

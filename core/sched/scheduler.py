@@ -21,10 +21,18 @@ lower priority.
 Cost per step is proportional to the requests scheduled, not to all
 requests or all blocks: no structure is rebuilt or scanned whole, except on
 preemption and aborts, which are rare.
+
+Pausing (``pause``/``resume``): while paused, requests that arrive are held
+aside, out of the waiting queue, and join it in arrival order on resume.
+PAUSED_NEW lets the requests already in the engine run to the end (the
+"wait" and "abort" modes); PAUSED_ALL schedules nothing at all ("keep"), so
+running requests keep their KV blocks and computed tokens, and continue
+exactly where they stopped.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Iterable, Sequence
 
@@ -49,6 +57,12 @@ from core.utils import cdiv
 
 _RUNNING = RequestStatus.RUNNING
 _NO_BLOCK_IDS: tuple[int, ...] = ()
+
+
+class PauseState(enum.IntEnum):
+    UNPAUSED = 0
+    PAUSED_NEW = 1  # new requests are held; the ones already in the engine go on
+    PAUSED_ALL = 2  # nothing is scheduled; running requests keep their KV cache
 
 
 class _StepPlan:
@@ -85,6 +99,7 @@ class Scheduler:
         self.max_num_running_reqs = config.max_num_seqs
         self.max_num_scheduled_tokens = config.max_num_batched_tokens
         self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.log_stats = config.log_stats
         self.block_size = config.block_size
         self.policy = config.scheduling_policy
         self.kv_cache_manager = KVCacheManager(
@@ -110,6 +125,9 @@ class Scheduler:
         self.preempted_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.step_id = 0  # step_id of the next SchedulerOutput
+        self.pause_state = PauseState.UNPAUSED
+        # Requests that arrived while paused, in arrival order (also in self.requests).
+        self.held: dict[str, Request] = {}
 
     # ---------------------------------------------------------------- requests
 
@@ -123,7 +141,10 @@ class Scheduler:
         elif request.block_hasher is None or request.block_hasher.block_size != hasher.block_size:
             request.set_block_hasher(hasher)  # not hashed on the input thread
         self.requests[request.request_id] = request
-        self.waiting.add_request(request)
+        if self.pause_state == PauseState.UNPAUSED:
+            self.waiting.add_request(request)
+        else:
+            self.held[request.request_id] = request
         request.record_event(EngineCoreEventType.QUEUED)
 
     def finish_requests(
@@ -148,7 +169,7 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 running_ids.add(req_id)
-            else:
+            elif self.held.pop(req_id, None) is None:
                 waiting.append(request)
             request.status = finished_status
             self._free_request(request)
@@ -165,9 +186,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(self.max_num_scheduled_tokens)
-        self._schedule_running(plan)
-        if not plan.preempted:  # memory just ran out: admitting anyone now would only thrash
-            self._schedule_waiting(plan)
+        if self.pause_state != PauseState.PAUSED_ALL:
+            self._schedule_running(plan)
+            if not plan.preempted:  # memory just ran out: admitting anyone now would only thrash
+                self._schedule_waiting(plan)
 
         kv = self.kv_cache_manager
         new_block_ids = plan.new_block_ids
@@ -383,19 +405,25 @@ class Scheduler:
         if stopped:
             self.running = [r for r in self.running if r.request_id not in stopped]
 
-        stats = self.make_stats()
         now = time.monotonic()
-        if not per_client:
-            per_client[0] = []  # the stats go out even when no request produced a token
-        outputs = {
-            client: EngineCoreOutputs(outputs=outs, scheduler_stats=stats, timestamp=now)
-            for client, outs in per_client.items()
+        engine_outputs = {
+            client: EngineCoreOutputs(outputs=outs, timestamp=now) for client, outs in per_client.items()
         }
         if client_rows:
             assert model_runner_output.logprobs is not None
             for client, rows in client_rows.items():
-                outputs[client].logprobs = model_runner_output.logprobs.take(rows)
-        return outputs
+                engine_outputs[client].logprobs = model_runner_output.logprobs.take(rows)
+        if self.log_stats:
+            # Client 0 gets every step's snapshot, even one in which it has no
+            # output: one frontend turns them into series, none counts twice.
+            stats = self.make_stats()
+            stats.step_counter = step_id + 1
+            stats.num_batched_tokens = scheduler_output.total_num_scheduled_tokens
+            first = engine_outputs.get(0)
+            if first is None:
+                engine_outputs[0] = first = EngineCoreOutputs(timestamp=now)
+            first.scheduler_stats = stats
+        return engine_outputs
 
     def _check_stop(self, request: Request) -> bool:
         """Set a finished status (and stop_reason) if the last token ends the request."""
@@ -440,9 +468,39 @@ class Scheduler:
         return bool(self.requests)
 
     def has_requests(self) -> bool:
-        """True while a step is needed: unfinished requests, or finished or
-        preempted ones the runner has not been told about yet."""
-        return bool(self.requests) or bool(self.finished_req_ids) or bool(self.preempted_req_ids)
+        """True while a step is needed: requests to schedule, or finished or
+        preempted ones the runner has not been told about yet. Held requests
+        need no step, nor does anything while PAUSED_ALL."""
+        if self.finished_req_ids or self.preempted_req_ids:
+            return True
+        if self.pause_state == PauseState.PAUSED_ALL:
+            return False
+        return bool(self.running) or bool(self.waiting)
+
+    # ---------------------------------------------------------------- pause
+
+    def pause(self, mode: str) -> list[Request]:
+        """Stop admitting requests (``core.protocol.PAUSE_MODES``); returns the
+        requests that ``"abort"`` finished, held ones included."""
+        aborted: list[Request] = []
+        if mode == "abort":
+            aborted = list(self.requests.values())
+            self.finish_requests([r.request_id for r in aborted], RequestStatus.FINISHED_ABORTED)
+        elif mode not in ("wait", "keep"):
+            raise ValueError(f"unknown pause mode {mode!r}; use abort, wait or keep")
+        self.pause_state = PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW
+        return aborted
+
+    def resume(self) -> None:
+        """Schedule again; held requests join the waiting queue in arrival order."""
+        self.pause_state = PauseState.UNPAUSED
+        for request in self.held.values():
+            self.waiting.add_request(request)
+        self.held = {}
+
+    @property
+    def paused(self) -> bool:
+        return self.pause_state != PauseState.UNPAUSED
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -451,15 +509,15 @@ class Scheduler:
         return list(self.requests)
 
     def get_request_counts(self) -> tuple[int, int]:
-        """(running, waiting)."""
-        return len(self.running), len(self.waiting)
+        """(running, waiting), held requests counted as waiting."""
+        return len(self.running), len(self.waiting) + len(self.held)
 
     def make_stats(self) -> SchedulerStats:
         """A snapshot; the prefix cache and preemption counters are cumulative."""
         kv = self.kv_cache_manager
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.held),
             kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_stats.queries,
             prefix_cache_hits=kv.prefix_cache_stats.hits,

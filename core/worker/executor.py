@@ -19,16 +19,36 @@ sampled ids still being copied to the host (``AsyncModelRunnerOutput``). The
 Future's ``result()`` materialises them on the thread that asks (the engine
 thread, before ``update_from_output``), so the worker thread goes straight
 on to the next batch.
+
+Sleep mode and ``collective_rpc`` run on the thread that owns the runner
+too, between batches (the engine puts itself to sleep only once idle).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import msgspec
 
 from core.config import EngineConfig
+from core.models.loader import load_model
+from core.protocol import MemoryUsage
 from core.sched.output import ModelRunnerOutput, SchedulerOutput
 from core.worker.async_output import AsyncModelRunnerOutput
 from core.worker.model_runner import ModelRunner
+from core.worker.sleep import (
+    WeightStash,
+    device_bytes,
+    drop_weights,
+    release_freed_memory,
+    resident_bytes,
+    tensor_bytes,
+)
+
+T = TypeVar("T")
 
 
 def _materialise(output: ModelRunnerOutput | AsyncModelRunnerOutput) -> ModelRunnerOutput:
@@ -72,6 +92,8 @@ class UniProcExecutor:
         self._worker: ThreadPoolExecutor | None = None
         if config.async_scheduling:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ModelRunner")
+        self._sleep_level = 0
+        self._stash: WeightStash | None = None
 
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()
@@ -94,6 +116,114 @@ class UniProcExecutor:
             future.set_exception(exc)
         return future
 
+    # ---------------------------------------------------------- runner calls
+
+    def _on_runner_thread(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the thread that owns the runner (the worker, if any)."""
+        if self._worker is None:
+            return fn()
+        return self._worker.submit(fn).result()
+
+    @property
+    def sleep_level(self) -> int:
+        return self._sleep_level
+
+    def sleep(self, level: int) -> None:
+        """Free the KV cache; level 1 also moves the weights off the device, level 2 drops them."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self._sleep_level:
+            raise ValueError(f"the engine is already asleep (level {self._sleep_level})")
+
+        def go() -> None:
+            runner = self.runner
+            # What was built over the weights and the caches goes first: CUDA
+            # graphs and the CPU decode program hold their addresses, and the
+            # program's numpy views would keep the old weights resident.
+            runner.decode_graphs = None
+            runner.cpu_decode = None
+            runner.kv_caches = []
+            assert runner.model is not None
+            if level == 1:
+                self._stash = WeightStash(runner.model, runner.device)
+            else:
+                drop_weights(runner.model)
+            release_freed_memory(runner.device)
+
+        self._on_runner_thread(go)
+        self._sleep_level = level
+
+    def wake_up(self, num_blocks: int) -> None:
+        """Weights back (level 1: from the stash; level 2: from the checkpoint), KV cache re-created."""
+        if not self._sleep_level:
+            return
+
+        def go() -> None:
+            runner = self.runner
+            if self._stash is not None:
+                assert runner.model is not None
+                self._stash.restore(runner.model)
+                self._stash = None
+            else:
+                runner.model = None
+                release_freed_memory(runner.device)
+                runner.load_model()
+            runner.initialize_kv_cache(num_blocks)
+
+        self._on_runner_thread(go)
+        self._sleep_level = 0
+
+    def memory_usage(self) -> MemoryUsage:
+        runner = self.runner
+        caches = [t for pair in runner.kv_caches for t in pair]
+        weights = list(runner.model.parameters()) if runner.model is not None else []
+        return MemoryUsage(
+            rss_bytes=resident_bytes(),
+            device_bytes=device_bytes(runner.device),
+            kv_cache_bytes=tensor_bytes(caches),
+            weights_bytes=tensor_bytes(weights),
+        )
+
+    # ---------------------------------------------------------- collective RPC
+
+    def collective_rpc(
+        self, method: str, args: list[Any] | None = None, kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """Call a whitelisted worker method on every worker (here, the one): one result each.
+
+        Only the methods of ``COLLECTIVE_RPC_METHODS`` may be called; results
+        must be plain data (they cross to the frontend as msgpack).
+        """
+        if method not in COLLECTIVE_RPC_METHODS:
+            allowed = ", ".join(sorted(COLLECTIVE_RPC_METHODS))
+            raise ValueError(f"collective_rpc method {method!r} is not allowed; allowed: {allowed}")
+        fn = getattr(self, f"_rpc_{method}")
+        return [self._on_runner_thread(lambda: fn(*(args or ()), **(kwargs or {})))]
+
+    def _rpc_check_health(self) -> str:
+        if self.runner.model is None:
+            raise RuntimeError("the model is not loaded")
+        return "ok"
+
+    def _rpc_memory_usage(self) -> dict[str, int]:
+        return msgspec.structs.asdict(self.memory_usage())
+
+    def _rpc_reload_weights(self, model_dir: str | None = None) -> dict[str, Any]:
+        """Load a checkpoint of the same architecture into the running model, in place
+        (the parameters keep their storage: CUDA graphs stay valid). For weight
+        updates between a pause and a resume."""
+        if self._sleep_level:
+            raise RuntimeError("the engine is asleep: wake it up before reloading weights")
+        runner = self.runner
+        assert runner.model is not None
+        start = time.perf_counter()
+        config = runner.config if model_dir is None else msgspec.structs.replace(runner.config, model=model_dir)
+        fresh = dict(load_model(config, runner.device, runner.dtype).named_parameters())
+        for name, param in runner.model.named_parameters():
+            param.data.copy_(fresh[name])
+        runner.model.prepare_for_inference()
+        return {"model": config.model, "seconds": round(time.perf_counter() - start, 3)}
+
     def shutdown(self) -> None:
         if self._worker is not None:
             # A batch still in flight finishes before the tensors go away.
@@ -102,3 +232,10 @@ class UniProcExecutor:
         self.runner.decode_graphs = None  # graphs hold the caches' addresses and their own pool
         self.runner.kv_caches = []
         self.runner.model = None
+        if self._stash is not None:
+            self._stash.discard()
+            self._stash = None
+
+
+# Worker methods POST /collective_rpc may call (``UniProcExecutor._rpc_<name>``).
+COLLECTIVE_RPC_METHODS = frozenset({"check_health", "memory_usage", "reload_weights"})

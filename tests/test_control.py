@@ -1,0 +1,312 @@
+"""Pause/resume, sleep/wake_up and collective_rpc: vLLM's routes over the real engine.
+
+The pause tests run the app over the engine in this process
+(tests/support/http.py) with the official openai client; sleep runs a real
+server process, whose engine's resident memory is read from /proc.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from core.models.loader import kv_cache_bytes_per_block
+from tests.support.http import MODEL, make_engine, running_server
+from tests.support.metrics import parse_metrics, value
+
+GREEDY = dict(model=MODEL, prompt="Once upon a time", max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+LABELS = {"model_name": MODEL, "engine": "0"}
+
+
+def openai_client(base: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+class Stream:
+    """A streamed completion read by a task: its text so far and its finish reason."""
+
+    def __init__(self, oa: openai.AsyncOpenAI, **args) -> None:
+        self.chunks: list[str] = []
+        self.finish_reason: str | None = None
+        self._started = asyncio.Event()
+        self.task = asyncio.create_task(self._read(oa, args))
+
+    async def _read(self, oa: openai.AsyncOpenAI, args: dict) -> None:
+        async for chunk in await oa.completions.create(**args, stream=True):
+            choice = chunk.choices[0]
+            if choice.text:
+                self.chunks.append(choice.text)
+                if len(self.chunks) >= 3:
+                    self._started.set()
+            self.finish_reason = choice.finish_reason or self.finish_reason
+        self._started.set()
+
+    async def started(self) -> None:
+        """Three text chunks have arrived."""
+        await self._started.wait()
+
+    @property
+    def text(self) -> str:
+        return "".join(self.chunks)
+
+
+async def generated_tokens(client: httpx.AsyncClient) -> float:
+    return value(parse_metrics((await client.get("/metrics")).text), "vllm:generation_tokens_total", **LABELS)
+
+
+async def engine_stats(client: httpx.AsyncClient) -> dict:
+    return (await client.get("/engine/stats")).json()
+
+
+async def settled_token_count(client: httpx.AsyncClient) -> float:
+    """Tokens generated so far, once outputs already sent have been delivered."""
+    await asyncio.sleep(0.2)
+    return await generated_tokens(client)
+
+
+async def test_pause_keep_freezes_requests_and_resume_continues_them_token_exact(stories_dir) -> None:
+    async with running_server(make_engine(stories_dir)) as (client, base):
+        oa = openai_client(base)
+        reference = (await oa.completions.create(**GREEDY)).choices[0].text
+        stream = Stream(oa, **GREEDY)
+        await stream.started()
+        response = await client.post("/pause", params={"mode": "keep"})
+        assert response.status_code == 200 and response.json()["status"] == "paused"
+        assert (await client.get("/is_paused")).json() == {"is_paused": True}
+
+        frozen = await settled_token_count(client)
+        text_when_frozen = stream.text
+        await asyncio.sleep(0.5)
+        assert await generated_tokens(client) == frozen  # not one token while paused
+        assert stream.text == text_when_frozen and not stream.task.done()
+        stats = await engine_stats(client)
+        assert stats["num_running_reqs"] == 1 and stats["kv_cache_usage"] > 0  # kept, with its KV cache
+
+        waiting = asyncio.create_task(oa.completions.create(**{**GREEDY, "max_tokens": 5}))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()  # a new request waits while paused
+        assert (await engine_stats(client))["num_waiting_reqs"] == 1
+
+        assert (await client.post("/resume")).json() == {"status": "resumed"}
+        await stream.task
+        assert (stream.text, stream.finish_reason) == (reference, "length")
+        assert (await waiting).choices[0].text == reference[: len((await waiting).choices[0].text)]
+        assert (await client.get("/is_paused")).json() == {"is_paused": False}
+
+
+async def test_pause_abort_returns_partial_output_and_holds_new_requests(stories_dir) -> None:
+    async with running_server(make_engine(stories_dir)) as (client, base):
+        oa = openai_client(base)
+        reference = (await oa.completions.create(**GREEDY)).choices[0].text
+        stream = Stream(oa, **GREEDY)
+        whole = asyncio.create_task(oa.completions.create(**GREEDY))  # not streamed
+        await stream.started()
+        assert (await client.post("/pause", params={"mode": "abort"})).status_code == 200
+        await stream.task
+        assert stream.finish_reason == "abort"
+        assert stream.text and len(stream.text) < len(reference) and reference.startswith(stream.text)
+        partial = (await whole).choices[0]
+        assert partial.finish_reason == "abort" and reference.startswith(partial.text)
+
+        held = asyncio.create_task(oa.completions.create(**GREEDY))
+        await asyncio.sleep(0.3)
+        assert not held.done()
+        await client.post("/resume")
+        assert (await held).choices[0].text == reference
+
+
+async def test_pause_wait_drains_requests_in_flight_then_holds_new_ones(stories_dir) -> None:
+    async with running_server(make_engine(stories_dir)) as (client, base):
+        oa = openai_client(base)
+        reference = (await oa.completions.create(**GREEDY)).choices[0].text
+        stream = Stream(oa, **GREEDY)
+        await stream.started()
+        assert (await client.post("/pause", params={"mode": "wait"})).status_code == 200
+        stats = await engine_stats(client)  # /pause returned once nothing was left in flight
+        assert (stats["num_running_reqs"], stats["num_waiting_reqs"]) == (0, 0)
+        await stream.task
+        assert (stream.text, stream.finish_reason) == (reference, "length")
+
+        held = asyncio.create_task(oa.completions.create(**GREEDY))
+        await asyncio.sleep(0.3)
+        assert not held.done() and (await engine_stats(client))["num_waiting_reqs"] == 1
+        await client.post("/resume")
+        assert (await held).choices[0].text == reference
+
+
+async def test_control_routes_are_gated(stories_dir) -> None:
+    async with running_server(make_engine(stories_dir)) as (client, _):
+        assert (await client.post("/pause", params={"mode": "later"})).status_code == 400
+        for method, path in [("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
+                             ("POST", "/collective_rpc")]:
+            assert (await client.request(method, path)).status_code == 404, path
+    async with running_server(
+        make_engine(stories_dir), api_key="sesame", enable_sleep_mode=True, enable_dev_endpoints=True
+    ) as (client, _):
+        for method, path in [("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"),
+                             ("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
+                             ("POST", "/collective_rpc")]:
+            assert (await client.request(method, path)).status_code == 401, path
+        auth = {"Authorization": "Bearer sesame"}
+        rpc = await client.post("/collective_rpc", json={"method": "memory_usage"}, headers=auth)
+        assert rpc.status_code == 200
+        (usage,) = rpc.json()["results"]
+        assert usage["kv_cache_bytes"] > 0 and usage["weights_bytes"] > 0 and usage["rss_bytes"] > 0
+        refused = await client.post("/collective_rpc", json={"method": "__init__"}, headers=auth)
+        assert refused.status_code == 400 and "not allowed" in refused.json()["error"]["message"]
+        # The engine here was built without sleep mode: the route exists, the engine refuses.
+        asleep = await client.post("/sleep", headers=auth)
+        assert asleep.status_code == 400 and "--enable-sleep-mode" in asleep.json()["error"]["message"]
+
+
+async def test_reload_weights_between_pause_and_resume(stories_dir) -> None:
+    async with running_server(make_engine(stories_dir), enable_dev_endpoints=True) as (client, base):
+        oa = openai_client(base)
+        reference = (await oa.completions.create(**GREEDY)).choices[0].text
+        await client.post("/pause", params={"mode": "wait"})
+        rpc = await client.post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"model_dir": stories_dir}})
+        assert rpc.status_code == 200 and rpc.json()["results"][0]["model"] == stories_dir
+        await client.post("/resume")
+        assert (await oa.completions.create(**GREEDY)).choices[0].text == reference
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_sleep_frees_the_kv_cache_and_wake_up_serves_the_same_output(server_factory, stories_dir) -> None:
+    server = server_factory(["--enable-sleep-mode"])
+    base = server.base_url
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    request = dict(model="stories260K", prompt="Once upon a time", max_tokens=32, temperature=0)
+    before = client.completions.create(**request).choices[0].text
+    info = next(
+        dict(labels) for (name, labels) in parse_metrics(httpx.get(base + "/metrics").text)
+        if name == "vllm:cache_config_info"
+    )
+    hf_config = json.loads((Path(stories_dir) / "config.json").read_text())
+    kv_bytes = int(info["num_gpu_blocks"]) * kv_cache_bytes_per_block(hf_config, int(info["block_size"]), torch.float32)
+    pid = server.engine_pid()
+
+    for level in (1, 2):
+        awake = _rss(pid)
+        response = httpx.post(base + "/sleep", params={"level": level}, timeout=60)
+        assert response.status_code == 200 and response.json()["level"] == level
+        asleep = _rss(pid)
+        assert awake - asleep >= kv_bytes, (level, awake, asleep, kv_bytes)
+        memory = response.json()["memory"]
+        assert memory["before"]["kv_cache_bytes"] == kv_bytes and memory["after"]["kv_cache_bytes"] == 0
+        assert memory["after"]["weights_bytes"] == 0
+        assert httpx.get(base + "/is_sleeping").json() == {"is_sleeping": True}
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(**request)
+        assert refused.value.status_code == 503 and "asleep" in refused.value.message
+
+        woken = httpx.post(base + "/wake_up", timeout=120)
+        assert woken.status_code == 200 and woken.json()["memory"]["kv_cache_bytes"] == kv_bytes
+        assert httpx.get(base + "/is_sleeping").json() == {"is_sleeping": False}
+        assert client.completions.create(**request).choices[0].text == before, level
+
+
+async def test_pause_keep_and_wait_with_an_engine_process(server_factory) -> None:
+    """The same pauses through the rings: the engine process replies to /pause only once idle."""
+    server = server_factory([])
+    oa = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    request = {**GREEDY, "model": "stories260K", "max_tokens": 120}
+    reference = (await oa.completions.create(**request)).choices[0].text
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+        stream = Stream(oa, **request)
+        await stream.started()
+        assert (await client.post("/pause", params={"mode": "keep"})).status_code == 200
+        await asyncio.sleep(0.2)
+        text_when_frozen = stream.text
+        await asyncio.sleep(0.5)
+        assert stream.text == text_when_frozen and not stream.task.done()
+        await client.post("/resume")
+        await stream.task
+        assert (stream.text, stream.finish_reason) == (reference, "length")
+
+        stream = Stream(oa, **request)
+        await stream.started()
+        assert (await client.post("/pause", params={"mode": "wait"})).status_code == 200
+        stats = (await client.get("/engine/stats")).json()
+        assert (stats["num_running_reqs"], stats["num_waiting_reqs"]) == (0, 0)
+        await stream.task
+        assert stream.text == reference
+        await client.post("/resume")
+
+
+def test_offline_client_pause_wait_steps_the_engine_until_drained(stories_dir) -> None:
+    from core.client import InprocClient
+    from core.config import EngineConfig
+    from core.protocol import EngineCoreRequest, SamplingParams
+
+    client = InprocClient(EngineConfig(model=stories_dir, max_model_len=64, max_num_seqs=4))
+    try:
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        client.add_request(EngineCoreRequest(request_id="a", prompt_token_ids=[1, 400, 500], sampling_params=params))
+        first = client.get_output()
+        assert client.pause_scheduler("wait") is True  # steps "a" to its end
+        client.add_request(EngineCoreRequest(request_id="b", prompt_token_ids=[1, 400, 500], sampling_params=params))
+        tokens = {"a": [t for o in first.outputs for t in o.new_token_ids], "b": []}
+        while client.engine_core.side_outputs:
+            for out in client.get_output().outputs:
+                tokens[out.request_id] += out.new_token_ids
+        assert len(tokens["a"]) == 8 and not client.engine_core.has_work()  # "b" is held
+        assert client.is_scheduler_paused() and client.resume_scheduler()
+        while len(tokens["b"]) < 8:
+            for out in client.get_output().outputs:
+                tokens[out.request_id] += out.new_token_ids
+        assert tokens["b"] == tokens["a"]
+        with pytest.raises(RuntimeError, match="unknown pause mode"):
+            client.pause_scheduler("later")
+    finally:
+        client.shutdown()
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_scheduler_pause_modes_hold_new_requests_and_keep_outputs_exact(pipelined: bool) -> None:
+    from tests.support.scheduler_harness import Harness, expected_outputs, make_config, make_request
+
+    h = Harness(make_config(), num_blocks=40)
+    run = h.run_pipelined if pipelined else h.run
+    h.add(make_request("a", 6, max_tokens=12))
+    h.add(make_request("b", 5, max_tokens=12))
+    for _ in range(3):
+        h.step()
+
+    assert h.scheduler.pause("keep") == []
+    h.add(make_request("new", 4, max_tokens=3))
+    frozen = {r: list(h.results[r].token_ids) for r in ("a", "b")}
+    assert not h.scheduler.has_requests()  # nothing to schedule: the engine idles
+    assert h.scheduler.make_stats().num_waiting_reqs == 1 and len(h.scheduler.running) == 2
+    h.scheduler.pause("wait")  # "a" and "b" may finish, "new" is still held
+    run()
+    assert {r: h.results[r].token_ids for r in ("a", "b")} == {
+        "a": expected_outputs("a", 6, 12), "b": expected_outputs("b", 5, 12)
+    }
+    assert all(len(frozen[r]) < 12 for r in frozen) and h.results["new"].token_ids == []
+    h.scheduler.resume()
+    run()
+    assert h.results["new"].token_ids == expected_outputs("new", 4, 3)
+
+    h.add(make_request("c", 6, max_tokens=20))
+    h.step()
+    aborted = h.scheduler.pause("abort")
+    h.add(make_request("d", 3, max_tokens=2))  # held, not aborted
+    assert [r.request_id for r in aborted] == ["c"] and "c" not in h.scheduler.requests
+    run()
+    assert h.results["d"].token_ids == []
+    h.scheduler.resume()
+    run()
+    assert h.results["d"].token_ids == expected_outputs("d", 3, 2)
+    h.assert_no_leak()
