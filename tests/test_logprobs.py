@@ -20,6 +20,7 @@ import torch
 
 from app.llm import LLM
 from core.protocol import EngineCoreOutput, EngineCoreOutputs, LogprobsArrays, SamplingParams
+from core.worker.logprobs import _gather_on_device, _gather_on_host
 from shm.serial import EXT_RAW_TENSOR, EXT_SHM_TENSOR, MsgpackDecoder, MsgpackEncoder
 from tests.support.oracle import check_logprobs, hf_logprobs, load_hf
 from tests.support.pools import tensor_pool_pair
@@ -163,3 +164,24 @@ def test_logprobs_cross_the_transport_as_tensors() -> None:
         assert np.array_equal(got.token_ids, want.token_ids) and np.array_equal(got.logprobs, want.logprobs)
         assert np.array_equal(got.ranks, want.ranks)
     assert [o.logprobs_start for o in decoded.outputs] == [0, -1, 1]
+
+
+@pytest.mark.parametrize("k", [0, 1, 5])
+def test_host_and_device_gathers_agree(k) -> None:
+    """On a CPU logprobs are gathered in numpy; the torch path (a GPU's) must agree,
+    ranks included, with tokens inside and outside the top k and exact ties."""
+    g = torch.Generator().manual_seed(k)
+    logits = torch.randn(40, 64, generator=g)
+    logits[3, 10:14] = logits[3].max() + 1  # a four-way tie at the top
+    logprobs = logits.log_softmax(-1)
+    tokens = torch.randint(0, 64, (40,), generator=g)
+    tokens[0] = int(logits[0].argmax())
+    tokens[3] = 12
+    top = logprobs.topk(k, dim=-1) if k else None
+    device = _gather_on_device(logprobs, tokens, top)
+    host = _gather_on_host(logprobs.numpy(), tokens.numpy(), None if top is None else (top.values.numpy(), top.indices.numpy()))
+    for a, b in zip(device.to_numpy(), host.to_numpy()):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    assert host.ranks[0] == 1 and host.ranks[3] == 4
+    expected = (logprobs >= logprobs.gather(1, tokens[:, None])).sum(1)
+    assert host.ranks.tolist() == expected.tolist()

@@ -20,7 +20,7 @@ from app.llm import LLM
 from core.protocol import SamplingParams
 from core.worker.model_runner import ModelRunner
 from core.worker.sampler import Sampler
-from core.worker.sampling_batch import SamplingBatch, sampling_metadata
+from core.worker.sampling_batch import SamplingBatch, _fold_tokens, sampling_metadata
 from tests.support.oracle import load_hf
 
 VOCAB = 40
@@ -111,6 +111,20 @@ def test_penalty_state_updated_by_deltas_equals_one_built_from_the_history() -> 
     fresh.add(0, params, history, prompt_len, None, None)
     planes = stepped.penalty_table["planes"][int(stepped.penalty_slot[0])]
     torch.testing.assert_close(planes, fresh.penalty_table["planes"][int(fresh.penalty_slot[0])], atol=1e-6, rtol=0)
+
+
+def test_folding_tokens_with_torch_equals_numpy() -> None:
+    """A CPU folds sampled tokens in numpy; a GPU does the same with torch."""
+    g = torch.Generator().manual_seed(2)
+    planes = torch.rand(6, 4, VOCAB, generator=g)
+    planes[:, 3] = planes[:, 3].round()  # the seen plane holds 0 or 1
+    first_cells = torch.tensor([0, 3, 5]) * 4 * VOCAB + torch.tensor([7, 7, 30])
+    offsets = torch.arange(4) * VOCAB
+    p = torch.rand(3, 4, generator=g)
+    before, with_numpy = planes.clone(), planes.clone()
+    _fold_tokens(with_numpy.view(-1).numpy(), first_cells.numpy(), offsets.numpy(), p.numpy())
+    _fold_tokens(planes.view(-1), first_cells, offsets, p)
+    assert torch.equal(planes, with_numpy) and not torch.equal(planes, before)
 
 
 @pytest.fixture(scope="module", params=["stories260K", "tiny-llama"])

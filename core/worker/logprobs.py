@@ -40,38 +40,54 @@ class LogprobsTensors:
 
 
 def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
-    """Entries for ``token_ids`` [M] from their rows of ``logits`` [M, V], k alternatives each."""
+    """Entries for ``token_ids`` [M] from their rows of ``logits`` [M, V], k alternatives each.
+
+    The vocabulary-wide work (log_softmax, top-k) is torch's; what follows
+    touches a few values per row and on a CPU runs in numpy over the same
+    memory, where each small operation costs a few microseconds instead of
+    a torch dispatch's tens.
+    """
     logprobs = logits.float().log_softmax(dim=-1)
-    token_ids = token_ids.long().unsqueeze(-1)
-    token_logprobs = logprobs.gather(-1, token_ids)
-    if k == 0:
-        ranks = (logprobs >= token_logprobs).sum(-1, dtype=torch.int32)
-        return LogprobsTensors(token_ids.to(torch.int32), token_logprobs, ranks)
-    top_logprobs, top_ids = logprobs.topk(k, dim=-1)
-    ranks = _ranks(logprobs, token_logprobs, top_logprobs)
+    top = logprobs.topk(k, dim=-1) if k > 0 else None
+    if logprobs.device.type == "cpu":
+        top_arrays = None if top is None else (top.values.numpy(), top.indices.numpy())
+        return _gather_on_host(logprobs.numpy(), token_ids.numpy(), top_arrays)
+    return _gather_on_device(logprobs, token_ids, top)
+
+
+def _gather_on_host(
+    logprobs: np.ndarray, token_ids: np.ndarray, top: tuple[np.ndarray, np.ndarray] | None
+) -> LogprobsTensors:
+    """A token's rank is how many tokens are at least as likely: above its row's
+    k-th alternative the top k tell it, and only the other rows need a count
+    over the vocabulary."""
+    token_ids = token_ids.astype(np.int64)
+    token_logprobs = logprobs[np.arange(token_ids.size), token_ids][:, None]
+    if top is None:
+        ranks = (logprobs >= token_logprobs).sum(1)
+        ids, values = token_ids[:, None], token_logprobs
+    else:
+        top_logprobs, top_ids = top
+        ranks = (top_logprobs >= token_logprobs).sum(1)
+        below = np.flatnonzero(token_logprobs[:, 0] <= top_logprobs[:, -1])
+        if below.size:
+            ranks[below] = (logprobs[below] >= token_logprobs[below]).sum(1)
+        ids = np.concatenate((token_ids[:, None], top_ids), axis=1)
+        values = np.concatenate((token_logprobs, top_logprobs), axis=1)
     return LogprobsTensors(
-        torch.cat((token_ids, top_ids), dim=-1).to(torch.int32),
-        torch.cat((token_logprobs, top_logprobs), dim=-1),
-        ranks,
+        torch.from_numpy(ids.astype(np.int32)), torch.from_numpy(values), torch.from_numpy(ranks.astype(np.int32))
     )
 
 
-def _ranks(logprobs: torch.Tensor, token_logprobs: torch.Tensor, top_logprobs: torch.Tensor) -> torch.Tensor:
-    """How many tokens are at least as likely as each row's token (its rank).
-
-    A token above its row's k-th alternative is ranked by the top k alone;
-    only the others need a count over the vocabulary. On a CPU, where a
-    comparison over [M, V] costs more than the rest of this module, just those
-    rows are counted; on a GPU, where picking them would make the host wait,
-    all rows are.
-    """
-    if logprobs.device.type != "cpu":
-        return (logprobs >= token_logprobs).sum(-1, dtype=torch.int32)
-    ranks = (top_logprobs >= token_logprobs).sum(-1, dtype=torch.int32)
-    below = (token_logprobs[:, 0] <= top_logprobs[:, -1]).nonzero()[:, 0]
-    if below.numel():
-        ranks[below] = (logprobs[below] >= token_logprobs[below]).sum(-1, dtype=torch.int32)
-    return ranks
+def _gather_on_device(logprobs: torch.Tensor, token_ids: torch.Tensor, top) -> LogprobsTensors:
+    """The same with torch on the device (counting every row: picking rows would make the host wait)."""
+    token_ids = token_ids.long().unsqueeze(-1)
+    token_logprobs = logprobs.gather(-1, token_ids)
+    ranks = (logprobs >= token_logprobs).sum(-1, dtype=torch.int32)
+    if top is not None:
+        token_ids = torch.cat((token_ids, top.indices), dim=-1)
+        token_logprobs = torch.cat((token_logprobs, top.values), dim=-1)
+    return LogprobsTensors(token_ids.to(torch.int32), token_logprobs, ranks)
 
 
 def split_rows(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], k: int, start: int, stop: int) -> LogprobsArrays:

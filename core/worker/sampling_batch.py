@@ -244,7 +244,7 @@ class SamplingBatch:
 
     def record_sampled(self, rows: np.ndarray, token_ids: torch.Tensor) -> None:
         """Fold the tokens just sampled for ``rows`` (in sampling order) into their
-        penalties: a few cells per token, on the device, without reading the ids."""
+        penalties: four cells per token (on a GPU, without waiting for the ids)."""
         if not self.num_rows_with["penalties"]:
             return
         slots = self.penalty_slot[rows]
@@ -252,15 +252,15 @@ class SamplingBatch:
         if not picked.size:
             return
         planes = self.penalty_table["planes"]
-        token = token_ids if picked.size == len(rows) else token_ids[self._tensor(picked)]
-        # The token's cell in each of its slot's four planes, as indices into the flat table.
-        cells = (self._tensor(slots[picked]) * planes[0].numel() + token)[:, None] + self._plane_offsets
-        flat = planes.view(-1)
-        old = flat[cells]
-        p = self._tensor(self.penalty_params[rows[picked]])
-        # Presence is charged once: the seen plane gives it back to tokens already generated.
-        offset = torch.addcmul(old[:, 2], p[:, 2], old[:, 3]).sub_(p[:, 3])
-        flat[cells] = torch.stack((p[:, 0], p[:, 1], offset, torch.ones_like(offset)), dim=1)
+        p = self.penalty_params[rows[picked]]
+        slots = slots[picked]
+        if planes.device.type == "cpu":  # numpy over the same memory: cheaper small operations
+            token = token_ids.numpy()[picked]
+            _fold_tokens(planes.view(-1).numpy(), slots * planes[0].numel() + token, self._plane_offsets.numpy(), p)
+        else:
+            token = token_ids if picked.size == len(rows) else token_ids[self._tensor(picked)]
+            cells = self._tensor(slots) * planes[0].numel() + token
+            _fold_tokens(planes.view(-1), cells, self._plane_offsets, self._tensor(p))
 
     def metadata(self, rows: np.ndarray, num_tokens: np.ndarray, token_ids: np.ndarray) -> SamplingMetadata:
         """This step's metadata for the batch ``rows`` that sample, in sampling order.
@@ -345,6 +345,21 @@ class SamplingBatch:
             self._tensor(np.array(cells_rows, np.int64)),
             self._tensor(np.array(cells_ids, np.int64)),
         )
+
+
+def _fold_tokens(flat, first_cells, plane_offsets, p) -> None:
+    """Fold one sampled token per slot into its planes (numpy arrays or torch tensors alike).
+
+    ``first_cells`` [M] is each token's cell in its slot's first plane, ``p``
+    [M, 4] its row's (factor, correction, presence, frequency + presence).
+    Presence is charged once: the seen plane gives it back to tokens already
+    generated.
+    """
+    cells = first_cells[:, None] + plane_offsets
+    old = flat[cells]
+    offset = old[:, 2] + p[:, 2] * old[:, 3] - p[:, 3]
+    xp = np if isinstance(flat, np.ndarray) else torch
+    flat[cells] = xp.stack((p[:, 0], p[:, 1], offset, xp.ones_like(offset)), 1)
 
 
 def sampling_metadata(
