@@ -236,12 +236,6 @@ class LogprobsArrays(msgspec.Struct, array_like=True, gc=False):
     def __len__(self) -> int:
         return int(self.ranks.shape[0])
 
-    def take(self, rows: list[int]) -> LogprobsArrays:
-        """These rows, in this order (the arrays themselves when that is all of them)."""
-        if rows == list(range(len(self))):
-            return self
-        return LogprobsArrays(self.token_ids[rows], self.logprobs[rows], self.ranks[rows])
-
 
 class EngineCoreOutput(
     msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True
@@ -340,9 +334,10 @@ class EngineCoreOutputs(
 ):
     """Everything one engine step has for one client.
 
-    ``logprobs`` holds the sampled tokens' logprobs of the outputs that asked
-    (see ``EngineCoreOutput.logprobs_start``), with as many alternatives as
-    the most any of them asked for; each request reads its own first k.
+    ``logprobs`` holds the step's sampled-token logprobs, for every request
+    that asked (see ``EngineCoreOutput.logprobs_start``), with as many
+    alternatives as the most any of them asked for; each request reads its
+    own first k.
     """
 
     engine_index: int = 0

@@ -109,22 +109,24 @@ def test_penalty_state_updated_by_deltas_equals_one_built_from_the_history() -> 
         stepped.record_sampled(rows, torch.tensor([5, token]))
     fresh = SamplingBatch(4, VOCAB, torch.device("cpu"))
     fresh.add(0, params, history, prompt_len, None, None)
-    planes = stepped.penalty_table["planes"][int(stepped.penalty_slot[0])]
-    torch.testing.assert_close(planes, fresh.penalty_table["planes"][int(fresh.penalty_slot[0])], atol=1e-6, rtol=0)
+    for name in ("planes", "seen"):
+        got = stepped.penalty_table[name][int(stepped.penalty_slot[0])]
+        torch.testing.assert_close(got, fresh.penalty_table[name][int(fresh.penalty_slot[0])], atol=1e-6, rtol=0)
 
 
 def test_folding_tokens_with_torch_equals_numpy() -> None:
     """A CPU folds sampled tokens in numpy; a GPU does the same with torch."""
     g = torch.Generator().manual_seed(2)
-    planes = torch.rand(6, 4, VOCAB, generator=g)
-    planes[:, 3] = planes[:, 3].round()  # the seen plane holds 0 or 1
-    first_cells = torch.tensor([0, 3, 5]) * 4 * VOCAB + torch.tensor([7, 7, 30])
-    offsets = torch.arange(4) * VOCAB
+    planes = torch.rand(6, 3, VOCAB, generator=g)
+    seen = torch.rand(6, VOCAB, generator=g).round()
+    slots, tokens = torch.tensor([0, 3, 5]), torch.tensor([7, 7, 30])
     p = torch.rand(3, 4, generator=g)
-    before, with_numpy = planes.clone(), planes.clone()
-    _fold_tokens(with_numpy.view(-1).numpy(), first_cells.numpy(), offsets.numpy(), p.numpy())
-    _fold_tokens(planes.view(-1), first_cells, offsets, p)
-    assert torch.equal(planes, with_numpy) and not torch.equal(planes, before)
+    before = planes.clone(), seen.clone()
+    by_numpy = planes.clone(), seen.clone()
+    _fold_tokens(by_numpy[0].view(-1).numpy(), by_numpy[1].view(-1).numpy(), slots.numpy(), tokens.numpy(), VOCAB, p.numpy())
+    _fold_tokens(planes.view(-1), seen.view(-1), slots, tokens, VOCAB, p)
+    assert torch.equal(planes, by_numpy[0]) and torch.equal(seen, by_numpy[1])
+    assert not torch.equal(planes, before[0]) and seen[3, 7] == 1
 
 
 @pytest.fixture(scope="module", params=["stories260K", "tiny-llama"])

@@ -363,7 +363,6 @@ class Scheduler:
         sampled = model_runner_output.sampled_token_ids
         logprobs_rows = model_runner_output.logprobs_rows
         prompt_logprobs = model_runner_output.prompt_logprobs
-        client_rows: dict[int, list[int]] = {}  # rows of the runner's logprobs, per client
         requests = self.requests
         step_id = scheduler_output.step_id
         stopped: set[str] = set()
@@ -390,11 +389,8 @@ class Scheduler:
                 stop_reason=request.stop_reason,
                 num_cached_tokens=request.num_cached_tokens,
                 events=request.take_events(),
+                logprobs_start=-1 if logprobs_rows is None else logprobs_rows[i],
             )
-            if logprobs_rows is not None and logprobs_rows[i] >= 0:
-                rows = client_rows.setdefault(request.client_index, [])
-                out.logprobs_start = len(rows)
-                rows.append(logprobs_rows[i])
             if prompt_logprobs is not None:
                 out.new_prompt_logprobs = prompt_logprobs.get(req_id)
             client_outputs = per_client.get(request.client_index)
@@ -409,10 +405,12 @@ class Scheduler:
         engine_outputs = {
             client: EngineCoreOutputs(outputs=outs, timestamp=now) for client, outs in per_client.items()
         }
-        if client_rows:
-            assert model_runner_output.logprobs is not None
-            for client, rows in client_rows.items():
-                engine_outputs[client].logprobs = model_runner_output.logprobs.take(rows)
+        if model_runner_output.logprobs is not None:
+            # The step's arrays whole, in the runner's row order (which each output
+            # points into): one frontend is the usual case, and slicing per client
+            # would cost more than the rows of other clients' requests.
+            for client_outputs in engine_outputs.values():
+                client_outputs.logprobs = model_runner_output.logprobs
         if self.log_stats:
             # Client 0 gets every step's snapshot, even one in which it has no
             # output: one frontend turns them into series, none counts twice.

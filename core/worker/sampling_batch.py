@@ -45,6 +45,7 @@ class SlotTable:
         self.tensors = {
             name: torch.zeros((0, *shape), dtype=dt, device=device) for name, (shape, dt) in shapes.items()
         }
+        self._flat_numpy: dict[str, np.ndarray] = {}
         self.free: list[int] = []
 
     def acquire(self) -> int:
@@ -56,6 +57,7 @@ class SlotTable:
                 new = torch.zeros((grown, *old.shape[1:]), dtype=old.dtype, device=self.device)
                 new[:capacity] = old
                 self.tensors[name] = new
+            self._flat_numpy.clear()
             self.free.extend(range(grown - 1, capacity - 1, -1))
         slot = self.free.pop()
         for tensor in self.tensors.values():
@@ -67,6 +69,13 @@ class SlotTable:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
+
+    def flat_numpy(self, name: str) -> np.ndarray:
+        """A CPU table as a flat numpy view of the same memory (cached until it grows)."""
+        view = self._flat_numpy.get(name)
+        if view is None:
+            view = self._flat_numpy[name] = self.tensors[name].view(-1).numpy()
+        return view
 
 
 class SamplingBatch:
@@ -100,10 +109,11 @@ class SamplingBatch:
         self.features: list[tuple[str, ...]] = [() for _ in range(n)]
         self.num_rows_with = dict.fromkeys(_FEATURES, 0)
         v = vocab_size
-        # Planes of a penalised request: factor, correction, offset (read every step) and
-        # seen (1 for generated tokens, read only to update the others).
-        self.penalty_table = SlotTable(device, {"planes": ((4, v), torch.float32)})
-        self._plane_offsets = torch.arange(4, device=device) * v
+        # A penalised request's planes (factor, correction, offset: read every step),
+        # and its seen row (1 for generated tokens: read only to update the planes).
+        self.penalty_table = SlotTable(
+            device, {"planes": ((3, v), torch.float32), "seen": ((v,), torch.float32)}
+        )
         self.bias_table = SlotTable(device, {"bias": ((v,), torch.float32)})
 
     # ------------------------------------------------------------ rows
@@ -174,7 +184,8 @@ class SamplingBatch:
         # Placeholder ids stand for prompt embeddings: no prompt tokens to penalise.
         repeated = output if prompt_is_embeds else ids
         counts = torch.bincount(output, minlength=self.vocab_size).float()
-        factor, correction, offset, seen = table["planes"][slot]
+        factor, correction, offset = table["planes"][slot]
+        seen = table["seen"][slot]
         r = params.repetition_penalty
         factor.fill_(1.0)
         factor[repeated] = r
@@ -251,16 +262,16 @@ class SamplingBatch:
         picked = np.flatnonzero(slots >= 0)
         if not picked.size:
             return
-        planes = self.penalty_table["planes"]
+        table = self.penalty_table
         p = self.penalty_params[rows[picked]]
         slots = slots[picked]
-        if planes.device.type == "cpu":  # numpy over the same memory: cheaper small operations
+        if self.device.type == "cpu":  # numpy over the same memory: cheaper small operations
             token = token_ids.numpy()[picked]
-            _fold_tokens(planes.view(-1).numpy(), slots * planes[0].numel() + token, self._plane_offsets.numpy(), p)
+            _fold_tokens(table.flat_numpy("planes"), table.flat_numpy("seen"), slots, token, self.vocab_size, p)
         else:
             token = token_ids if picked.size == len(rows) else token_ids[self._tensor(picked)]
-            cells = self._tensor(slots) * planes[0].numel() + token
-            _fold_tokens(planes.view(-1), cells, self._plane_offsets, self._tensor(p))
+            planes, seen = table["planes"].view(-1), table["seen"].view(-1)
+            _fold_tokens(planes, seen, self._tensor(slots), token, self.vocab_size, self._tensor(p))
 
     def metadata(self, rows: np.ndarray, num_tokens: np.ndarray, token_ids: np.ndarray) -> SamplingMetadata:
         """This step's metadata for the batch ``rows`` that sample, in sampling order.
@@ -347,19 +358,19 @@ class SamplingBatch:
         )
 
 
-def _fold_tokens(flat, first_cells, plane_offsets, p) -> None:
+def _fold_tokens(planes, seen, slots, tokens, vocab_size: int, p) -> None:
     """Fold one sampled token per slot into its planes (numpy arrays or torch tensors alike).
 
-    ``first_cells`` [M] is each token's cell in its slot's first plane, ``p``
-    [M, 4] its row's (factor, correction, presence, frequency + presence).
-    Presence is charged once: the seen plane gives it back to tokens already
-    generated.
+    ``planes`` and ``seen`` are the flat tables, ``p`` [M, 4] the rows'
+    (factor, correction, presence, frequency + presence). Presence is charged
+    once: the seen row gives it back to tokens already generated.
     """
-    cells = first_cells[:, None] + plane_offsets
-    old = flat[cells]
-    offset = old[:, 2] + p[:, 2] * old[:, 3] - p[:, 3]
-    xp = np if isinstance(flat, np.ndarray) else torch
-    flat[cells] = xp.stack((p[:, 0], p[:, 1], offset, xp.ones_like(offset)), 1)
+    xp = np if isinstance(planes, np.ndarray) else torch
+    first = slots * (3 * vocab_size) + tokens  # the token's cell in its factor plane
+    seen_cells = slots * vocab_size + tokens
+    offset = planes[first + 2 * vocab_size] + p[:, 2] * seen[seen_cells] - p[:, 3]
+    planes[xp.stack((first, first + vocab_size, first + 2 * vocab_size), 1)] = xp.stack((p[:, 0], p[:, 1], offset), 1)
+    seen[seen_cells] = 1.0
 
 
 def sampling_metadata(
