@@ -72,6 +72,11 @@ def test_silu_mul() -> None:
     torch.testing.assert_close(cpu.silu_mul(gate_up), torch_ref.silu_mul(gate_up), rtol=1e-6, atol=1e-6)
 
 
+# Enough decodes (and work) that the C kernel shares them among threads, with a
+# short prefill chunk among them.
+_LARGE_BATCH = ([1] * 24 + [12], [100 + 7 * i for i in range(24)] + [30], 4, 3, 64, 16)
+
+
 @pytest.mark.parametrize(
     "query_lens,context_lens,kv_heads,group,head_dim,block_size",
     [
@@ -79,10 +84,24 @@ def test_silu_mul() -> None:
         pytest.param([1], [300], 4, 3, 64, 16, id="long-decode-llama-shape"),
         pytest.param([9, 1, 20, 1, 3], [0, 12, 7, 33, 5], 2, 3, 16, 4, id="decodes-between-prefill-chunks"),
         pytest.param([1, 1], [0, 10], 1, 8, 128, 1, id="mqa-block-size-one"),
+        pytest.param(*_LARGE_BATCH, id="batch-large-enough-for-threads"),
     ],
 )
 def test_paged_decode_attention_matches_dense(query_lens, context_lens, kv_heads, group, head_dim, block_size):
     run_case(query_lens, context_lens, kv_heads, group, head_dim, block_size, attention=kernels.paged_attention)
+
+
+def test_threaded_attention_is_bitwise_the_single_thread_result() -> None:
+    """Threads split a large batch by decode, each computed exactly as on one thread."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = run_case(*_LARGE_BATCH, attention=kernels.paged_attention)
+        torch.set_num_threads(max(2, threads))
+        shared = run_case(*_LARGE_BATCH, attention=kernels.paged_attention)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, shared)
 
 
 @settings(max_examples=25, deadline=None)

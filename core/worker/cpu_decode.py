@@ -97,7 +97,9 @@ class DecodeProgram:
         self.gate_up = np.zeros((rows, 2 * self.intermediate), np.float32)
         self.act = np.zeros((rows, self.intermediate), np.float32)
         self.logits = np.zeros((rows, self.lm_head_t.shape[1]), np.float32)
-        self.scratch = np.zeros(self.heads * max_model_len, np.float32)
+        self.threads = torch.get_num_threads()  # attention of large batches is shared among them
+        self.scratch_stride = self.heads * max_model_len
+        self.scratch = np.zeros(self.threads * self.scratch_stride, np.float32)
         self.head_norms = np.zeros((rows, self.heads, self.head_dim), np.float32)  # q/k norm outputs
         self.row_ids = np.arange(rows, dtype=np.int64)  # decode d is row d and block-table row d
         self.seq_lens = np.zeros(rows, np.int64)
@@ -154,6 +156,7 @@ class DecodeProgram:
             lib.paged_decode_attention(
                 qkv_p, width, rows_p, n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache, self.block_size,
                 tables_p, table_stride, rows_p, lens_p, self.scale, attn_p, heads * head_dim, scratch_p,
+                self.scratch_stride, self.threads,
             )
             np.matmul(attn, layer.o_t, out=proj)
             if layer.o_bias is not None:

@@ -9,7 +9,10 @@ cache where it lies, with no gathered copy).
 The source is compiled on first use with the machine's C compiler (``cc``,
 or ``$CC``) for this very CPU (``-march=native``) into a per-user cache
 (``$RINGLLM_CACHE`` or ``~/.cache/ringllm``), keyed by a hash of the source
-and flags: about half a second, once. Without a compiler ``load()`` returns
+and flags: about half a second, once. It is built with OpenMP (attention of
+large batches is shared among torch's intra-op thread count; the library
+binds to the OpenMP runtime torch has loaded, so there is one thread pool),
+or serial where the compiler has no OpenMP. Without a compiler ``load()`` returns
 None, and with ``RINGLLM_CPU_KERNELS=0`` they are not used (``enabled``): the
 callers then use the torch implementations (kernels/torch_ref.py), which
 compute the same thing.
@@ -36,7 +39,9 @@ import torch
 logger = logging.getLogger("ringllm.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
+# Tried in order: threaded attention, then the same code on one thread.
+OPENMP_VARIANTS = (["-fopenmp"], ["-fopenmp-simd"])
 DISABLE_ENV = "RINGLLM_CPU_KERNELS"
 
 # Prefill chunks of at most this many (query, key) pairs are attended by the C
@@ -51,7 +56,7 @@ _SIGNATURES = {
     "rotary": [_P, _I, _I, _I, _I, _P, _P, _P],
     "write_kv": [_P, _I, _P, _I, _I, _I, _P, _P, _P],
     "silu_mul": [_P, _I, _I, _P],
-    "paged_decode_attention": [_P, _I, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _P, _F, _P, _I, _P],
+    "paged_decode_attention": [_P, _I, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _P, _F, _P, _I, _P, _I, _I],
 }
 
 _lock = threading.Lock()
@@ -66,9 +71,9 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, flags: list[str]) -> Path:
     """The compiled library for this source and these flags, compiling it if needed."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{digest}.so"
     if target.exists():
         return target
@@ -77,7 +82,7 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True, text=True)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -98,10 +103,14 @@ def load() -> ctypes.CDLL | None:
         if compiler is None:
             logger.warning("no C compiler found: the CPU decode path uses torch kernels (slower)")
             return None
-        try:
-            lib = ctypes.CDLL(str(_build(compiler)))
-        except (OSError, subprocess.CalledProcessError) as exc:
-            detail = getattr(exc, "stderr", "") or exc
+        lib = None
+        for variant in OPENMP_VARIANTS:
+            try:
+                lib = ctypes.CDLL(str(_build(compiler, [*FLAGS, *variant])))
+                break
+            except (OSError, subprocess.CalledProcessError) as exc:
+                detail = getattr(exc, "stderr", "") or exc
+        if lib is None:
             logger.warning("could not build the CPU kernels, using torch kernels instead: %s", detail)
             return None
         for name, argtypes in _SIGNATURES.items():
@@ -189,9 +198,11 @@ def paged_decode_attention(
     blocks in block_tables[tables[d]] (int32), read in place from the caches."""
     heads, head_dim = query.shape[1], query.shape[2]
     kv_heads = k_cache.shape[2]
-    scratch = torch.empty(heads * max_len, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    scratch = torch.empty(threads * heads * max_len, dtype=torch.float32)
     _lib.paged_decode_attention(
         query.data_ptr(), query.stride(0), rows.data_ptr(), rows.shape[0], heads, kv_heads, head_dim,
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], block_tables.data_ptr(), block_tables.stride(0),
         tables.data_ptr(), seq_lens.data_ptr(), scale, out.data_ptr(), out.stride(0), scratch.data_ptr(),
+        heads * max_len, threads,
     )

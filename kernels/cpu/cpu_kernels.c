@@ -5,8 +5,10 @@
  * -ffp-contract=off so that a*b + c*d is two roundings, as in torch's own
  * element-wise kernels: the rotary embedding below is then bitwise the one
  * transformers computes. Sums (norms, dot products) are vectorised reductions
- * (`omp simd`, no OpenMP runtime): lane-wise partial sums like torch's own
- * reductions, though not in the same order, so they agree to rounding.
+ * (`omp simd`): lane-wise partial sums like torch's own reductions, though not
+ * in the same order, so they agree to rounding. Only attention uses OpenMP
+ * threads (the runtime torch has already loaded); built without OpenMP, it
+ * runs on the calling thread.
  *
  * All tensors are float32 (caches included) and all indices int64 unless
  * noted; "stride" means elements between consecutive rows.
@@ -16,6 +18,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 /* exp over arrays, in 8-lane vectors (GCC vector extensions: libm's expf does
  * not vectorise without -ffast-math). x = n*ln2 + r with |r| <= ln2/2; e^r by
@@ -223,6 +228,11 @@ static inline __attribute__((always_inline)) void decode_one(
     }
 }
 
+/* Below this many multiply-adds (keys x query heads x head_dim, summed over
+ * the decodes) attention runs on the calling thread alone: waking a second
+ * thread costs more than it saves. */
+#define PARALLEL_MIN_WORK (1 << 19)
+
 /* Attention of one-token queries over their paged contexts, read in place.
  *
  * Decode d is query row q_rows[d] (heads of head_dim at q + row*q_stride)
@@ -230,20 +240,33 @@ static inline __attribute__((always_inline)) void decode_one(
  * block_tables + tables[d]*table_stride (int32 block ids); its output goes to
  * out + q_rows[d]*out_stride. The caches are [blocks, block_size, kv_heads,
  * head_dim]; each cached row (all KV heads of one token) is read once, for
- * every query head, walking the request's blocks. `scratch` holds at least
- * heads * max(seq_lens) floats.
+ * every query head, walking the request's blocks. Large batches are shared
+ * among up to `threads` OpenMP threads, a decode at a time; thread i uses
+ * scratch + i*scratch_stride, which holds at least heads * max(seq_lens)
+ * floats.
  */
 void paged_decode_attention(const float *q, int64_t q_stride, const int64_t *q_rows, int64_t num_decodes,
                             int64_t heads, int64_t kv_heads, int64_t head_dim, const float *k_cache,
                             const float *v_cache, int64_t block_size, const int32_t *block_tables,
                             int64_t table_stride, const int64_t *tables, const int64_t *seq_lens, float scale,
-                            float *out, int64_t out_stride, float *scratch) {
+                            float *out, int64_t out_stride, float *scratch, int64_t scratch_stride,
+                            int64_t threads) {
     int64_t group = heads / kv_heads;
+    int64_t keys = 0;
+    for (int64_t d = 0; d < num_decodes; d++) keys += seq_lens[d];
+    int parallel = threads > 1 && num_decodes > 1 && keys * heads * head_dim >= PARALLEL_MIN_WORK;
+    (void)parallel;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (parallel)
     for (int64_t d = 0; d < num_decodes; d++) {
+#ifdef _OPENMP
+        float *scr = scratch + omp_get_thread_num() * scratch_stride;
+#else
+        float *scr = scratch;
+#endif
         const float *qd = q + q_rows[d] * q_stride;
         float *od = out + q_rows[d] * out_stride;
         const int32_t *table = block_tables + tables[d] * table_stride;
-#define DECODE(D) decode_one(qd, od, table, seq_lens[d], kv_heads, group, D, k_cache, v_cache, block_size, scale, scratch)
+#define DECODE(D) decode_one(qd, od, table, seq_lens[d], kv_heads, group, D, k_cache, v_cache, block_size, scale, scr)
         switch (head_dim) {
             case 8: DECODE(8); break;
             case 16: DECODE(16); break;

@@ -24,7 +24,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 def run_case(
     query_lens, context_lens, kv_heads, group, head_dim, block_size, seed=0, attention=torch_ref.paged_attention
-):
+) -> torch.Tensor:
+    """Checks ``attention`` on one batch against dense float64 attention; returns its output."""
     gen = torch.Generator().manual_seed(seed)
     heads = kv_heads * group
     seq_lens = [c + q for q, c in zip(query_lens, context_lens)]
@@ -65,3 +66,4 @@ def run_case(
     for r in range(len(seq_lens)):
         expected = dense_attention(query[qsl[r] : qsl[r + 1]], keys[r], values[r], scale)
         torch.testing.assert_close(out[qsl[r] : qsl[r + 1]].double(), expected, atol=1e-5, rtol=1e-5)
+    return out
