@@ -38,7 +38,9 @@ from dataclasses import dataclass
 from shm.aio import AsyncReceiver, AsyncSender
 from shm.doorbell import Doorbell
 from shm.ring import Frame, ShmRing
-from shm.waiting import ChannelClosed, PeerDeadError, PeerWatch, deadline_after, drive_blocking, wait_steps
+from shm.waiting import (
+    ChannelClosed, PeerDeadError, PeerWatch, deadline_after, drive_blocking, send_blocking, wait_steps,
+)
 
 __all__ = [
     "ChannelClosed", "ChannelSpec", "DirectionSpec", "Duplex", "PeerDeadError", "Receiver", "ReceiverGroup", "Sender",
@@ -149,15 +151,7 @@ class Sender(_Endpoint):
         then TimeoutError, after which a large message may be half written and the next
         send must pass the same ``frames``). Raises PeerDeadError if the ring stays full
         and the peer is gone; while there is room, a send to a dead peer succeeds."""
-        if self.try_send(frames):
-            return
-        steps = wait_steps(lambda: self.try_send(frames) or None, self, self.spin_s, deadline_after(timeout))
-        if drive_blocking(steps, self.sleep_for_space) is None:
-            raise TimeoutError(f"{self.name} stayed full for {timeout} s")
-
-    def sleep_for_space(self, timeout: float) -> None:
-        self.waits_for_space += 1
-        self._sleep(timeout)
+        send_blocking(self, frames, self._sleep, self.spin_s, timeout)
 
 
 class Receiver(_Endpoint):

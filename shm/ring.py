@@ -41,9 +41,9 @@ which CPython copies with one fixed-size 8-byte memcpy, i.e. one aligned move
 allows is a store followed by a load of another location, which is exactly the
 "set my sleeping flag, then re-check the counter" / "publish the counter, then
 check the sleeping flag" handshake; both sides put a full fence there. Pure
-Python has no fence instruction, so ``_fence`` acquires and releases a lock,
+Python has no fence instruction, so ``fence`` acquires and releases a lock,
 which glibc implements with a locked read-modify-write (a full barrier on
-x86-64). On weakly ordered CPUs (ARM64, POWER) ``_fence`` is additionally
+x86-64). On weakly ordered CPUs (ARM64, POWER) ``fence`` is additionally
 called before each counter store and after each counter load; that relies on
 glibc's lock operations being full barriers there, which holds for the
 common implementations but is untested: x86-64 is the supported platform.
@@ -81,14 +81,14 @@ _NFRAMES = (1 << 24) - 1
 _U32 = struct.Struct("I")
 _U32X2 = struct.Struct("II")  # a record header: body length, info; or two frame lengths
 
-_WEAK_MEMORY = platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686")
+WEAK_MEMORY = platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686")
 
 _fence_lock = threading.Lock()
 _fence_acquire = _fence_lock.acquire
 _fence_release = _fence_lock.release
 
 
-def _fence() -> None:
+def fence() -> None:
     """Full memory barrier: a lock round trip is a locked read-modify-write."""
     _fence_acquire()
     _fence_release()
@@ -160,7 +160,7 @@ class _SleepFlag:
     def announce(self) -> None:
         self._seq += 1
         self._counters[self._index] = self._seq
-        _fence()  # the flag must be visible before the sleeper re-reads the ring
+        fence()  # the flag must be visible before the sleeper re-reads the ring
 
     def withdraw(self) -> None:
         if self._mm.closed:  # a sleeper cancelled after its owner closed the ring (shutdown)
@@ -173,7 +173,7 @@ class _SleepFlag:
         if position == self._checked:
             return False
         self._checked = position
-        _fence()  # the counter store must be visible before we look at the flag
+        fence()  # the counter store must be visible before we look at the flag
         seq = self._counters[self._index]
         if seq & 1 and seq != self._rung:
             self._rung = seq
@@ -306,8 +306,8 @@ class ShmRing:
         need = rec if rec <= room else room + rec
         if tail + need - self._head_cache > self.capacity:
             self._head_cache = self._counters[_HEAD]
-            if _WEAK_MEMORY:
-                _fence()
+            if WEAK_MEMORY:
+                fence()
             if tail + need - self._head_cache > self.capacity:
                 return False
         if rec > room:
@@ -331,8 +331,8 @@ class ShmRing:
                 mm[off : off + length] = frame
                 off += length
         self._tail = tail = tail + rec
-        if _WEAK_MEMORY:
-            _fence()
+        if WEAK_MEMORY:
+            fence()
         self._counters[_TAIL] = tail
         return True
 
@@ -353,8 +353,8 @@ class ShmRing:
                 need = min(_pad8(header + st.remaining), self.max_record, room)
             if tail + need - self._head_cache > cap:
                 self._head_cache = self._counters[_HEAD]
-                if _WEAK_MEMORY:
-                    _fence()
+                if WEAK_MEMORY:
+                    fence()
                 if tail + need - self._head_cache > cap:
                     return False
             off = _DATA + pos
@@ -377,8 +377,8 @@ class ShmRing:
                 if last:
                     self._pending = None
             self._tail = tail
-            if _WEAK_MEMORY:
-                _fence()
+            if WEAK_MEMORY:
+                fence()
             self._counters[_TAIL] = tail
             if self._pending is None:
                 return True
@@ -412,8 +412,8 @@ class ShmRing:
             head = self._head
             if head == self._tail_cache:
                 self._tail_cache = self._counters[_TAIL]
-                if _WEAK_MEMORY:
-                    _fence()
+                if WEAK_MEMORY:
+                    fence()
                 if head == self._tail_cache:
                     return None
             pos = head & self._mask
@@ -448,8 +448,8 @@ class ShmRing:
 
     def _publish_head(self, head: int) -> None:
         self._head = head
-        if _WEAK_MEMORY:
-            _fence()
+        if WEAK_MEMORY:
+            fence()
         self._counters[_HEAD] = head
 
     def _read_chunk(self, off: int, body: int, info: int) -> list[bytes] | None:

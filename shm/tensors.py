@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from shm.ring import _WEAK_MEMORY, _fence
+from shm.ring import WEAK_MEMORY, fence
 from shm.segment import NAME_PREFIX, attach_segment, create_segment, unlink_segment
 
 _MAGIC = 0x52494E474C504F4C  # "RINGLPOL"
@@ -119,8 +119,8 @@ class TensorPoolWriter:
                 break
             regions.popleft()
             self._head += size
-        if _WEAK_MEMORY:
-            _fence()
+        if WEAK_MEMORY:
+            fence()
 
     def _allocate(self, payload: int) -> int | None:
         """Offset of a free region for ``payload`` bytes, or None."""
@@ -153,8 +153,8 @@ class TensorPoolWriter:
         pool._mm[start : start + view.nbytes] = view
         index = pool._state_index(offset)
         pool._words[index + 1] = view.nbytes
-        if _WEAK_MEMORY:
-            _fence()
+        if WEAK_MEMORY:
+            fence()
         pool._words[index] = _IN_USE  # published to the consumer by the message that follows
         self.bytes_written += view.nbytes
         return PoolHandle(offset, view.nbytes)
@@ -165,8 +165,8 @@ class TensorPoolWriter:
         if offset is not None:
             index = self.pool._state_index(offset)
             self.pool._words[index + 1] = 0
-            if _WEAK_MEMORY:
-                _fence()
+            if WEAK_MEMORY:
+                fence()
             self.pool._words[index] = _IN_USE
         return offset
 
@@ -207,8 +207,8 @@ class TensorPoolReader:
         """A writable uint8 array over the region (zero-copy); the region is released
         once the array and everything made from it (torch.from_numpy included) is gone."""
         index = self._check(handle)
-        if _WEAK_MEMORY:
-            _fence()
+        if WEAK_MEMORY:
+            fence()
         start = self.pool._data_start(handle.offset)
         array = np.frombuffer(self.pool._mm, dtype=np.uint8, count=handle.nbytes, offset=start)
         weakref.finalize(array, self._release_index, index)
@@ -227,6 +227,6 @@ class TensorPoolReader:
     def _release_index(self, index: int) -> None:
         if self.pool.closed:  # nobody left to hand it back to
             return
-        if _WEAK_MEMORY:
-            _fence()
+        if WEAK_MEMORY:
+            fence()
         self.pool._words[index] = _RELEASED

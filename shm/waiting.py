@@ -29,8 +29,8 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Awaitable, Callable, Generator
-from typing import Protocol, TypeVar
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
 
@@ -137,6 +137,32 @@ def wait_steps(
             if result is not None:
                 return result
             raise PeerDeadError(f"the peer of {waiter.name} is gone")
+
+
+class SendingEnd(Waiter, Protocol):
+    """A producing end: ``try_send`` writes without waiting; sleeps for room are counted."""
+
+    waits_for_space: int
+
+    def try_send(self, frames: Sequence[Any]) -> bool: ...
+
+
+def send_blocking(
+    end: SendingEnd, frames: Sequence[Any], sleep: Callable[[float], object], spin_s: float,
+    timeout: float | None = None,
+) -> None:
+    """Write one message through ``end``, waiting for room (``sleep`` is the end's own
+    sleep); TimeoutError after ``timeout`` seconds, PeerDeadError as ``wait_steps``."""
+    if end.try_send(frames):
+        return
+
+    def sleep_for_space(seconds: float) -> None:
+        end.waits_for_space += 1
+        sleep(seconds)
+
+    steps = wait_steps(lambda: end.try_send(frames) or None, end, spin_s, deadline_after(timeout))
+    if drive_blocking(steps, sleep_for_space) is None:
+        raise TimeoutError(f"{end.name} stayed full for {timeout} s")
 
 
 def drive_blocking(steps: Generator[float, None, T], sleep: Callable[[float], object]) -> T:

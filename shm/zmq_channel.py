@@ -26,7 +26,7 @@ import zmq.asyncio
 
 from shm.channel import DEFAULT_POLL_INTERVAL_S
 from shm.ring import Frame
-from shm.waiting import ChannelClosed, PeerWatch, deadline_after, drive_async, drive_blocking, wait_steps
+from shm.waiting import ChannelClosed, PeerWatch, deadline_after, drive_async, drive_blocking, send_blocking, wait_steps
 
 ENGINE_IDENTITY = (0).to_bytes(2, "little")  # engine index 0, as vLLM encodes it
 _REGISTER = b""  # the DEALER's first message: lets the ROUTER learn its routing id
@@ -107,15 +107,7 @@ class ZmqSender(_End):
         return True
 
     def send(self, frames: Sequence[Frame], timeout: float | None = None) -> None:
-        if self.try_send(frames):
-            return
-        steps = wait_steps(lambda: self.try_send(frames) or None, self, 0.0, deadline_after(timeout))
-        if drive_blocking(steps, self.sleep_for_space) is None:
-            raise TimeoutError(f"zmq socket stayed full for {timeout} s")
-
-    def sleep_for_space(self, timeout: float) -> None:
-        self.waits_for_space += 1
-        self._sleep(timeout)
+        send_blocking(self, frames, self._sleep, 0.0, timeout)
 
 
 class ZmqReceiver(_End):
