@@ -64,6 +64,8 @@ REFUSED_COMMON: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_whitespace_pattern": ((None,), _STRUCTURED),
     "vllm_xargs": ((None,), "there are no custom sampling arguments"),
     "kv_transfer_params": ((None,), "there is no KV transfer (disaggregated prefill)"),
+    "return_token_ids": ((None, False), "token ids are not returned beside the text; see return_tokens_as_token_ids"),
+    "mm_processor_kwargs": ((None,), "there are no multimodal models"),
 }
 
 
@@ -88,6 +90,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     priority: int = 0
     cache_salt: str | None = None
     user: str | None = None  # an end-user identifier (OpenAI's abuse monitoring): nothing to do with it here
+    safety_identifier: str | None = None  # OpenAI's newer name for ``user``
+    prompt_cache_key: str | None = None  # OpenAI's cache-routing hint: prefix caching here needs none
+    request_id: str | None = None  # vLLM's: the response's id is built from it
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -112,6 +117,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     guided_whitespace_pattern: Any = None
     vllm_xargs: Any = None
     kv_transfer_params: Any = None
+    return_token_ids: bool | None = None
+    mm_processor_kwargs: Any = None
 
     implemented: ClassVar[frozenset[str]] = frozenset(
         {
@@ -119,7 +126,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
             "stream_options", "n", "ignore_eos", "min_tokens", "include_stop_str_in_output",
             "skip_special_tokens", "priority", "cache_salt", "user", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs",
-            "truncate_prompt_tokens", "return_tokens_as_token_ids",
+            "truncate_prompt_tokens", "return_tokens_as_token_ids", "safety_identifier", "prompt_cache_key",
+            "request_id",
         }
     )
     refused: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = REFUSED_COMMON
@@ -142,6 +150,11 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
     def prompt_embeds_given(self) -> bool:
         return False
+
+    def response_id(self, prefix: str, engine_id: str) -> str:
+        """The response's ``id``: from the client's ``request_id`` when it sent one (vLLM's
+        extension), else the engine's id. The engine's own ids stay unique either way."""
+        return engine_id if self.request_id is None else f"{prefix}-{self.request_id}"
 
     @property
     def include_usage(self) -> bool:
@@ -232,6 +245,17 @@ class CompletionRequest(SamplingFields, kw_only=True):
             raise BadRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.", "logprobs")
         if self.max_tokens is not None and self.max_tokens < (0 if self.echo else 1):
             raise BadRequestError(f"max_tokens must be at least 1, got {self.max_tokens}.", "max_tokens")
+        if self.n * self.batch_size() > MAX_N:
+            raise BadRequestError(
+                f"n times the number of prompts must be at most {MAX_N}, got {self.n} x {self.batch_size()}.", "n"
+            )
+
+    def batch_size(self) -> int:
+        """How many prompts the request carries (a batch is a list of strings, token-id lists or embeddings)."""
+        many = self.prompt_embeds if self.prompt_embeds is not None else self.prompt
+        if isinstance(many, list) and many and not _is_token_ids(many):
+            return len(many)
+        return 1
 
     def prompt_embeds_given(self) -> bool:
         return self.prompt_embeds is not None
@@ -330,6 +354,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     function_call: Any = None
     web_search_options: Any = None
     store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    verbosity: str | None = None
 
     implemented: ClassVar[frozenset[str]] = SamplingFields.implemented | {
         "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
@@ -349,6 +376,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
         "function_call": ((None,), "there is no tool calling yet"),
         "web_search_options": ((None,), "there is no web search"),
         "store": ((None, False), "this server stores no completions"),
+        "metadata": ((None,), "this server stores no completions to tag"),
+        "service_tier": ((None, "auto", "default"), "there is one service tier"),
+        "verbosity": ((None,), "this server runs no reasoning models"),
     }
 
     def check_supported(self) -> None:
@@ -357,6 +387,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
             raise BadRequestError("messages must not be empty.", "messages")
         if self.tools and self.tool_choice != "none":
             raise BadRequestError("Tool calling is not supported yet.", "tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise BadRequestError("Tool calling is not supported yet.", "tool_choice")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise BadRequestError("top_logprobs needs logprobs set to true.", "top_logprobs")

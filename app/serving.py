@@ -292,9 +292,10 @@ class OpenAIServing:
         self._check_model(req.model)
         req.check_supported()
         self._check_alive()
-        request_id = random_id("cmpl")
+        engine_id = random_id("cmpl")  # unique, whatever the client calls its request
+        request_id = req.response_id("cmpl", engine_id)
         echo_only = req.echo and req.max_tokens == 0  # the prompt alone: one token is run, and dropped
-        choices = self._choices(request_id, req, self._completion_prompts(req), 1 if echo_only else req.max_tokens)
+        choices = self._choices(engine_id, req, self._completion_prompts(req), 1 if echo_only else req.max_tokens)
         if req.stream:
             return EventStreamResponse(self._stream_completion(request_id, req, choices, echo_only))
         outputs = await self._collect_all(choices)
@@ -394,9 +395,10 @@ class OpenAIServing:
         self._check_model(req.model)
         req.check_supported()
         self._check_alive()
-        request_id = random_id("chatcmpl")
+        engine_id = random_id("chatcmpl")  # unique, whatever the client calls its request
+        request_id = req.response_id("chatcmpl", engine_id)
         prompt_ids = self._truncate(req, self._render_chat(req))
-        choices = self._choices(request_id, req, [(prompt_ids, None, "")], req.requested_max_tokens)
+        choices = self._choices(engine_id, req, [(prompt_ids, None, "")], req.requested_max_tokens)
         if req.stream:
             return EventStreamResponse(self._stream_chat(request_id, req, choices))
         outputs = await self._collect_all(choices)

@@ -308,6 +308,47 @@ async def test_logit_bias_penalties_and_bad_words_through_the_api(served, hf_tok
     assert penalised.choices[0].text != base.choices[0].text
 
 
+async def test_min_p_reaches_the_sampler(served) -> None:
+    """min_p near 1 keeps only the most likely token: sampling at temperature 1 is then greedy."""
+    _, oai = served
+    base = await oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, **GREEDY)
+    kept = await oai.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=40, temperature=1.0, seed=3,
+        extra_body={"ignore_eos": True, "min_p": 0.999},
+    )
+    free = await oai.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=40, temperature=1.0, seed=3, extra_body={"ignore_eos": True}
+    )
+    assert kept.choices[0].text == base.choices[0].text
+    assert free.choices[0].text != base.choices[0].text  # without min_p the same seed wanders off
+
+
+async def test_request_id_names_the_response(served) -> None:
+    client, oai = served
+    out = await oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"request_id": "abc"})
+    assert out.id == "cmpl-abc"
+    # Two requests with the same id at once are two engine requests, each answered in full.
+    twice = await asyncio.gather(*(
+        oai.chat.completions.create(
+            model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hi"}], extra_body={"request_id": "x", **GREEDY["extra_body"]},
+            temperature=0,
+        ) for _ in range(2)
+    ))
+    assert [c.id for c in twice] == ["chatcmpl-x"] * 2
+    assert [c.usage.completion_tokens for c in twice] == [8, 8]
+
+
+async def test_limits_across_fields_are_400s(served) -> None:
+    client, _ = served
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": ["a"] * 33, "n": 4, "max_tokens": 1})
+    assert_openai_error(r, 400, "BadRequestError", "n times the number of prompts")
+    r = await client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "tool_choice": "required", "max_tokens": 1,
+    })
+    assert_openai_error(r, 400, "BadRequestError", "Tool calling")
+    assert r.json()["error"]["param"] == "tool_choice"
+
+
 # ------------------------------------------------------------------ small routes
 
 
@@ -341,14 +382,15 @@ KNOWN_COMMON = {
     "allowed_token_ids", "prompt_logprobs", "bad_words", "structured_outputs", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "priority",
     "logits_processors", "return_tokens_as_token_ids", "cache_salt", "kv_transfer_params", "vllm_xargs",
-    "logprobs", "add_special_tokens", "echo",
+    "logprobs", "add_special_tokens", "echo", "safety_identifier", "prompt_cache_key", "request_id",
+    "return_token_ids", "mm_processor_kwargs",
 }
 KNOWN_COMPLETION = KNOWN_COMMON | {"prompt", "best_of", "suffix", "prompt_embeds"}
 KNOWN_CHAT = KNOWN_COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
     "reasoning_effort", "modalities", "audio", "prediction", "functions", "function_call", "web_search_options",
     "store", "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
-    "documents",
+    "documents", "metadata", "service_tier", "verbosity",
 }
 # A value each refused field is refused with.
 REFUSED_VALUES: dict[str, Any] = {
@@ -361,6 +403,8 @@ REFUSED_VALUES: dict[str, Any] = {
     "parallel_tool_calls": True, "reasoning_effort": "high", "modalities": ["text", "audio"],
     "audio": {"voice": "alloy"}, "prediction": {"type": "content", "content": "x"},
     "functions": [{"name": "f"}], "function_call": "auto", "web_search_options": {}, "store": True,
+    "return_token_ids": True, "mm_processor_kwargs": {"x": 1}, "metadata": {"k": "v"}, "service_tier": "flex",
+    "verbosity": "low",
 }
 
 
