@@ -85,6 +85,7 @@ async def serve(
             engine, engine.served_model_name, engine.max_model_len, args.api_key, chat_template,
             model_aliases=model_aliases, enable_ui=not args.disable_frontend_ui,
             enable_sleep_mode=bool(args.enable_sleep_mode), enable_dev_endpoints=args.enable_dev_endpoints,
+            enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         )
         freeze_startup_heap()
         host, port = sock.getsockname()[:2]
@@ -122,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
     if args.model is not None and (problem := model_dir_error(args.model)) is not None:
         parser.exit(2, f"{parser.prog}: error: {problem}\n")  # as argparse's errors, less the long usage
     try:

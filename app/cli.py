@@ -35,7 +35,7 @@ _ENGINE_FIELDS = (
     "block_size", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
     "enable_prefix_caching", "num_gpu_blocks_override", "kv_cache_memory",
     "gpu_memory_utilization", "enforce_eager", "transport", "scheduling_policy", "enable_prompt_embeds",
-    "async_scheduling", "enable_sleep_mode", "logprobs_mode",
+    "async_scheduling", "enable_sleep_mode", "logprobs_mode", "structured_outputs_backend",
 )
 
 
@@ -104,6 +104,24 @@ def make_parser() -> argparse.ArgumentParser:
         "--logprobs-mode", choices=["raw_logprobs", "processed_logprobs"],
         help="what returned logprobs describe: the model's raw logits (default) or the distribution "
         "sampled from, after penalties, temperature, min_p, top-k and top-p",
+    )
+
+    structured = p.add_argument_group(
+        "structured outputs and tools", "response_format / structured_outputs, and tool calling on chat"
+    )
+    structured.add_argument(
+        "--structured-outputs-backend", choices=["auto", "xgrammar"],
+        help="grammar backend for JSON schema, regex, choice and grammar constraints: xgrammar is the "
+        "only one implemented (auto picks it; default auto)",
+    )
+    structured.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )
+    structured.add_argument(
+        "--tool-call-parser", choices=["hermes"],
+        help="how tool calls are found in the text under tool_choice auto: hermes reads "
+        "<tool_call>{...}</tool_call> blocks (Hermes, Qwen2.5, Qwen3 templates)",
     )
 
     sched = p.add_argument_group("scheduler", "how requests share the engine's steps")

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from app.errors import BadRequestError
-from core.protocol import MAX_LOGPROBS, SamplingParams
+from core.protocol import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 # Completions default to 16 tokens, as in OpenAI's API; chat to "as many as fit".
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -38,9 +38,96 @@ class StreamOptions(msgspec.Struct):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's ``response_format.json_schema``: the schema under a name."""
+
+    name: str = "response"
+    schema: dict[str, Any] | bool | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
 class ResponseFormat(msgspec.Struct):
-    type: str = "text"
-    json_schema: Any = None
+    type: str = "text"  # text | json_object | json_schema
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True):
+    """vLLM's ``structured_outputs`` request object (its StructuredOutputsParams)."""
+
+    json: dict[str, Any] | bool | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    disable_any_whitespace: bool = False
+    # vLLM options that change nothing here when left unset, refused otherwise.
+    whitespace_pattern: str | None = None
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+
+
+def _json_text(value: Any) -> str:
+    return value if isinstance(value, str) else msgspec.json.encode(value).decode()
+
+
+def structured_outputs_params(
+    structured: StructuredOutputs | None, response_format: ResponseFormat | None
+) -> StructuredOutputsParams | None:
+    """The engine's constraint from ``structured_outputs`` and OpenAI's ``response_format``
+    (which may be combined, as in vLLM, when only one of them names a constraint)."""
+    params = StructuredOutputsParams()
+    param = "structured_outputs"
+    if structured is not None:
+        if structured.whitespace_pattern is not None:
+            raise BadRequestError(
+                "structured_outputs.whitespace_pattern is not supported; use disable_any_whitespace.", param
+            )
+        if structured.disable_additional_properties:
+            raise BadRequestError(
+                "structured_outputs.disable_additional_properties is not supported: set "
+                '"additionalProperties": false in the schema.', param
+            )
+        params = StructuredOutputsParams(
+            json=None if structured.json is None else _json_text(structured.json),
+            regex=structured.regex,
+            choice=structured.choice,
+            grammar=structured.grammar,
+            json_object=bool(structured.json_object),
+            structural_tag=None if structured.structural_tag is None else _json_text(structured.structural_tag),
+            disable_any_whitespace=structured.disable_any_whitespace,
+        )
+    if response_format is not None and response_format.type != "text":
+        param = "response_format"
+        if params.kind_count():
+            raise BadRequestError("Give response_format or a structured_outputs constraint, not both.", param)
+        if response_format.type == "json_object":
+            params.json_object = True
+        elif response_format.type == "json_schema":
+            fmt = response_format.json_schema
+            if fmt is None or fmt.schema is None:
+                raise BadRequestError("response_format json_schema needs json_schema.schema.", param)
+            params.json = _json_text(fmt.schema)
+        else:
+            raise BadRequestError(
+                f"response_format type must be text, json_object or json_schema, got {response_format.type!r}.",
+                param,
+            )
+    if not params.kind_count():
+        if structured is not None:
+            raise BadRequestError(
+                "structured_outputs must set one of json, regex, choice, grammar, json_object, structural_tag.",
+                param,
+            )
+        return None
+    try:
+        params.kind()
+    except ValueError as exc:
+        raise BadRequestError(str(exc), param) from None
+    if params.choice is not None and (not params.choice or any(not c for c in params.choice)):
+        raise BadRequestError("structured_outputs.choice must list non-empty strings.", param)
+    return params
 
 
 # Fields every request model declares, so that none is silently ignored by the
@@ -48,20 +135,18 @@ class ResponseFormat(msgspec.Struct):
 # listed values only (its neutral ones) and refused with a 400 naming it
 # otherwise. ``implemented`` on each model lists the fields it acts on; a test
 # checks that both sets together are exactly the model's fields.
-_STRUCTURED = "structured outputs (guided decoding) are not implemented yet"
+_GUIDED = "the guided_* fields were removed (as in vLLM): use structured_outputs, e.g. {\"structured_outputs\": {\"json\": SCHEMA}}"
 REFUSED_COMMON: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), "there is no beam search (vLLM V1's engine has none either)"),
     "length_penalty": ((1.0,), "it only applies to beam search, which there is not"),
     "spaces_between_special_tokens": ((True,), "only the tokenizer's own decoding is available"),
     "logits_processors": ((None,), "custom logits processors cannot be loaded"),
-    "response_format": ((None, ResponseFormat("text")), _STRUCTURED),
-    "structured_outputs": ((None,), _STRUCTURED),
-    "guided_json": ((None,), _STRUCTURED),
-    "guided_regex": ((None,), _STRUCTURED),
-    "guided_choice": ((None,), _STRUCTURED),
-    "guided_grammar": ((None,), _STRUCTURED),
-    "guided_decoding_backend": ((None,), _STRUCTURED),
-    "guided_whitespace_pattern": ((None,), _STRUCTURED),
+    "guided_json": ((None,), _GUIDED),
+    "guided_regex": ((None,), _GUIDED),
+    "guided_choice": ((None,), _GUIDED),
+    "guided_grammar": ((None,), _GUIDED),
+    "guided_decoding_backend": ((None,), _GUIDED),
+    "guided_whitespace_pattern": ((None,), _GUIDED),
     "vllm_xargs": ((None,), "there are no custom sampling arguments"),
     "kv_transfer_params": ((None,), "there is no KV transfer (disaggregated prefill)"),
     "return_token_ids": ((None, False), "token ids are not returned beside the text; see return_tokens_as_token_ids"),
@@ -108,7 +193,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     spaces_between_special_tokens: bool = True
     logits_processors: Any = None
     response_format: ResponseFormat | None = None
-    structured_outputs: Any = None
+    structured_outputs: StructuredOutputs | None = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -127,7 +212,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
             "skip_special_tokens", "priority", "cache_salt", "user", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs",
             "truncate_prompt_tokens", "return_tokens_as_token_ids", "safety_identifier", "prompt_cache_key",
-            "request_id",
+            "request_id", "response_format", "structured_outputs",
         }
     )
     refused: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = REFUSED_COMMON
@@ -147,6 +232,18 @@ class SamplingFields(msgspec.Struct, kw_only=True):
             raise BadRequestError("truncate_prompt_tokens must be at least 1.", "truncate_prompt_tokens")
         if self.prompt_logprobs is not None and self.prompt_embeds_given():
             raise BadRequestError("prompt_logprobs need token ids, not prompt_embeds.", "prompt_logprobs")
+        self.structured_params()
+
+    def structured_params(self) -> StructuredOutputsParams | None:
+        """The engine's constraint from structured_outputs / response_format (400 when malformed)."""
+        return structured_outputs_params(self.structured_outputs, self.response_format)
+
+    @property
+    def structured_param(self) -> str:
+        """The request field a structured-output error is about."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        return "structured_outputs"
 
     def prompt_embeds_given(self) -> bool:
         return False
@@ -180,6 +277,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
         prompt_logprobs: int | None = None,
         bad_words_token_ids: list[list[int]] | None = None,
         seed_offset: int = 0,
+        structured: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """The engine's parameters for one choice: choice i of a seeded request gets
         seed + i. ``bad_words_token_ids`` are the tokenizations of ``bad_words``."""
@@ -205,6 +303,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
             bad_words_token_ids=bad_words_token_ids or [],
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured,
         )
 
 
@@ -306,10 +405,50 @@ class ContentPart(msgspec.Struct):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(msgspec.Struct, kw_only=True):
+    function: FunctionDefinition
+    type: str = "function"
+
+    def to_template_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+
+class NamedFunction(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    """``tool_choice`` naming the one function the model must call."""
+
+    function: NamedFunction
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # An assistant turn that called tools, and a tool's result answering one call.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def to_template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it: content flattened to text."""
@@ -327,7 +466,23 @@ class ChatMessage(msgspec.Struct):
         message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls is not None:
+            # Templates index into the arguments: a dict where they are JSON, as vLLM hands them.
+            message["tool_calls"] = [
+                {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": _arguments(c)}}
+                for c in self.tool_calls
+            ]
         return message
+
+
+def _arguments(call: ToolCall) -> Any:
+    try:
+        value = msgspec.json.decode(call.function.arguments)
+    except msgspec.DecodeError:
+        return call.function.arguments
+    return value if isinstance(value, dict) else call.function.arguments
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -336,8 +491,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | NamedToolChoice | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -361,19 +516,19 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     implemented: ClassVar[frozenset[str]] = SamplingFields.implemented | {
         "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
         "tool_choice", "chat_template", "chat_template_kwargs", "add_generation_prompt", "add_special_tokens",
+        "parallel_tool_calls",
     }
     refused: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = {
         **REFUSED_COMMON,
         "echo": ((False,), "chat does not echo the last message; /v1/completions echoes prompts"),
         "continue_final_message": ((False,), "the final message cannot be continued yet"),
         "documents": ((None,), "retrieval templates get no documents"),
-        "parallel_tool_calls": ((None,), "there is no tool calling yet"),
         "reasoning_effort": ((None,), "this server runs no reasoning models"),
         "modalities": ((None, ["text"]), "only text output is produced"),
         "audio": ((None,), "there is no audio output"),
         "prediction": ((None,), "there are no predicted outputs"),
-        "functions": ((None,), "there is no tool calling yet"),
-        "function_call": ((None,), "there is no tool calling yet"),
+        "functions": ((None,), "the legacy functions API is not implemented; use tools"),
+        "function_call": ((None,), "the legacy functions API is not implemented; use tool_choice"),
         "web_search_options": ((None,), "there is no web search"),
         "store": ((None, False), "this server stores no completions"),
         "metadata": ((None,), "this server stores no completions to tag"),
@@ -385,10 +540,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
         super().check_supported()
         if not self.messages:
             raise BadRequestError("messages must not be empty.", "messages")
-        if self.tools and self.tool_choice != "none":
-            raise BadRequestError("Tool calling is not supported yet.", "tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise BadRequestError("Tool calling is not supported yet.", "tool_choice")
+        self._check_tools()
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise BadRequestError("top_logprobs needs logprobs set to true.", "top_logprobs")
@@ -398,6 +550,41 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
                 )
         if self.prompt_logprobs is not None and self.stream:
             raise BadRequestError("prompt_logprobs are not available on a streamed chat.", "prompt_logprobs")
+
+    def _check_tools(self) -> None:
+        choice = self.tool_choice
+        names = [t.function.name for t in self.tools or ()]
+        if any(t.type != "function" for t in self.tools or ()):
+            raise BadRequestError("Only tools of type function are supported.", "tools")
+        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+            raise BadRequestError(
+                f"tool_choice must be none, auto, required or a named function, got {choice!r}.", "tool_choice"
+            )
+        if choice not in (None, "none") and not names:
+            raise BadRequestError(
+                f"Tool calling needs tools: tool_choice is {_choice_name(choice)} but no tools were given.",
+                "tool_choice",
+            )
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise BadRequestError(f"tool_choice names {choice.function.name!r}, which is not among the tools.",
+                                  "tool_choice")
+        if self.forced_tool_call and self.structured_params() is not None:
+            raise BadRequestError(
+                "A required or named tool_choice constrains the output already: drop response_format / "
+                "structured_outputs.", "tool_choice",
+            )
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """As OpenAI: "auto" when tools are given without a choice, "none" without tools."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice
+
+    @property
+    def forced_tool_call(self) -> bool:
+        """tool_choice "required" or a named function: the output must be a call."""
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -411,6 +598,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     @property
     def num_prompt_logprobs(self) -> int | None:
         return self.prompt_logprobs
+
+
+def _choice_name(choice: Any) -> str:
+    return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -499,8 +690,9 @@ class CompletionResponse(msgspec.Struct):
 
 
 class AssistantMessage(msgspec.Struct):
-    content: str
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCall] = []
 
 
 class TopLogprob(msgspec.Struct):
@@ -538,9 +730,24 @@ class ChatCompletionResponse(msgspec.Struct):
     prompt_logprobs: PromptLogprobs | None = None
 
 
+class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    """A fragment of tool call ``index``: id, type and name come first, then arguments in pieces."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

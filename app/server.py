@@ -90,8 +90,13 @@ def build_app(
     enable_ui: bool = True,
     enable_sleep_mode: bool = False,
     enable_dev_endpoints: bool = False,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
 ) -> Starlette:
-    serving = OpenAIServing(engine, served_model_name, max_model_len, chat_template, model_aliases)
+    serving = OpenAIServing(
+        engine, served_model_name, max_model_len, chat_template, model_aliases,
+        enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+    )
     expected_auth = f"Bearer {api_key}".encode() if api_key else None
 
     def openai_route(handler: Endpoint) -> Endpoint:

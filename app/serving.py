@@ -32,6 +32,7 @@ from app.errors import BadRequestError, InternalServerError, NotFoundError, Open
 from app.input_processor import InputProcessor
 from app.logprobs import Logprobs, TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs
 from app.output_processor import RequestOutput
+from app.tool_calls import forced_call_constraint, parse_forced, parse_hermes, tool_call_stream
 from app.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     AssistantMessage,
@@ -56,7 +57,13 @@ from app.protocol import (
     now,
     random_id,
 )
-from core.protocol import EngineCoreRequest, EngineDeadError, SamplingParams, SchedulerStats
+from core.protocol import (
+    EngineCoreRequest,
+    EngineDeadError,
+    SamplingParams,
+    SchedulerStats,
+    StructuredOutputsParams,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -180,8 +187,12 @@ class OpenAIServing:
         max_model_len: int,
         chat_template: str | None = None,
         model_aliases: Sequence[str] = (),
+        enable_auto_tool_choice: bool = False,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.engine = engine
+        # tool_choice "auto" needs both (--enable-auto-tool-choice --tool-call-parser), as in vLLM.
+        self.tool_call_parser = tool_call_parser if enable_auto_tool_choice else None
         self.served_model_name = served_model_name
         # Other names requests may use (not listed by /v1/models, which would
         # show one model twice); responses always carry the served name.
@@ -242,8 +253,11 @@ class OpenAIServing:
         req: CompletionRequest | ChatCompletionRequest,
         prompts: list[tuple[list[int], torch.Tensor | None, str]],
         max_tokens: int | None,
+        structured: StructuredOutputsParams | None = None,
     ) -> list[Choice]:
-        """n engine requests per prompt; choice ``p * n + i`` is sample i of prompt p."""
+        """n engine requests per prompt; choice ``p * n + i`` is sample i of prompt p.
+        Under a grammar the template's turn-ending stop strings do not apply: the
+        grammar says where the output ends."""
         bad_words = self._bad_words(req)
         choices = []
         for p, (prompt_ids, embeds, text) in enumerate(prompts):
@@ -255,8 +269,10 @@ class OpenAIServing:
                     tokens = max(min(COMPLETION_DEFAULT_MAX_TOKENS, tokens), 1)
             for i in range(req.n):
                 index = p * req.n + i
-                params = req.sampling_params(tokens, req.num_logprobs, req.num_prompt_logprobs, bad_words, i)
-                if isinstance(req, ChatCompletionRequest) and self.turn_stop(req):
+                params = req.sampling_params(
+                    tokens, req.num_logprobs, req.num_prompt_logprobs, bad_words, i, structured
+                )
+                if isinstance(req, ChatCompletionRequest) and structured is None and self.turn_stop(req):
                     params.stop = params.stop + [s for s in self.turn_stop(req) if s not in params.stop]
                 engine_request = self._engine_request(f"{request_id}-{index}", prompt_ids, req, params, embeds)
                 choices.append(Choice(index, p, engine_request, text))
@@ -295,10 +311,15 @@ class OpenAIServing:
         engine_id = random_id("cmpl")  # unique, whatever the client calls its request
         request_id = req.response_id("cmpl", engine_id)
         echo_only = req.echo and req.max_tokens == 0  # the prompt alone: one token is run, and dropped
-        choices = self._choices(engine_id, req, self._completion_prompts(req), 1 if echo_only else req.max_tokens)
+        structured = req.structured_params()
+        choices = self._choices(
+            engine_id, req, self._completion_prompts(req), 1 if echo_only else req.max_tokens, structured
+        )
+        param = req.structured_param if structured is not None else None
         if req.stream:
-            return EventStreamResponse(self._stream_completion(request_id, req, choices, echo_only))
-        outputs = await self._collect_all(choices)
+            source = await self._primed(choices, param) if structured is not None else None
+            return EventStreamResponse(self._stream_completion(request_id, req, choices, echo_only, source, param))
+        outputs = await self._collect_all(choices, param)
         response_choices = []
         for choice, out in zip(choices, outputs):
             text, logprobs = self._completion_delta(req, choice, out, echo_only)
@@ -356,7 +377,13 @@ class OpenAIServing:
         return prompt_logprobs(self.token_texts, out.prompt_logprobs)
 
     def _stream_completion(
-        self, request_id: str, req: CompletionRequest, choices: list[Choice], echo_only: bool
+        self,
+        request_id: str,
+        req: CompletionRequest,
+        choices: list[Choice],
+        echo_only: bool,
+        source: AsyncGenerator[tuple[Choice, RequestOutput], None] | None = None,
+        param: str | None = None,
     ) -> AsyncGenerator[bytes, None]:
         created = now()
 
@@ -379,7 +406,7 @@ class OpenAIServing:
                 choice.index, text, logprobs, finish_reason, None if echo_only else out.stop_reason, prompt_lps
             )
 
-        return self._stream_events(req, choices, chunk, delta, echo_only=echo_only)
+        return self._stream_events(req, choices, chunk, delta, echo_only=echo_only, source=source, param=param)
 
     # -------------------------------------------------------- chat completions
 
@@ -397,20 +424,32 @@ class OpenAIServing:
         self._check_alive()
         engine_id = random_id("chatcmpl")  # unique, whatever the client calls its request
         request_id = req.response_id("chatcmpl", engine_id)
+        if req.tools and req.effective_tool_choice == "auto" and self.tool_call_parser is None:
+            raise BadRequestError(
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set.',
+                "tool_choice",
+            )
         prompt_ids = self._truncate(req, self._render_chat(req))
-        choices = self._choices(engine_id, req, [(prompt_ids, None, "")], req.requested_max_tokens)
+        if req.forced_tool_call:
+            structured, param = forced_call_constraint(req), "tools"
+        else:
+            structured = req.structured_params()
+            param = req.structured_param if structured is not None else None
+        choices = self._choices(engine_id, req, [(prompt_ids, None, "")], req.requested_max_tokens, structured)
         if req.stream:
-            return EventStreamResponse(self._stream_chat(request_id, req, choices))
-        outputs = await self._collect_all(choices)
+            source = await self._primed(choices, param) if structured is not None else None
+            return EventStreamResponse(self._stream_chat(request_id, req, choices, source, param))
+        outputs = await self._collect_all(choices, param)
         response_choices = [
             ChatChoice(
                 index=choice.index,
-                message=AssistantMessage(content=out.text),
+                message=message,
                 logprobs=self._chat_logprobs(req, out),
-                finish_reason=out.finish_reason,
+                finish_reason=finish_reason,
                 stop_reason=out.stop_reason,
             )
             for choice, out in zip(choices, outputs)
+            for message, finish_reason in [self._chat_message(req, out)]
         ]
         return json_response(
             ChatCompletionResponse(
@@ -423,14 +462,32 @@ class OpenAIServing:
             )
         )
 
+    def _chat_message(self, req: ChatCompletionRequest, out: RequestOutput) -> tuple[AssistantMessage, str | None]:
+        """The assistant's message, with the tool calls found in (or forced on) its text."""
+        calls = []
+        content: str | None = out.text
+        if req.forced_tool_call:
+            calls = parse_forced(req, out.text) or []
+            content = None if calls else out.text
+        elif req.tools and req.effective_tool_choice == "auto" and self.tool_call_parser == "hermes":
+            content, calls = parse_hermes(out.text)
+        finish_reason = out.finish_reason
+        if calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return AssistantMessage(content=content, tool_calls=calls), finish_reason
+
     def _render_chat(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         assert req.messages is not None
         messages = [m.to_template_dict() for m in req.messages]
         template = req.chat_template if req.chat_template is not None else self.chat_template
         add_special = bool(req.add_special_tokens)
+        kwargs = dict(req.chat_template_kwargs or {})
+        tools = getattr(req, "tools", None)
+        if tools and getattr(req, "tool_choice", None) != "none":
+            kwargs["tools"] = [t.to_template_dict() for t in tools]
         try:
             return self.input_processor.apply_chat_template(
-                messages, template, req.add_generation_prompt, add_special, **(req.chat_template_kwargs or {})
+                messages, template, req.add_generation_prompt, add_special, **kwargs
             )
         except ValueError as exc:
             raise BadRequestError(str(exc), "messages") from None
@@ -441,9 +498,15 @@ class OpenAIServing:
         return chat_logprobs(self.token_texts, out.logprobs, req.top_logprobs or 0, req.return_tokens_as_token_ids)
 
     def _stream_chat(
-        self, request_id: str, req: ChatCompletionRequest, choices: list[Choice]
+        self,
+        request_id: str,
+        req: ChatCompletionRequest,
+        choices: list[Choice],
+        source: AsyncGenerator[tuple[Choice, RequestOutput], None] | None = None,
+        param: str | None = None,
     ) -> AsyncGenerator[bytes, None]:
         created = now()
+        tool_streams = {c.index: tool_call_stream(req, self.tool_call_parser) for c in choices}
 
         def chunk(choice_objects: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
             return sse_event(
@@ -455,13 +518,19 @@ class OpenAIServing:
 
         def delta(choice: Choice, out: RequestOutput) -> ChatChunkChoice | None:
             logprobs = self._chat_logprobs(req, out)
-            if not (out.text or out.finished or (logprobs is not None and logprobs.content)):
+            text, calls, finish_reason = out.text, None, out.finish_reason
+            tools = tool_streams[choice.index]
+            if tools is not None:
+                text, calls = tools.feed(out.text, out.finished)
+                if tools.num_calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            if not (text or calls or out.finished or (logprobs is not None and logprobs.content)):
                 return None
-            message = DeltaMessage(content=out.text) if out.text else DeltaMessage()
-            return ChatChunkChoice(choice.index, message, logprobs, out.finish_reason, out.stop_reason)
+            message = DeltaMessage(content=text or None, tool_calls=calls or None)
+            return ChatChunkChoice(choice.index, message, logprobs, finish_reason, out.stop_reason)
 
         openings = [chunk([ChatChunkChoice(c.index, DeltaMessage(role="assistant", content=""))]) for c in choices]
-        return self._stream_events(req, choices, chunk, delta, openings)
+        return self._stream_events(req, choices, chunk, delta, openings, source=source, param=param)
 
     # ---------------------------------------------------------- tokenization
 
@@ -498,6 +567,8 @@ class OpenAIServing:
         delta: Callable[[Choice, RequestOutput], Any],
         openings: Sequence[bytes] = (),
         echo_only: bool = False,
+        source: AsyncGenerator[tuple[Choice, RequestOutput], None] | None = None,
+        param: str | None = None,
     ) -> AsyncGenerator[bytes, None]:
         """The SSE body of one API request: ``openings``, a chunk per delta of any
         choice that has something to say (``delta``), usage if asked for (in every
@@ -507,8 +578,8 @@ class OpenAIServing:
         try:
             for opening in openings:
                 yield opening
-            async for choice, out in merged(self.engine.generate, choices):
-                _check_output(out)
+            async for choice, out in source if source is not None else merged(self.engine.generate, choices):
+                _check_output(out, param)
                 choice.last = out
                 update = delta(choice, out)
                 if update is not None:
@@ -520,18 +591,49 @@ class OpenAIServing:
         except Exception as exc:  # noqa: BLE001 - reported to the client as an event
             yield sse_event(as_openai_error(exc).to_response())
 
-    async def _collect_all(self, choices: list[Choice]) -> list[RequestOutput]:
+    async def _collect_all(self, choices: list[Choice], param: str | None = None) -> list[RequestOutput]:
         try:
             outputs = await collect_all(self.engine.generate, choices)
         except Exception as exc:
             raise as_openai_error(exc) from exc
         for out in outputs:
-            _check_output(out)
+            _check_output(out, param)
         return outputs
 
+    async def _primed(
+        self, choices: list[Choice], param: str | None
+    ) -> AsyncGenerator[tuple[Choice, RequestOutput], None]:
+        """The merged outputs, once the first has arrived: a request the engine refuses
+        (an invalid grammar, which only the engine can compile) is then still a 400,
+        not an error event after a 200."""
+        stream = merged(self.engine.generate, choices)
+        try:
+            first = await stream.__anext__()
+            _check_output(first[1], param)
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await stream.aclose()
+            raise
 
-def _check_output(out: RequestOutput) -> None:
+        async def chained() -> AsyncGenerator[tuple[Choice, RequestOutput], None]:
+            try:
+                if first is not None:
+                    yield first
+                async for item in stream:
+                    yield item
+            finally:
+                await stream.aclose()
+
+        return chained()
+
+
+def _check_output(out: RequestOutput, param: str | None = None) -> None:
+    """An engine error with a message is the request's fault (the engine refused it: a
+    grammar that does not compile); without one, the engine's."""
     if out.finish_reason == "error":
+        if isinstance(out.stop_reason, str) and out.stop_reason:
+            raise BadRequestError(out.stop_reason, param)
         raise InternalServerError("The engine failed while generating this request.")
 
 

@@ -234,6 +234,8 @@ class InprocClient(_Utilities):
         engine = self.engine_core
         if engine.side_outputs:
             return engine.side_outputs.pop(0)[1]
+        if not engine.has_work() and engine.scheduler.waiting_for_fsm:
+            engine.structured_output_manager.wait_for_compilation(0.05)
         outputs, _ = engine.step_fn()
         return outputs.get(0) or EngineCoreOutputs()
 
@@ -287,8 +289,15 @@ class AsyncInprocClient(_AsyncUtilities):
     def _start(self) -> tuple[asyncio.Queue, asyncio.Event]:
         if self._stepper is None:
             self._outputs = asyncio.Queue()
-            self._has_work = asyncio.Event()
-            self._stepper = asyncio.get_running_loop().create_task(self._run())
+            self._has_work = has_work = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            self._stepper = loop.create_task(self._run())
+            # A grammar compiled on the pool: wake the stepper.
+            def wake() -> None:
+                with contextlib.suppress(RuntimeError):  # the loop is gone: nobody to wake
+                    loop.call_soon_threadsafe(has_work.set)
+
+            self.engine_core.structured_output_manager.on_ready = wake
         assert self._outputs is not None and self._has_work is not None
         return self._outputs, self._has_work
 

@@ -10,6 +10,7 @@ import msgspec
 
 DEFAULT_KV_CACHE_MEMORY = 256 * 1024 * 1024  # bytes of CPU memory for the KV cache
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -52,6 +53,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # What logprobs describe: the model's raw logits (vLLM's default) or the
     # distribution actually sampled from (after penalties, temperature, cuts).
     logprobs_mode: str = "raw_logprobs"  # raw_logprobs | processed_logprobs
+    # Grammar backend for structured outputs: "auto" and "xgrammar" are the same (the only one).
+    structured_outputs_backend: str = "auto"
     hf_config: dict[str, Any] | None = None  # the checkpoint's config.json, set by resolve()
 
     @property
@@ -80,6 +83,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(
+                f"structured_outputs_backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
+                f"got {self.structured_outputs_backend!r}"
+            )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         return msgspec.structs.replace(

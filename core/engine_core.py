@@ -57,6 +57,7 @@ from core.protocol import (
 from core.sched.output import ModelRunnerOutput, SchedulerOutput
 from core.request import Request, RequestStatus
 from core.sched.scheduler import Scheduler
+from core.structured.manager import StructuredOutputManager
 from core.transport import ChannelClosed, EngineTransport, PeerDeadError
 from core.validation import ModelLimits, validate_request
 from core.worker.executor import UniProcExecutor
@@ -77,7 +78,8 @@ class EngineCore:
         self.model_executor = UniProcExecutor(self.config)
         self.num_gpu_blocks = self.model_executor.determine_num_blocks()
         self.model_executor.initialize_kv_cache(self.num_gpu_blocks)
-        self.scheduler = Scheduler(self.config, self.num_gpu_blocks)
+        self.structured_output_manager = StructuredOutputManager(self.config)
+        self.scheduler = Scheduler(self.config, self.num_gpu_blocks, self.structured_output_manager)
         # Requests built off the busy loop (input thread) are hashed with it.
         self.request_block_hasher = self.scheduler.block_hasher
         self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
@@ -108,7 +110,11 @@ class EngineCore:
         overlap the model instead of stalling the loop.
         """
         validate_request(request, self.limits)
-        return Request.from_engine_core_request(request, self.request_block_hasher)
+        built = Request.from_engine_core_request(request, self.request_block_hasher)
+        structured = request.sampling_params.structured_outputs
+        if structured is not None:  # its grammar starts compiling on the pool now
+            built.structured = self.structured_output_manager.new_request(structured)
+        return built
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -316,6 +322,7 @@ class EngineCore:
         return getattr(self, method)(*args)
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         self.model_executor.shutdown()
 
 
@@ -342,6 +349,10 @@ class EngineCoreProc(EngineCore):
         self.idle_seconds = 0.0
         self._loop_started = time.monotonic()
         super().__init__(config)
+        # A grammar compiled: wake the busy loop if it sleeps on the input queue.
+        self.structured_output_manager.on_ready = lambda: self.input_queue.put_nowait(
+            (EngineCoreRequestType.WAKEUP, None)
+        )
         # READY goes out before the I/O threads start, so the output thread is
         # the only user of the sending side from then on.
         ready = HandshakeReady(

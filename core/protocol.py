@@ -81,6 +81,51 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 
 
+class StructuredOutputsParams(
+    msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True
+):
+    """A constraint on what a request may generate (vLLM's StructuredOutputsParams).
+
+    Exactly one of ``json`` (a JSON schema, as JSON text), ``regex``,
+    ``choice``, ``grammar`` (EBNF/GBNF, or Lark), ``json_object`` (any JSON
+    object) and ``structural_tag`` (xgrammar's structural tag, as JSON text)
+    is set. Schemas travel as text: the engine keys its cache of compiled
+    grammars by it. ``disable_any_whitespace`` makes JSON compact (no
+    whitespace the model could spend its tokens on).
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+
+    def kind_count(self) -> int:
+        return sum(getattr(self, k) not in (None, False) for k in STRUCTURED_OUTPUT_KINDS)
+
+    def kind(self) -> str:
+        """The one constraint set (ValueError unless exactly one is)."""
+        kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object, "
+                f"structural_tag; got {', '.join(kinds) if kinds else 'none'}."
+            )
+        return kinds[0]
+
+    def spec(self) -> str:
+        """The constraint's text (the compiled-grammar cache's key, with the kind)."""
+        kind = self.kind()
+        if kind == "choice":
+            return msgspec.json.encode(self.choice).decode()
+        return "" if kind == "json_object" else getattr(self, kind)
+
+
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
 class SamplingParams(
     msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True
 ):
@@ -115,6 +160,8 @@ class SamplingParams(
     # Alternatives per generated / prompt token; None: no logprobs at all.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Constrained decoding: the engine masks every token its grammar rejects.
+    structured_outputs: StructuredOutputsParams | None = None
 
     @property
     def greedy(self) -> bool:
@@ -163,6 +210,11 @@ class SamplingParams(
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.")
+        so = self.structured_outputs
+        if so is not None:
+            so.kind()
+            if so.choice is not None and (not so.choice or any(not c for c in so.choice)):
+                raise ValueError("structured_outputs.choice must list non-empty strings.")
 
     def token_ids_to_check(self) -> dict[str, list[int]]:
         """Every token id this request names, by the parameter that names it."""

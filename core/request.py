@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from core.structured.request import StructuredOutputRequest
 from core.protocol import (
     EngineCoreEvent,
     EngineCoreEventType,
@@ -37,11 +38,13 @@ class RequestStatus(enum.IntEnum):
     """Lifecycle states; every value after PREEMPTED is a finished state."""
 
     WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()  # its grammar is still compiling; the scheduler skips it
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # could not run (an invalid grammar)
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -56,6 +59,7 @@ _FINISHED_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -121,6 +125,8 @@ class Request:
         self.events: list[EngineCoreEvent] = []
         self.block_hasher: BlockHasher | None = None
         self.block_hashes: list[bytes] = []
+        # Its grammar and matcher when it has structured outputs (set by the engine).
+        self.structured: StructuredOutputRequest | None = None
         if block_hasher is not None:
             self.set_block_hasher(block_hasher)
 

@@ -345,7 +345,7 @@ async def test_limits_across_fields_are_400s(served) -> None:
     r = await client.post("/v1/chat/completions", json={
         "model": MODEL, "messages": [{"role": "user", "content": "x"}], "tool_choice": "required", "max_tokens": 1,
     })
-    assert_openai_error(r, 400, "BadRequestError", "Tool calling")
+    assert_openai_error(r, 400, "BadRequestError", "Tool calling needs tools")
     assert r.json()["error"]["param"] == "tool_choice"
 
 
@@ -395,12 +395,11 @@ KNOWN_CHAT = KNOWN_COMMON | {
 # A value each refused field is refused with.
 REFUSED_VALUES: dict[str, Any] = {
     "use_beam_search": True, "length_penalty": 0.5, "spaces_between_special_tokens": False,
-    "logits_processors": ["my.processor"], "response_format": {"type": "json_object"},
-    "structured_outputs": {"regex": "a+"}, "guided_json": {"type": "object"}, "guided_regex": "a+",
+    "logits_processors": ["my.processor"], "guided_json": {"type": "object"}, "guided_regex": "a+",
     "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'", "guided_decoding_backend": "xgrammar",
     "guided_whitespace_pattern": " ", "vllm_xargs": {"x": 1}, "kv_transfer_params": {"x": 1},
     "suffix": "the end", "best_of": 2, "echo": True, "continue_final_message": True, "documents": [{"text": "d"}],
-    "parallel_tool_calls": True, "reasoning_effort": "high", "modalities": ["text", "audio"],
+    "reasoning_effort": "high", "modalities": ["text", "audio"],
     "audio": {"voice": "alloy"}, "prediction": {"type": "content", "content": "x"},
     "functions": [{"name": "f"}], "function_call": "auto", "web_search_options": {}, "store": True,
     "return_token_ids": True, "mm_processor_kwargs": {"x": 1}, "metadata": {"k": "v"}, "service_tier": "flex",

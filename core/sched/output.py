@@ -63,6 +63,11 @@ class SchedulerOutput:
     # Sequence number of this output; the scheduler drops tokens sampled by a
     # batch scheduled before the request was last preempted (see Request).
     step_id: int = 0
+    # Structured outputs: the requests of this step that sample under a grammar,
+    # and their next-token bitmask (row i for grammar_req_ids[i], int32, a bit per
+    # token: xgrammar's layout), which the runner applies to their logits.
+    grammar_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: torch.Tensor | None = None
 
 
 @dataclass

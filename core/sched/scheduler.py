@@ -53,6 +53,7 @@ from core.sched.output import (
 )
 from core.request import Request, RequestStatus
 from core.sched.request_queue import create_request_queue
+from core.structured.manager import StructuredOutputManager
 from core.utils import cdiv
 
 _RUNNING = RequestStatus.RUNNING
@@ -92,7 +93,12 @@ class _StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_gpu_blocks: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_gpu_blocks: int,
+        structured_output_manager: StructuredOutputManager | None = None,
+    ) -> None:
         if config.max_model_len is None:
             raise ValueError("EngineConfig.resolve() must run before building the scheduler")
         self.max_model_len = config.max_model_len
@@ -128,6 +134,11 @@ class Scheduler:
         self.pause_state = PauseState.UNPAUSED
         # Requests that arrived while paused, in arrival order (also in self.requests).
         self.held: dict[str, Request] = {}
+        # Structured outputs: requests whose grammar is compiling (WAITING_FOR_FSM),
+        # in arrival order, and those whose grammar failed, to report as errors.
+        self.structured_output_manager = structured_output_manager or StructuredOutputManager(config)
+        self.waiting_for_fsm: dict[str, Request] = {}
+        self.grammar_errors: list[Request] = []
 
     # ---------------------------------------------------------------- requests
 
@@ -142,10 +153,40 @@ class Scheduler:
             request.set_block_hasher(hasher)  # not hashed on the input thread
         self.requests[request.request_id] = request
         if self.pause_state == PauseState.UNPAUSED:
-            self.waiting.add_request(request)
+            self._enqueue(request)
         else:
             self.held[request.request_id] = request
         request.record_event(EngineCoreEventType.QUEUED)
+
+    def _enqueue(self, request: Request) -> None:
+        """Into the waiting queue, or aside while its grammar compiles."""
+        if request.structured is not None and request.structured.matcher is None:
+            request.status = RequestStatus.WAITING_FOR_FSM
+            self.waiting_for_fsm[request.request_id] = request
+        else:
+            self.waiting.add_request(request)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is ready join the waiting queue (at its end: the
+        queue did not wait for them); those whose grammar failed finish with its error."""
+        for req_id, request in list(self.waiting_for_fsm.items()):
+            structured = request.structured
+            assert structured is not None
+            if not structured.ready():
+                continue
+            del self.waiting_for_fsm[req_id]
+            try:
+                error = structured.start()
+            except Exception as exc:  # noqa: BLE001 - this request's failure, not the engine's
+                error = f"Invalid structured output ({structured.key[0]}): {exc}"
+            if error is None:
+                request.status = RequestStatus.WAITING
+                self.waiting.add_request(request)
+            else:
+                request.status = RequestStatus.FINISHED_ERROR
+                request.stop_reason = error
+                self._free_request(request)
+                self.grammar_errors.append(request)
 
     def finish_requests(
         self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
@@ -169,7 +210,7 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 running_ids.add(req_id)
-            elif self.held.pop(req_id, None) is None:
+            elif self.held.pop(req_id, None) is None and self.waiting_for_fsm.pop(req_id, None) is None:
                 waiting.append(request)
             request.status = finished_status
             self._free_request(request)
@@ -185,6 +226,8 @@ class Scheduler:
     # ---------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
+        if self.waiting_for_fsm:
+            self._admit_compiled()
         plan = _StepPlan(self.max_num_scheduled_tokens)
         if self.pause_state != PauseState.PAUSED_ALL:
             self._schedule_running(plan)
@@ -225,12 +268,18 @@ class Scheduler:
         # on the scheduler treats the scheduled tokens as computed, and a step
         # that reaches the end of the known tokens owes one sampled token.
         num_scheduled = plan.num_scheduled_tokens
+        grammar_requests: list[Request] = []
         for requests in (plan.running, plan.new):
             for request in requests:
                 computed = request.num_computed_tokens + num_scheduled[request.request_id]
                 request.num_computed_tokens = computed
                 if computed >= len(request.all_token_ids) + request.num_output_placeholders:
                     request.num_output_placeholders += 1
+                    if request.structured is not None:
+                        grammar_requests.append(request)
+        if grammar_requests:
+            output.grammar_req_ids = [r.request_id for r in grammar_requests]
+            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(grammar_requests)
         return output
 
     def _schedule_running(self, plan: _StepPlan) -> None:
@@ -243,8 +292,11 @@ class Scheduler:
             request = running[req_index]
             placeholders = request.num_output_placeholders
             num_tokens = len(request.all_token_ids) + placeholders
+            # A request under a grammar waits for its token in flight: its next
+            # bitmask depends on it.
             if placeholders and (
-                request.num_output_tokens + placeholders >= request.sampling_params.max_tokens
+                request.structured is not None
+                or request.num_output_tokens + placeholders >= request.sampling_params.max_tokens
                 or num_tokens >= max_model_len
             ):
                 req_index += 1  # the token in flight is its last one
@@ -366,6 +418,18 @@ class Scheduler:
         requests = self.requests
         step_id = scheduler_output.step_id
         stopped: set[str] = set()
+        if self.grammar_errors:
+            for request in self.grammar_errors:
+                per_client.setdefault(request.client_index, []).append(
+                    EngineCoreOutput(
+                        request_id=request.request_id,
+                        new_token_ids=[],
+                        finish_reason=request.get_finished_reason(),
+                        stop_reason=request.stop_reason,
+                        events=request.take_events(),
+                    )
+                )
+            self.grammar_errors = []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
             if request is None or request.status != _RUNNING or request.preempted_at_step > step_id:
@@ -375,9 +439,10 @@ class Scheduler:
             if not new_token_ids:
                 continue  # a prefill chunk short of the prompt's end
             request.num_output_placeholders -= len(new_token_ids)
+            structured = request.structured
             for k, token_id in enumerate(new_token_ids):
                 request.append_output_token_ids(token_id)
-                if self._check_stop(request):
+                if (structured is not None and self._grammar_stops(request, token_id)) or self._check_stop(request):
                     new_token_ids = new_token_ids[: k + 1]
                     stopped.add(req_id)
                     self._free_request(request)
@@ -422,6 +487,22 @@ class Scheduler:
                 engine_outputs[0] = first = EngineCoreOutputs(timestamp=now)
             first.scheduler_stats = stats
         return engine_outputs
+
+    @staticmethod
+    def _grammar_stops(request: Request, token_id: int) -> bool:
+        """Advance the request's matcher; True (status set) when the grammar ends it."""
+        structured = request.structured
+        assert structured is not None
+        if not structured.accept(token_id):
+            # The mask makes this impossible unless every token was masked
+            # (min_tokens holding back the only end the grammar allows).
+            request.status = RequestStatus.FINISHED_ERROR
+            request.stop_reason = f"The grammar rejected token {token_id}: no allowed token could be sampled."
+            return True
+        if structured.is_terminated():
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return False
 
     def _check_stop(self, request: Request) -> bool:
         """Set a finished status (and stop_reason) if the last token ends the request."""
@@ -468,8 +549,11 @@ class Scheduler:
     def has_requests(self) -> bool:
         """True while a step is needed: requests to schedule, or finished or
         preempted ones the runner has not been told about yet. Held requests
-        need no step, nor does anything while PAUSED_ALL."""
-        if self.finished_req_ids or self.preempted_req_ids:
+        need no step, nor does anything while PAUSED_ALL, nor requests whose
+        grammar is still compiling (the manager's ``on_ready`` wakes the driver)."""
+        if self.waiting_for_fsm:
+            self._admit_compiled()
+        if self.finished_req_ids or self.preempted_req_ids or self.grammar_errors:
             return True
         if self.pause_state == PauseState.PAUSED_ALL:
             return False
@@ -493,7 +577,7 @@ class Scheduler:
         """Schedule again; held requests join the waiting queue in arrival order."""
         self.pause_state = PauseState.UNPAUSED
         for request in self.held.values():
-            self.waiting.add_request(request)
+            self._enqueue(request)
         self.held = {}
 
     @property
@@ -507,15 +591,15 @@ class Scheduler:
         return list(self.requests)
 
     def get_request_counts(self) -> tuple[int, int]:
-        """(running, waiting), held requests counted as waiting."""
-        return len(self.running), len(self.waiting) + len(self.held)
+        """(running, waiting), held requests and those compiling a grammar counted as waiting."""
+        return len(self.running), len(self.waiting) + len(self.held) + len(self.waiting_for_fsm)
 
     def make_stats(self) -> SchedulerStats:
         """A snapshot; the prefix cache and preemption counters are cumulative."""
         kv = self.kv_cache_manager
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting) + len(self.held),
+            num_waiting_reqs=len(self.waiting) + len(self.held) + len(self.waiting_for_fsm),
             kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_stats.queries,
             prefix_cache_hits=kv.prefix_cache_stats.hits,

@@ -319,6 +319,8 @@ class ModelRunner:
             # A decode step on a CPU: the prepared kernel sequence, logits included.
             batch.num_computed_tokens[staged.rows] = staged.seq_lens
             logits = self.cpu_decode.run(len(staged.req_ids))
+            if so.grammar_bitmask is not None:
+                self._apply_grammar(so, staged.req_ids, staged.sample, logits)
             sample_rows = staged.rows
             metadata = batch.sampling.metadata(sample_rows, batch.num_tokens, batch.token_ids)
             return self._sampled_output(staged, sample_rows, self.sampler(logits, metadata))
@@ -341,9 +343,27 @@ class ModelRunner:
                 sampled_token_ids=[[] for _ in step.req_ids],
             )
         logits = self.model.compute_logits(hidden[step.logits_indices])
+        if so.grammar_bitmask is not None:
+            self._apply_grammar(so, step.req_ids, step.sample, logits)
         sample_rows = step.rows[step.sample]
         metadata = batch.sampling.metadata(sample_rows, batch.num_tokens, batch.token_ids)
         return self._sampled_output(step, sample_rows, self.sampler(logits, metadata))
+
+    @staticmethod
+    def _apply_grammar(so: SchedulerOutput, req_ids: list[str], sample: np.ndarray, logits: torch.Tensor) -> None:
+        """Mask, in place, the logits of the rows under a grammar (structured outputs)
+        with the bitmask the scheduler computed for them; other rows are untouched."""
+        from core.structured.xgrammar_backend import apply_token_bitmask
+
+        assert so.grammar_bitmask is not None
+        row_of = {req_ids[i]: k for k, i in enumerate(sample.tolist())}
+        rows = [row_of.get(r, -1) for r in so.grammar_req_ids]
+        bitmask = so.grammar_bitmask
+        if -1 in rows:  # not sampled this step after all: its mask has no row to go to
+            keep = [k for k, row in enumerate(rows) if row >= 0]
+            rows, bitmask = [rows[k] for k in keep], bitmask[keep]
+        if rows:
+            apply_token_bitmask(logits, bitmask, rows)
 
     def _decode_forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
         """The model over the first ``size`` rows of the static buffers (what a decode graph records)."""

@@ -1,0 +1,114 @@
+"""The EngineCore's StructuredOutputManager: compile pool, grammar cache, bitmasks.
+
+Grammars compile on a small thread pool (xgrammar releases the GIL while it
+compiles), submitted by whoever preprocesses requests: the engine process's
+input thread, never its busy loop. A request waits in WAITING_FOR_FSM, which
+the scheduler skips, until its future is done; ``on_ready`` then wakes
+whoever drives the engine, so an engine with nothing else to do sleeps
+instead of polling. Compiled grammars are cached by (kind, spec, whitespace),
+futures included, so identical requests arriving together compile once.
+
+xgrammar itself (and its tokenizer info) is loaded on the first structured
+request, on the pool: start-up and the requests without a grammar pay nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from core.config import STRUCTURED_OUTPUTS_BACKENDS, EngineConfig
+from core.protocol import StructuredOutputsParams
+from core.structured.request import StructuredOutputRequest
+
+if TYPE_CHECKING:
+    import torch
+
+    from core.request import Request
+
+logger = logging.getLogger("ringllm.structured")
+
+# Compiled grammars kept (least recently used dropped first).
+CACHE_SIZE = 256
+COMPILE_THREADS = 2
+
+
+class StructuredOutputManager:
+    def __init__(self, config: EngineConfig) -> None:
+        assert config.structured_outputs_backend in STRUCTURED_OUTPUTS_BACKENDS
+        self.config = config  # resolved when xgrammar is first needed
+        self._backend: Any = None
+        self._backend_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._cache: OrderedDict[tuple[str, str, bool], Future] = OrderedDict()
+        self._cache_lock = threading.Lock()
+        # Called from a pool thread when a grammar is ready (or failed).
+        self.on_ready: Callable[[], None] | None = None
+        self._compiled = threading.Event()
+
+    # ------------------------------------------------------------ compile
+
+    def new_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
+        """The request's grammar state; compilation starts now unless cached (ValueError
+        for params that name no single constraint)."""
+        key = (params.kind(), params.spec(), not params.disable_any_whitespace)
+        with self._cache_lock:
+            future = self._cache.get(key)
+            if future is None:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="GrammarCompile")
+                future = self._pool.submit(self._compile, key)
+                self._cache[key] = future
+                future.add_done_callback(lambda done, key=key: self._compile_done(key, done))
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+        return StructuredOutputRequest(key, future, self._get_backend)
+
+    def _get_backend(self) -> Any:
+        backend = self._backend
+        if backend is not None:
+            return backend
+        with self._backend_lock:
+            if self._backend is None:
+                from core.structured.xgrammar_backend import XgrammarBackend
+
+                cfg = self.config.resolve()
+                assert cfg.hf_config is not None and cfg.tokenizer is not None
+                self._backend = XgrammarBackend(cfg.tokenizer, cfg.model, cfg.hf_config)
+                logger.info("structured outputs: xgrammar ready (vocabulary of %d)", self._backend.vocab_size)
+            return self._backend
+
+    def _compile(self, key: tuple[str, str, bool]) -> Any:
+        kind, spec, any_whitespace = key
+        return self._get_backend().compile(kind, spec, any_whitespace)
+
+    def _compile_done(self, key: tuple[str, str, bool], future: Future) -> None:
+        if future.exception() is not None:
+            with self._cache_lock:  # a failure is not worth keeping
+                if self._cache.get(key) is future:
+                    del self._cache[key]
+        self._compiled.set()
+        callback = self.on_ready
+        if callback is not None:
+            callback()
+
+    def wait_for_compilation(self, timeout: float) -> None:
+        """Block until some grammar finishes compiling, or ``timeout`` (offline driver)."""
+        self._compiled.wait(timeout)
+        self._compiled.clear()
+
+    # ------------------------------------------------------------ steps
+
+    def grammar_bitmask(self, requests: Sequence[Request]) -> torch.Tensor:
+        """The next-token bitmask of each request (which have matchers), row i for requests[i]."""
+        return self._get_backend().bitmask([r.structured.matcher for r in requests])  # type: ignore[union-attr]
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

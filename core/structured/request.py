@@ -1,0 +1,47 @@
+"""One request's grammar: the compile future it waits on, then its matcher."""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import Future
+from typing import Any
+
+# xgrammar prefixes its errors with "[time] source_file.cc:line: ".
+_SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+class StructuredOutputRequest:
+    """Follows a request's generated tokens through its grammar.
+
+    The scheduler keeps the request in WAITING_FOR_FSM until ``future`` is
+    done, then calls ``start`` (which builds the matcher, or reports the
+    compile error). The matcher is advanced only with tokens the scheduler
+    accepted (``update_from_output``), so it always describes exactly the
+    request's output tokens, which preemption keeps: a resumed request
+    continues with the same matcher.
+    """
+
+    __slots__ = ("key", "future", "matcher", "_backend")
+
+    def __init__(self, key: tuple[str, str, bool], future: Future, backend_of: Any) -> None:
+        self.key = key
+        self.future = future
+        self.matcher: Any = None
+        self._backend = backend_of  # () -> the backend, once the future is done
+
+    def ready(self) -> bool:
+        return self.future.done()
+
+    def start(self) -> str | None:
+        """Build the matcher once the grammar is compiled; the error message if it did not compile."""
+        exc = self.future.exception()
+        if exc is not None:
+            return f"Invalid structured output ({self.key[0]}): {_SOURCE_PREFIX.sub('', str(exc)).strip()}"
+        self.matcher = self._backend().matcher(self.future.result())
+        return None
+
+    def accept(self, token_id: int) -> bool:
+        return bool(self.matcher.accept_token(token_id))
+
+    def is_terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())

@@ -1,0 +1,137 @@
+"""Everything that touches xgrammar: tokenizer info, compilation, matchers, the mask.
+
+Imported by the engine on the first structured request only (xgrammar brings
+transformers with it, most of a second), so that neither start-up nor the
+requests that do not use it pay for it. The frontend never imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+# Kinds of StructuredOutputsParams -> how they compile.
+_JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+def _stop_token_ids(model_dir: str, hf_config: dict[str, Any]) -> list[int]:
+    """The model's end-of-sequence ids: generation_config.json, else config.json."""
+    eos = None
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+    if eos is None:
+        eos = hf_config.get("eos_token_id")
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else [int(i) for i in eos]
+
+
+def tokenizer_info(tokenizer_dir: str, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
+    """xgrammar's view of the vocabulary, from ``tokenizer.json`` (no transformers tokenizer).
+
+    The vocabulary is padded to the model's ``vocab_size`` (its logits' width;
+    the extra rows are never allowed). Special tokens get an empty string, so
+    that no grammar ever takes ``<s>`` for the three characters it prints as;
+    the stop tokens are allowed where the grammar may end.
+    """
+    import tokenizers
+
+    path = os.path.join(tokenizer_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"structured outputs need a tokenizer.json in {tokenizer_dir}")
+    tokenizer = tokenizers.Tokenizer.from_file(path)
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    size = max(vocab_size, max(vocab.values()) + 1)
+    encoded = [""] * size
+    for token, index in vocab.items():
+        encoded[index] = token
+    for index, added in tokenizer.get_added_tokens_decoder().items():
+        if added.special:
+            encoded[index] = ""
+    metadata = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.to_str())  # noqa: SLF001 - pinned xgrammar
+    return xgr.TokenizerInfo(
+        encoded[:vocab_size] if size > vocab_size else encoded,
+        metadata["vocab_type"],
+        vocab_size=vocab_size,
+        stop_token_ids=stop_token_ids,
+        add_prefix_space=metadata["add_prefix_space"],
+    )
+
+
+def _choice_grammar(choices: list[str]) -> str:
+    """EBNF for "exactly one of these strings" (JSON string escapes are EBNF's too)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class XgrammarBackend:
+    """Compiles StructuredOutputsParams specs and makes matchers and bitmasks."""
+
+    def __init__(self, tokenizer_dir: str, model_dir: str, hf_config: dict[str, Any], max_threads: int = 1) -> None:
+        self.vocab_size = int(hf_config["vocab_size"])
+        self.info = tokenizer_info(tokenizer_dir, self.vocab_size, _stop_token_ids(model_dir, hf_config))
+        # Our own cache keeps compiled grammars by spec; xgrammar's would hold them twice.
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_enabled=False)
+
+    def compile(self, kind: str, spec: str, any_whitespace: bool) -> xgr.CompiledGrammar:
+        """Raises (ValueError, RuntimeError...) with xgrammar's message for an invalid spec."""
+        c = self.compiler
+        if kind == "json":
+            json.loads(spec)  # a clear message for text that is not JSON at all
+            return c.compile_json_schema(spec, any_whitespace=any_whitespace)
+        if kind == "json_object":
+            return c.compile_json_schema(_JSON_OBJECT_SCHEMA, any_whitespace=any_whitespace)
+        if kind == "regex":
+            return c.compile_regex(spec)
+        if kind == "choice":
+            return c.compile_grammar(_choice_grammar(json.loads(spec)))
+        if kind == "grammar":
+            # EBNF/GBNF says "::="; anything else is taken for Lark, as vLLM does.
+            return c.compile_grammar(spec) if "::=" in spec else c.compile_lark(spec)
+        if kind == "structural_tag":
+            tag = json.loads(spec)
+            if "structures" in tag:  # the older format: begin/schema/end items and triggers
+                items = [
+                    xgr.StructuralTagItem(
+                        begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"]
+                    )
+                    for s in tag["structures"]
+                ]
+                return c.compile_structural_tag(items, tag["triggers"])
+            return c.compile_structural_tag(spec)
+        raise ValueError(f"unknown structured output kind {kind!r}")
+
+    def matcher(self, compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
+        return xgr.GrammarMatcher(compiled)
+
+    def bitmask(self, matchers: list[Any]) -> torch.Tensor:
+        """[len(matchers), ceil(vocab / 32)] int32: bit t of row i allows token t to matcher i."""
+        mask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for i, matcher in enumerate(matchers):
+            matcher.fill_next_token_bitmask(mask, i)
+        return mask
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """-inf, in place, for every token that row ``rows[k]`` of ``logits`` may not take
+    by row k of ``bitmask``. xgrammar indexes logits and bitmask alike, so a batch
+    whose structured rows are not exactly its first rows gets a full-height mask
+    (all ones elsewhere)."""
+    n = logits.shape[0]
+    if rows != list(range(len(rows))):
+        full = torch.full((n, bitmask.shape[1]), -1, dtype=torch.int32)
+        full[rows] = bitmask
+        bitmask = full
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    vocab = logits.shape[-1]
+    if logits.dtype != torch.float32 and logits.device.type == "cpu":
+        masked = logits[: bitmask.shape[0]].float()  # xgrammar's CPU kernel is float32 only
+        xgr.apply_token_bitmask_inplace(masked, bitmask, vocab_size=vocab, indices=rows)
+        logits[: bitmask.shape[0]] = masked.to(logits.dtype)
+        return
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows)
