@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "ipc": "bench.ipc",
     "sched": "bench.sched",
     "sampling": "bench.sampling",
+    "structured": "bench.structured",
     "gpu": "bench.gpu",
     "startup": "bench.startup",
     "compare": "bench.compare",

@@ -1,0 +1,232 @@
+"""Structured outputs end to end: the real app over the in-process engine, the openai client.
+
+Neither model was trained to write JSON: only the grammar's bitmask makes
+their outputs valid. Schemas are chosen so that valid outputs are short
+(bounded strings, enums, small arrays) and whitespace is disabled, so that
+sampling at temperature 1 always ends within max_tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import uuid
+from pathlib import Path
+from typing import Literal
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from core.models.default_model import DEFAULT_MODEL_DIR
+from core.request import RequestStatus
+from tests.support.http import MODEL, assert_openai_error, make_engine, running_server
+
+# llama2.c's stories260K as converted for transformers (no chat template of its own), beside the checkout.
+SHARED_STORIES = str(Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K")
+MODELS = {"embedded": str(DEFAULT_MODEL_DIR), "stories260K": SHARED_STORIES}
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["red", "blue"]}, "maxItems": 3},
+        "pet": {
+            "type": "object",
+            "properties": {"kind": {"enum": ["cat", "dog"]}, "legs": {"type": "integer", "minimum": 0, "maximum": 4}},
+            "required": ["kind", "legs"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "tags", "pet"],
+    "additionalProperties": False,
+}
+COMPACT = {"disable_any_whitespace": True}
+
+
+@pytest.fixture(params=list(MODELS), ids=list(MODELS))
+async def served(request):
+    path = MODELS[request.param]
+    if not Path(path, "config.json").exists():
+        pytest.skip("../shared/models/stories260K is not in this checkout")
+    async with running_server(make_engine(path, max_model_len=256)) as (client, base):
+        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0) as oai:
+            yield client, oai
+
+
+def _engine_core(client_engine):
+    return client_engine.engine_core.engine_core
+
+
+async def test_json_schema_twenty_samples_all_validate(served) -> None:
+    _, oai = served
+    out = await oai.completions.create(
+        model=MODEL, prompt="Once upon a time", n=20, temperature=1.0, max_tokens=150, seed=1,
+        extra_body={"structured_outputs": {"json": SCHEMA, **COMPACT}},
+    )
+    assert len(out.choices) == 20
+    for choice in out.choices:
+        assert choice.finish_reason == "stop", choice.text
+        jsonschema.validate(json.loads(choice.text), SCHEMA)
+    assert len({c.text for c in out.choices}) > 1  # sampled, not one forced string
+
+
+async def test_choice_regex_and_grammar(served) -> None:
+    _, oai = served
+    choices = ["yes", "no", "maybe later"]
+    out = await oai.completions.create(
+        model=MODEL, prompt="Is the sky blue?", n=6, max_tokens=10, extra_body={"structured_outputs": {"choice": choices}}
+    )
+    assert all(c.text in choices and c.finish_reason == "stop" for c in out.choices)
+    out = await oai.completions.create(
+        model=MODEL, prompt="Call me at", n=6, max_tokens=16, extra_body={"structured_outputs": {"regex": r"\d{3}-[a-z]{2}"}}
+    )
+    assert all(re.fullmatch(r"\d{3}-[a-z]{2}", c.text) and c.finish_reason == "stop" for c in out.choices)
+    # GBNF: a parenthesised list of one to three items of a's and b's.
+    grammar = 'root ::= "(" item ("," item)? ("," item)? ")"\nitem ::= [ab] [ab]? [ab]?'
+    out = await oai.completions.create(
+        model=MODEL, prompt="Once", n=6, max_tokens=20, extra_body={"structured_outputs": {"grammar": grammar}}
+    )
+    for c in out.choices:
+        assert re.fullmatch(r"\([ab]{1,3}(,[ab]{1,3}){0,2}\)", c.text) and c.finish_reason == "stop", c.text
+
+
+async def test_response_format_on_chat_and_openai_parse(served) -> None:
+    _, oai = served
+
+    class Pet(pydantic.BaseModel):
+        kind: Literal["cat", "dog"]
+        name: str = pydantic.Field(max_length=6)
+        legs: int = pydantic.Field(ge=0, le=8)
+
+    parsed = await oai.beta.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me about your pet."}], response_format=Pet,
+        max_tokens=60, extra_body={"structured_outputs": COMPACT},
+    )
+    pet = parsed.choices[0].message.parsed
+    assert isinstance(pet, Pet) and parsed.choices[0].finish_reason == "stop"
+    out = await oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=150, seed=5,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}},
+        extra_body={"structured_outputs": COMPACT}, stream=True,
+    )
+    text = "".join([c.choices[0].delta.content or "" async for c in out if c.choices])
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+async def test_invalid_constraints_are_400s_and_the_server_keeps_serving(served) -> None:
+    client, oai = served
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+    for stream in (False, True):
+        r = await client.post("/v1/chat/completions", json={
+            **chat, "stream": stream,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},
+        })
+        assert_openai_error(r, 400, "BadRequestError", "Invalid structured output (json)")
+        assert r.json()["error"]["param"] == "response_format"
+        r = await client.post("/v1/completions", json={
+            "model": MODEL, "prompt": "x", "stream": stream, "structured_outputs": {"regex": "(unclosed"},
+        })
+        assert_openai_error(r, 400, "BadRequestError", "Invalid structured output (regex)")
+        assert r.json()["error"]["param"] == "structured_outputs"
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "guided_json": {"type": "object"}})
+    assert_openai_error(r, 400, "BadRequestError", "use structured_outputs")
+    out = await oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0)
+    assert out.choices[0].text and out.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+async def test_mixed_batch_leaves_free_requests_untouched(async_scheduling) -> None:
+    """Structured and free requests share steps; a free request's greedy output is
+    the same as when it runs alone (its logits are never masked)."""
+    engine = make_engine(str(DEFAULT_MODEL_DIR), max_model_len=256, async_scheduling=async_scheduling)
+    async with running_server(engine) as (_, base):
+        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0) as oai:
+            async def free(prompt):
+                out = await oai.completions.create(
+                    model=MODEL, prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+                )
+                return out.choices[0].text
+
+            async def structured(seed):
+                out = await oai.completions.create(
+                    model=MODEL, prompt="Once upon a time", max_tokens=150, temperature=1.0, seed=seed,
+                    extra_body={"structured_outputs": {"json": SCHEMA, **COMPACT}},
+                )
+                return out.choices[0].text
+
+            prompts = ["Once upon a time", "Lily saw a dog", "The sun"]
+            alone = [await free(p) for p in prompts]
+            results = await asyncio.gather(*(free(p) for p in prompts), *(structured(s) for s in range(4)))
+    assert list(results[:3]) == alone
+    for text in results[3:]:
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+async def test_preempted_structured_requests_stay_valid() -> None:
+    """A KV cache too small for all of them: requests are preempted mid-JSON,
+    recomputed, and resume with the same matcher."""
+    engine = make_engine(
+        str(DEFAULT_MODEL_DIR), max_model_len=128, block_size=4, num_gpu_blocks_override=40, max_num_seqs=8,
+    )
+    async with running_server(engine) as (client, base):
+        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0) as oai:
+            out = await oai.completions.create(
+                model=MODEL, prompt="Once upon a time", n=8, max_tokens=110, temperature=1.0, seed=3,
+                extra_body={"structured_outputs": {"json": SCHEMA, **COMPACT}},
+            )
+            stats = (await client.get("/engine/stats")).json()
+    assert stats["num_preemptions"] > 0
+    for choice in out.choices:
+        jsonschema.validate(json.loads(choice.text), SCHEMA)
+
+
+async def test_compilation_runs_off_the_busy_loop() -> None:
+    """A grammar that takes seconds to compile (a JSON enum of 20,000 strings) does not
+    hold back plain requests: they run to the end while it still waits in WAITING_FOR_FSM."""
+    tag = uuid.uuid4().hex[:6]  # never compiled before, by any test
+    values = [f"v{tag}{i}x{i * 31 % 997}" for i in range(20000)]
+    engine = make_engine(str(DEFAULT_MODEL_DIR), max_model_len=256)
+    async with running_server(engine) as (_, base):
+        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0) as oai:
+            scheduler = _engine_core(engine).scheduler
+            slow = asyncio.ensure_future(oai.completions.create(
+                model=MODEL, prompt="Once", max_tokens=30, extra_body={"structured_outputs": {"json": {"enum": values}}},
+            ))
+            while not scheduler.waiting_for_fsm:
+                await asyncio.sleep(0.001)
+            (waiting,) = scheduler.waiting_for_fsm.values()
+            plain = await asyncio.gather(*(
+                oai.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+                for p in ("Once upon a time", "Lily", "The dog")
+            ))
+            # Every plain token has arrived; the grammar request was never scheduled.
+            assert all(out.usage.completion_tokens == 8 for out in plain)
+            assert waiting.status == RequestStatus.WAITING_FOR_FSM and waiting.num_computed_tokens == 0
+            out = await slow
+    assert json.loads(out.choices[0].text) in values
+
+
+def test_offline_llm_and_structural_tag() -> None:
+    """The offline LLM class (sync in-process client) with a grammar, and a structural tag
+    that compiles (the model may or may not write its trigger)."""
+    from app.llm import LLM
+    from core.protocol import SamplingParams, StructuredOutputsParams
+
+    llm = LLM(str(DEFAULT_MODEL_DIR), max_model_len=128)
+    try:
+        params = SamplingParams(max_tokens=10, structured_outputs=StructuredOutputsParams(regex="(cat|dog)s?"))
+        results = llm.generate(["Once upon a time"] * 3, params)
+        assert all(re.fullmatch("(cat|dog)s?", r.text) for r in results)
+        tag = {
+            "type": "structural_tag",
+            "structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}],
+            "triggers": ["<f>"],
+        }
+        params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(structural_tag=json.dumps(tag)))
+        assert llm.generate(["Once upon a time"], params)[0].finish_reason in ("stop", "length")
+    finally:
+        llm.engine.shutdown()

@@ -1,0 +1,191 @@
+"""Tool calling on chat: forced calls through a grammar, the Hermes parser, streamed deltas.
+
+Over HTTP with the official openai client on the embedded stories260K (the
+in-process engine), and the parsers on their own.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import msgspec
+import openai
+import pytest
+
+from app.protocol import ChatCompletionRequest
+from app.tool_calls import HermesStream, RequiredCallStream, forced_call_constraint, parse_hermes
+from core.models.default_model import DEFAULT_MODEL_DIR
+from tests.support.http import MODEL, assert_openai_error, make_engine, running_server
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+PARAMS = {"get_weather": WEATHER, "get_time": TIME}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+# A template that shows tools, calls and results, as tool-aware templates do.
+TOOL_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}<call {{ c.id }} {{ c.function.name }} "
+    "{{ c.function.arguments.city }}>{% endfor %}\n"
+    "{% elif m.role == 'tool' %}<result {{ m.tool_call_id }}>{{ m.content }}\n"
+    "{% else %}<{{ m.role }}>{{ m.content }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+@pytest.fixture
+async def served():
+    engine = make_engine(str(DEFAULT_MODEL_DIR), chat_template=TOOL_TEMPLATE, max_model_len=256)
+    async with running_server(engine, enable_auto_tool_choice=True, tool_call_parser="hermes") as (client, base):
+        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0) as oai:
+            yield client, oai
+
+
+def _check_call(name: str, arguments: str) -> None:
+    jsonschema.validate(json.loads(arguments), PARAMS[name])
+
+
+async def test_required_tool_choice_always_gives_a_valid_call(served) -> None:
+    _, oai = served
+    out = await oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+        n=6, temperature=1.0, seed=2, max_tokens=100,
+    )
+    for choice in out.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice.message.content
+        (call,) = choice.message.tool_calls
+        assert call.id.startswith("chatcmpl-tool-") and call.type == "function"
+        _check_call(call.function.name, call.function.arguments)
+    assert len({c.message.tool_calls[0].id for c in out.choices}) == 6
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+async def test_streamed_tool_calls_reassemble_to_the_same_calls(served, tool_choice) -> None:
+    _, oai = served
+    # One call each (the model would go on adding calls to the array until max_tokens).
+    body = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, temperature=1.0, seed=11,
+                max_tokens=120, parallel_tool_calls=False)
+    whole = await oai.chat.completions.create(**body)
+    calls = [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+    assert calls and whole.choices[0].finish_reason == "tool_calls", whole.choices[0]
+    streamed: dict[int, dict] = {}
+    finish = None
+    async for chunk in await oai.chat.completions.create(**body, stream=True):
+        delta = chunk.choices[0].delta
+        for part in delta.tool_calls or ():
+            entry = streamed.setdefault(part.index, {"id": None, "name": "", "arguments": ""})
+            entry["id"] = entry["id"] or part.id
+            entry["name"] += part.function.name or ""
+            entry["arguments"] += part.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(e["name"], e["arguments"]) for _, e in sorted(streamed.items())] == calls
+    assert all(e["id"] for e in streamed.values())
+    for name, arguments in calls:
+        _check_call(name, arguments)
+        if isinstance(tool_choice, dict):
+            assert name == "get_weather"
+
+
+async def test_auto_tool_choice_parses_hermes_calls(served) -> None:
+    """The model is steered into a Hermes block by a regex (it was never trained to
+    call tools); the parser turns it into tool_calls, whole and streamed."""
+    _, oai = served
+    block = r'Let me check\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-z]{2,5}", "unit": "c"\}\}</tool_call>'
+    body = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="auto", max_tokens=190,
+                extra_body={"structured_outputs": {"regex": block}})
+    out = await oai.chat.completions.create(**body)
+    message = out.choices[0].message
+    assert out.choices[0].finish_reason == "tool_calls" and message.content == "Let me check."
+    (call,) = message.tool_calls
+    assert call.function.name == "get_weather"
+    _check_call("get_weather", call.function.arguments)
+    content, parts = "", []
+    async for chunk in await oai.chat.completions.create(**body, stream=True):
+        content += chunk.choices[0].delta.content or ""
+        parts += chunk.choices[0].delta.tool_calls or []
+    assert content.strip() == "Let me check." and [p.function.name for p in parts] == ["get_weather"]
+    _check_call("get_weather", parts[0].function.arguments)
+
+
+async def test_tool_choice_none_and_auto_without_a_parser(served) -> None:
+    client, oai = served
+    out = await oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=8, temperature=0
+    )
+    assert out.choices[0].message.content and not out.choices[0].message.tool_calls
+    engine = make_engine(str(DEFAULT_MODEL_DIR), chat_template=TOOL_TEMPLATE)
+    async with running_server(engine) as (plain, _):
+        r = await plain.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "tools": TOOLS})
+        assert_openai_error(r, 400, "BadRequestError", "--enable-auto-tool-choice")
+    r = await client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": MESSAGES, "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "nope"}},
+    })
+    assert_openai_error(r, 400, "BadRequestError", "not among the tools")
+
+
+async def test_tool_calls_and_results_reach_the_template(served) -> None:
+    client, _ = served
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    r = await client.post("/tokenize", json={"model": MODEL, "messages": messages, "return_token_strs": True})
+    text = "".join(r.json()["token_strs"])
+    assert "<call call_1 get_weather Paris>" in text.replace("\u2581", " ")
+    assert "<result call_1>sunny" in text.replace("\u2581", " ")
+    r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "tools": TOOLS,
+                                                       "tool_choice": "none", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+# ------------------------------------------------------------------ the parsers alone
+
+
+def test_hermes_parser_whole_and_in_any_pieces() -> None:
+    text = 'Sure. <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "g", "arguments": {}}</tool_call>'
+    content, calls = parse_hermes(text)
+    assert content == "Sure." and [(c.function.name, c.function.arguments) for c in calls] == [("f", '{"a": 1}'), ("g", "{}")]
+    assert parse_hermes("no calls here") == ("no calls here", [])
+    assert parse_hermes("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    for size in (1, 3, 7, len(text)):
+        stream, content, deltas = HermesStream(), "", []
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
+        for k, piece in enumerate(pieces):
+            c, d = stream.feed(piece, k == len(pieces) - 1)
+            content, deltas = content + c, deltas + d
+        assert content.strip() == "Sure."
+        assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [(0, "f", '{"a": 1}'), (1, "g", "{}")]
+
+
+def test_required_stream_splits_the_array_into_calls() -> None:
+    text = '[{"name":"f","parameters":{"s":"a}],{\\""}},{"name":"g","parameters":{}}]'
+    stream, deltas = RequiredCallStream(), []
+    for ch in text:
+        deltas += stream.feed(ch, False)[1]
+    assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == [("f", {"s": 'a}],{"'}), ("g", {})]
+
+
+def test_forced_constraint_schema_accepts_exactly_the_calls() -> None:
+    req = msgspec.convert({"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"}, ChatCompletionRequest)
+    schema = json.loads(forced_call_constraint(req).json)
+    jsonschema.validate([{"name": "get_time", "parameters": {"zone": "utc"}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_time", "parameters": {"city": "x", "unit": "c"}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([], schema)
