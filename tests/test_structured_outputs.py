@@ -230,3 +230,21 @@ def test_offline_llm_and_structural_tag() -> None:
         assert llm.generate(["Once upon a time"], params)[0].finish_reason in ("stop", "length")
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.slow
+def test_engine_process_wakes_when_a_grammar_is_compiled(server_factory) -> None:
+    """A real ``python -m app``: the engine process's busy loop sleeps while the pool
+    compiles (it has nothing else to do) and the compiled grammar wakes it."""
+    server = server_factory(["--max-model-len", "256", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                             "--structured-outputs-backend", "xgrammar"])
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+    for seed in (1, 2):  # a fresh grammar, then the cached one
+        out = client.completions.create(
+            model="stories260K", prompt="Once upon a time", max_tokens=150, seed=seed,
+            extra_body={"structured_outputs": {"json": SCHEMA, **COMPACT}},
+        )
+        jsonschema.validate(json.loads(out.choices[0].text), SCHEMA)
+    with pytest.raises(openai.BadRequestError, match="Invalid structured output"):
+        client.completions.create(model="stories260K", prompt="x", extra_body={"structured_outputs": {"regex": "("}})
+    assert client.completions.create(model="stories260K", prompt="Once", max_tokens=4).choices[0].text
