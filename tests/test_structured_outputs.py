@@ -248,3 +248,30 @@ def test_engine_process_wakes_when_a_grammar_is_compiled(server_factory) -> None
     with pytest.raises(openai.BadRequestError, match="Invalid structured output"):
         client.completions.create(model="stories260K", prompt="x", extra_body={"structured_outputs": {"regex": "("}})
     assert client.completions.create(model="stories260K", prompt="Once", max_tokens=4).choices[0].text
+
+
+def test_byte_level_vocabulary_and_abort_while_compiling(random_model_dir) -> None:
+    """The random-weights test model (a byte-level vocabulary with special tokens, another
+    xgrammar vocabulary type) under a regex; and a request aborted while its grammar
+    compiles leaves nothing behind."""
+    from app.llm import LLM
+    from core.protocol import EngineCoreRequest, SamplingParams, StructuredOutputsParams
+
+    llm = LLM(random_model_dir, max_model_len=128, max_num_seqs=4)
+    try:
+        params = SamplingParams(max_tokens=12, structured_outputs=StructuredOutputsParams(regex=r"[a-f]{2}-\d{1,3}"))
+        for result in llm.generate(["Hello", "abc"], params):
+            assert re.fullmatch(r"[a-f]{2}-\d{1,3}", result.text) and result.finish_reason == "stop", result.text
+        core = llm.engine.engine_core
+        schema = json.dumps({"enum": [f"w{uuid.uuid4().hex}" for _ in range(2000)]})
+        request = EngineCoreRequest(
+            request_id="aborted", prompt_token_ids=[5, 6, 7], eos_token_id=None,
+            sampling_params=SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(json=schema)),
+        )
+        core.add_request(core.preprocess_add_request(request))
+        assert core.scheduler.requests["aborted"].status == RequestStatus.WAITING_FOR_FSM
+        core.abort_requests(["aborted"])
+        assert not core.scheduler.waiting_for_fsm and not core.scheduler.requests
+        assert llm.generate(["Hello"], SamplingParams(max_tokens=3))[0].token_ids
+    finally:
+        llm.engine.shutdown()
