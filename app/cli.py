@@ -35,7 +35,7 @@ _ENGINE_FIELDS = (
     "block_size", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
     "enable_prefix_caching", "num_gpu_blocks_override", "kv_cache_memory",
     "gpu_memory_utilization", "enforce_eager", "transport", "scheduling_policy", "enable_prompt_embeds",
-    "async_scheduling", "enable_sleep_mode", "logprobs_mode", "structured_outputs_backend",
+    "async_scheduling", "enable_sleep_mode", "logprobs_mode", "structured_outputs_backend", "engine_cpu",
 )
 
 
@@ -210,7 +210,19 @@ def make_parser() -> argparse.ArgumentParser:
         "--transport", choices=["shm", "zmq"],
         help="shared-memory rings (default shm) or vLLM's ZeroMQ sockets (the baseline)",
     )
+    transport.add_argument(
+        "--engine-cpu", metavar="{auto,off,N}", type=_engine_cpu,
+        help="the core the EngineCore's Python threads share (its busy loop and I/O threads hand the GIL "
+        "to each other every step, cheaply on one core): auto (default, the last core allowed), off "
+        "(the kernel places them), or a core number; the math libraries' thread pools keep every core",
+    )
     return p
+
+
+def _engine_cpu(value: str) -> str:
+    if value in ("auto", "off") or value.isdigit():
+        return value
+    raise argparse.ArgumentTypeError(f"expected auto, off or a core number, got {value!r}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

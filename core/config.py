@@ -55,6 +55,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     logprobs_mode: str = "raw_logprobs"  # raw_logprobs | processed_logprobs
     # Grammar backend for structured outputs: "auto" and "xgrammar" are the same (the only one).
     structured_outputs_backend: str = "auto"
+    # The core of the engine process's Python threads (core/affinity.py): auto | off | a core number.
+    engine_cpu: str = "auto"
     hf_config: dict[str, Any] | None = None  # the checkpoint's config.json, set by resolve()
 
     @property

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from core.affinity import pin_engine_threads
 from core.config import EngineConfig
 from core.heap import freeze_startup_heap
 from core.protocol import (
@@ -364,6 +365,9 @@ class EngineCoreProc(EngineCore):
             device=str(self.model_executor.runner.device),
         )
         transport.send([b"READY", msgspec.msgpack.encode(ready)])
+        cpu = pin_engine_threads(config.engine_cpu)  # the I/O threads started below inherit it
+        if cpu is not None:
+            logger.info("EngineCore threads on core %d", cpu)
         self._input_thread = threading.Thread(target=self._process_input_socket, name="EngineCoreInput", daemon=True)
         self._output_thread = threading.Thread(target=self._process_output_socket, name="EngineCoreOutput", daemon=True)
         self._input_thread.start()

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from core.affinity import unpin_current_thread
 from core.config import STRUCTURED_OUTPUTS_BACKENDS, EngineConfig
 from core.protocol import StructuredOutputsParams
 from core.structured.request import StructuredOutputRequest
@@ -60,7 +61,9 @@ class StructuredOutputManager:
             future = self._cache.get(key)
             if future is None:
                 if self._pool is None:
-                    self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="GrammarCompile")
+                    self._pool = ThreadPoolExecutor(
+                        COMPILE_THREADS, thread_name_prefix="GrammarCompile", initializer=unpin_current_thread
+                    )
                 future = self._pool.submit(self._compile, key)
                 self._cache[key] = future
                 future.add_done_callback(lambda done, key=key: self._compile_done(key, done))
