@@ -1,15 +1,21 @@
-"""Dense layers ``y = x Wᵀ + b``: numpy's BLAS for small CPU batches, torch otherwise.
+"""Dense layers ``y = x Wᵀ + b`` on a CPU: one row through numpy's BLAS, several through oneDNN.
 
 A decode step multiplies a few rows by every weight matrix once, so it runs
-at the speed weights stream from memory. torch's CPU build does this in MKL,
-whose dispatch on AMD processors falls back to a generic kernel that reaches
-about half the memory bandwidth that the OpenBLAS bundled with numpy does on
-the same tensors; for larger batches (prefill chunks) OpenBLAS was as fast or
-faster here too (bench/README.md has the figures). float32 CPU products
-therefore go through numpy on zero-copy views of the same memory (set
-``RINGLLM_CPU_BLAS=0`` to keep torch's); other dtypes and devices keep
-torch's kernels. numpy releases the GIL inside BLAS, so the engine's I/O
-threads run meanwhile.
+at the speed the weights stream from memory. For a single row that is a
+matrix-vector product, and the OpenBLAS bundled with numpy streams the
+weights as loaded at about twice the bandwidth torch's MKL reaches on AMD
+processors (whose dispatch falls back to a generic kernel there). For a few
+rows, a BLAS ``gemm`` repacks the whole weight matrix on every call, which
+costs more than the product itself; so each weight also has a copy prepacked
+once in oneDNN's blocked layout (torch's mkldnn linear, as inductor uses it
+on CPUs), which decode batches of two rows or more go through. The copy doubles the weights' memory: ``RINGLLM_CPU_PREPACK=0``
+goes without it (numpy for every batch), ``RINGLLM_CPU_BLAS=0`` keeps torch's
+own kernels altogether. Other dtypes and devices keep torch's kernels.
+
+Both libraries release the GIL inside the product, so the engine's I/O
+threads run meanwhile. The forward pass and the CPU decode program
+(core/worker/cpu_decode.py) call the same ``CpuWeight.matmul``, so they give
+the same bits for the same batch.
 """
 
 from __future__ import annotations
@@ -21,30 +27,62 @@ import torch
 import torch.nn.functional as F
 
 CPU_BLAS = os.environ.get("RINGLLM_CPU_BLAS", "1") != "0"
+CPU_PREPACK = os.environ.get("RINGLLM_CPU_PREPACK", "1") != "0"
+# Batches of 2 to PACKED_MAX_ROWS rows (decode batches) use the packed copy, laid out for
+# that many rows. Larger ones (prefill chunks) stay with numpy: in the served engine they
+# ran faster there, though oneDNN won when timed alone.
+PACKED_MAX_ROWS = 64
+
+
+def _prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's packed copy of ``weight`` [out, in], or None where oneDNN is not available."""
+    if not CPU_PREPACK or weight.numel() == 0 or not torch.backends.mkldnn.is_available():
+        return None  # (no weight at all: the model sleeps)
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_MAX_ROWS)
+    except (RuntimeError, AttributeError):
+        return None
 
 
 class CpuWeight:
-    """numpy views of a CPU float32 weight (and bias), made once after loading."""
+    """A CPU float32 weight (and bias) ready for products: numpy views, and a packed copy.
 
-    __slots__ = ("weight_t", "bias")
+    Made once the weights are loaded, and again whenever they change
+    (``prepare_for_inference``), so the packed copy never goes stale.
+    """
+
+    __slots__ = ("weight_t", "bias", "packed", "bias_tensor")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.weight_t = weight.detach().numpy().T  # [in, out], a transposed view: BLAS reads it as is
-        self.bias = None if bias is None else bias.detach().numpy()
+        weight = weight.detach()
+        self.weight_t = weight.numpy().T  # [in, out], a transposed view: BLAS reads it as is
+        self.bias_tensor = None if bias is None else bias.detach()
+        self.bias = None if bias is None else self.bias_tensor.numpy()
+        self.packed = _prepack(weight)
 
     @staticmethod
     def usable(weight: torch.Tensor) -> bool:
         return CPU_BLAS and weight.device.type == "cpu" and weight.dtype == torch.float32
 
+    def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """``x [N, in] @ Wᵀ + b``, into ``out`` [N, out] when given (``x`` C-contiguous)."""
+        if self.packed is None or not 1 < x.shape[0] <= PACKED_MAX_ROWS:
+            out = np.matmul(x, self.weight_t, out=out)
+            if self.bias is not None:
+                out += self.bias
+            return out
+        y = torch.ops.mkldnn._linear_pointwise(torch.from_numpy(x), self.packed, self.bias_tensor, "none", [], "")
+        if out is None:
+            return y.numpy()
+        out[...] = y.numpy()
+        return out
+
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, cpu: CpuWeight | None = None
 ) -> torch.Tensor:
-    """``x [N, in] @ weight[out, in]ᵀ + bias``; ``cpu`` (the weight's numpy views)
-    sends the product to numpy's BLAS."""
+    """``x [N, in] @ weight[out, in]ᵀ + bias``; with ``cpu`` (the weight's CpuWeight)
+    on the CPU path above, else torch's."""
     if cpu is not None and x.dtype == torch.float32:
-        out = np.matmul(x.numpy(), cpu.weight_t)
-        if cpu.bias is not None:
-            out += cpu.bias
-        return torch.from_numpy(out)
+        return torch.from_numpy(cpu.matmul(x.contiguous().numpy()))
     return F.linear(x, weight, bias)

@@ -33,16 +33,16 @@ class Linear(nn.Linear):
     weight; until then, or where they do not apply, torch computes.
     """
 
-    _cpu: CpuWeight | None = None
+    cpu_weight: CpuWeight | None = None  # the CPU fast path's view of the weights (kernels/linear.py)
 
     def reset_parameters(self) -> None:
         """No random initialisation: the weights are always loaded (or filled by the dummy loader)."""
 
     def prepare(self) -> None:
-        self._cpu = CpuWeight(self.weight, self.bias) if CpuWeight.usable(self.weight) else None
+        self.cpu_weight = CpuWeight(self.weight, self.bias) if CpuWeight.usable(self.weight) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self._cpu)
+        return linear(x, self.weight, self.bias, self.cpu_weight)
 
     __call__ = forward
 

@@ -31,10 +31,6 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy()
 
 
-def _bias(linear: torch.nn.Linear) -> np.ndarray | None:
-    return None if linear.bias is None else _np(linear.bias)
-
-
 class _Layer:
     """One decoder layer's weights as numpy views and raw pointers."""
 
@@ -42,10 +38,10 @@ class _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1 = layer.input_layernorm.weight.data_ptr()
         self.norm2 = layer.post_attention_layernorm.weight.data_ptr()
-        self.qkv_t, self.qkv_bias = _np(attn.qkv_proj.weight).T, _bias(attn.qkv_proj)
-        self.o_t, self.o_bias = _np(attn.o_proj.weight).T, _bias(attn.o_proj)
-        self.gate_up_t, self.gate_up_bias = _np(mlp.gate_up_proj.weight).T, _bias(mlp.gate_up_proj)
-        self.down_t, self.down_bias = _np(mlp.down_proj.weight).T, _bias(mlp.down_proj)
+        # The dense layers, whose ``cpu_weight`` the products use: the forward pass's own
+        # (same products, same bits), looked up at each step since a weight reload replaces it.
+        self.qkv, self.o = attn.qkv_proj, attn.o_proj
+        self.gate_up, self.down = mlp.gate_up_proj, mlp.down_proj
         self.q_norm = attn.q_norm.weight.data_ptr() if attn.q_norm is not None else None
         self.k_norm = attn.k_norm.weight.data_ptr() if attn.k_norm is not None else None
         self.k_cache, self.v_cache = (c.data_ptr() for c in kv_cache)
@@ -63,6 +59,7 @@ class DecodeProgram:
         weight = model.get_input_embeddings().weight
         if (
             cfg is None or not kv_caches or not cpu.usable(weight, kv_caches[0][0]) or cfg.hidden_act != "silu"
+            or getattr(model.lm_head, "cpu_weight", None) is None  # products through torch (RINGLLM_CPU_BLAS=0)
         ):
             return None
         return cls(model, kv_caches, buffers, max_model_len)
@@ -81,7 +78,7 @@ class DecodeProgram:
         self.scale = cfg.head_dim**-0.5
         self.block_size = kv_caches[0][0].shape[1]
         self.embedding = _np(model.get_input_embeddings().weight)
-        self.lm_head_t = _np(model.lm_head.weight).T
+        self.lm_head = model.lm_head
         self.final_norm = model.model.norm.weight.data_ptr()
         self.cos, self.sin = (t.data_ptr() for t in model.model.rotary.tables(torch.device("cpu"), torch.float32))
         self._tables = model.model.rotary.tables(torch.device("cpu"), torch.float32)  # keeps them alive
@@ -96,7 +93,7 @@ class DecodeProgram:
         self.proj = np.zeros((rows, self.hidden_size), np.float32)  # attention / MLP output
         self.gate_up = np.zeros((rows, 2 * self.intermediate), np.float32)
         self.act = np.zeros((rows, self.intermediate), np.float32)
-        self.logits = np.zeros((rows, self.lm_head_t.shape[1]), np.float32)
+        self.logits = np.zeros((rows, model.lm_head.weight.shape[0]), np.float32)
         self.threads = torch.get_num_threads()  # attention of large batches is shared among them
         self.scratch_stride = self.heads * max_model_len
         self.scratch = np.zeros(self.threads * self.scratch_stride, np.float32)
@@ -144,9 +141,7 @@ class DecodeProgram:
                 lib.rms_norm(hidden_p, n, size, 1, 0, layer.norm1, normed_p, size, eps)
             else:  # the residual add of the previous layer's MLP, fused with this norm
                 lib.add_rms_norm(proj_p, hidden_p, layer.norm1, normed_p, n, size, eps)
-            np.matmul(normed, layer.qkv_t, out=qkv)
-            if layer.qkv_bias is not None:
-                np.add(qkv, layer.qkv_bias, out=qkv)
+            layer.qkv.cpu_weight.matmul(normed, qkv)
             if layer.q_norm is not None:  # per-head norms of q and of k, written back in place
                 self._head_norm(n, 0, heads, layer.q_norm)
                 self._head_norm(n, heads, kv_heads, layer.k_norm)
@@ -158,19 +153,13 @@ class DecodeProgram:
                 tables_p, table_stride, rows_p, lens_p, self.scale, attn_p, heads * head_dim, scratch_p,
                 self.scratch_stride, self.threads,
             )
-            np.matmul(attn, layer.o_t, out=proj)
-            if layer.o_bias is not None:
-                np.add(proj, layer.o_bias, out=proj)
+            layer.o.cpu_weight.matmul(attn, proj)
             lib.add_rms_norm(proj_p, hidden_p, layer.norm2, normed_p, n, size, eps)
-            np.matmul(normed, layer.gate_up_t, out=gate_up)
-            if layer.gate_up_bias is not None:
-                np.add(gate_up, layer.gate_up_bias, out=gate_up)
+            layer.gate_up.cpu_weight.matmul(normed, gate_up)
             lib.silu_mul(gate_up_p, n, self.intermediate, act_p)
-            np.matmul(act, layer.down_t, out=proj)
-            if layer.down_bias is not None:
-                np.add(proj, layer.down_bias, out=proj)
+            layer.down.cpu_weight.matmul(act, proj)
         lib.add_rms_norm(proj_p, hidden_p, self.final_norm, normed_p, n, size, eps)
-        np.matmul(normed, self.lm_head_t, out=logits)
+        self.lm_head.cpu_weight.matmul(normed, logits)
         return self._logits_t[n]
 
     def _head_norm(self, n: int, first: int, count: int, weight: int) -> None:
