@@ -29,10 +29,11 @@ class OpenAIError(Exception):
     status: HTTPStatus = HTTPStatus.INTERNAL_SERVER_ERROR
     type: str = "InternalServerError"
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.headers = headers  # extra response headers (Retry-After)
 
     def to_response(self) -> ErrorResponse:
         return error_body(self.message, self.type, self.status, self.param)
@@ -58,6 +59,13 @@ class MethodNotAllowedError(OpenAIError):
     type = "MethodNotAllowedError"
 
 
+class PayloadTooLargeError(OpenAIError):
+    """The body is over --max-request-body-bytes; refused before it is read whole."""
+
+    status = HTTPStatus.REQUEST_ENTITY_TOO_LARGE
+    type = "PayloadTooLargeError"
+
+
 class ConflictError(OpenAIError):
     """The request is valid but the server's current state does not allow it."""
 
@@ -71,10 +79,18 @@ class InternalServerError(OpenAIError):
 
 
 class ServiceUnavailableError(OpenAIError):
-    """The server is up but cannot serve this now (the engine is asleep)."""
+    """The server is up but cannot serve this now (the engine is asleep, the queue
+    is full, the server is shutting down)."""
 
     status = HTTPStatus.SERVICE_UNAVAILABLE
     type = "ServiceUnavailableError"
+
+
+class StreamTimeoutError(OpenAIError):
+    """A stream produced nothing for --stream-stall-timeout seconds (an error event)."""
+
+    status = HTTPStatus.GATEWAY_TIMEOUT
+    type = "TimeoutError"
 
 
 def error_body(

@@ -6,10 +6,13 @@ GET /version, GET /metrics (Prometheus, app/metrics.py),
 GET /engine/stats (scheduler counters, for operators and tests), POST
 /reset_prefix_cache (as in vLLM; 409 while requests run, unless
 ``?reset_running_requests=true``), the control routes of app/control.py, and
-the chat page (app/ui.py) unless it is disabled. Every error, including
-unknown routes, has OpenAI's ``{"error": {...}}`` body. With an API key,
-every route but /health and the page's own files requires
-``Authorization: Bearer <key>``.
+the chat page (app/ui.py) unless it is disabled, and GET /openapi.json
+(app/openapi.py). Every error, including unknown routes, has OpenAI's
+``{"error": {...}}`` body. With an API key, every route but /health and the
+page's own files requires ``Authorization: Bearer <key>``. In front of the
+routes: the body limit and admission (app/limits.py), and CORS when
+``allowed_origins`` is given (off by default: browsers on other origins get
+no access).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from collections.abc import Awaitable, Callable, Sequence
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -37,6 +42,8 @@ from app.errors import (
     ServiceUnavailableError,
     error_body,
 )
+from app.limits import Admission, LimitsMiddleware, ServerLimits, ticket_of
+from app.openapi import openapi_document
 from app.serving import (
     EventStreamResponse,
     OpenAIServing,
@@ -61,7 +68,10 @@ def ringllm_version() -> str:
 
 
 def error_response(exc: OpenAIError) -> Response:
-    return json_response(exc.to_response(), status=exc.status)
+    response = json_response(exc.to_response(), status=exc.status)
+    if exc.headers:
+        response.headers.update(exc.headers)
+    return response
 
 
 async def _cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> Response:
@@ -92,10 +102,21 @@ def build_app(
     enable_dev_endpoints: bool = False,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
+    limits: ServerLimits | None = None,
+    admission: Admission | None = None,
+    allowed_origins: Sequence[str] = (),
 ) -> Starlette:
+    """``admission``: the server's own (it drains on shutdown); by default a new one
+    over the engine's max_num_seqs and ``limits.max_num_waiting``."""
+    limits = limits or ServerLimits()
+    if admission is None:
+        engine_config = getattr(engine, "config", None)
+        max_num_seqs = getattr(engine_config, "max_num_seqs", 1)
+        admission = Admission(max_num_seqs, limits.max_num_waiting, limits.retry_after_s)
     serving = OpenAIServing(
         engine, served_model_name, max_model_len, chat_template, model_aliases,
         enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+        stream_stall_timeout=limits.stream_stall_timeout,
     )
     expected_auth = f"Bearer {api_key}".encode() if api_key else None
 
@@ -119,7 +140,13 @@ def build_app(
     async def health(request: Request) -> Response:
         if engine.is_dead:
             return json_response(error_body("The engine is dead.", "ServiceUnavailableError", 503), 503)
+        if admission.draining:  # load balancers: send new work elsewhere
+            return json_response(error_body("The server is shutting down.", "ServiceUnavailableError", 503), 503)
         return Response(status_code=200)
+
+    def admit_for(request: Request) -> Callable[[int], None]:
+        ticket = ticket_of(request.scope)
+        return ticket.admit if ticket is not None else admission.check
 
     async def models(request: Request) -> Response:
         return serving.list_models()
@@ -133,18 +160,25 @@ def build_app(
     async def completions(request: Request) -> Response:
         check_awake()
         body = await request.body()
-        return await _cancel_on_disconnect(request, serving.create_completion(body))
+        return await _cancel_on_disconnect(request, serving.create_completion(body, admit_for(request)))
 
     async def chat_completions(request: Request) -> Response:
         check_awake()
         body = await request.body()
-        return await _cancel_on_disconnect(request, serving.create_chat_completion(body))
+        return await _cancel_on_disconnect(request, serving.create_chat_completion(body, admit_for(request)))
 
     async def tokenize(request: Request) -> Response:
         return serving.tokenize(await request.body())
 
     async def detokenize(request: Request) -> Response:
         return serving.detokenize(await request.body())
+
+    openapi: list[bytes] = []  # built on first use: start-up does not pay for it
+
+    async def openapi_json(request: Request) -> Response:
+        if not openapi:
+            openapi.append(msgspec.json.encode(openapi_document(ringllm_version())))
+        return Response(openapi[0], media_type="application/json")
 
     async def version(request: Request) -> Response:
         return json_response(VersionResponse(ringllm_version()))
@@ -187,6 +221,7 @@ def build_app(
         Route("/tokenize", openai_route(tokenize), methods=["POST"]),
         Route("/detokenize", openai_route(detokenize), methods=["POST"]),
         Route("/version", openai_route(version), methods=["GET"]),
+        Route("/openapi.json", openai_route(openapi_json), methods=["GET"]),
         Route("/metrics", openai_route(metrics), methods=["GET"]),
         Route("/engine/stats", openai_route(engine_stats), methods=["GET"]),
         Route("/reset_prefix_cache", openai_route(reset_prefix_cache), methods=["POST"]),
@@ -196,4 +231,12 @@ def build_app(
     )
     if enable_ui:
         routes += ui_routes(api_key_required=expected_auth is not None)
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    middleware = []
+    if allowed_origins:
+        middleware.append(
+            Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"])
+        )
+    middleware.append(Middleware(LimitsMiddleware, admission=admission, max_body_bytes=limits.max_request_body_bytes))
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, middleware=middleware)
+    app.state.admission = admission
+    return app

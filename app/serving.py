@@ -28,7 +28,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from app.choices import Choice, collect_all, merged
-from app.errors import BadRequestError, InternalServerError, NotFoundError, OpenAIError
+from app.errors import BadRequestError, InternalServerError, NotFoundError, OpenAIError, StreamTimeoutError
 from app.input_processor import InputProcessor
 from app.logprobs import Logprobs, TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs
 from app.output_processor import RequestOutput
@@ -70,6 +70,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("ringllm.serving")
 T = TypeVar("T")
+Admit = Callable[[int], None]  # takes n engine requests from admission, or raises a 503
 
 _encoder = msgspec.json.Encoder()
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -148,12 +149,15 @@ class EventStreamResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], stall_timeout: float | None = None) -> None:
+        """``stall_timeout``: seconds the stream may go without an event before it is
+        ended with an error event (and its requests aborted); None waits for ever."""
         # No Response.__init__: it would render a body and announce its length.
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.events = events
+        self.stall_timeout = stall_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -163,8 +167,23 @@ class EventStreamResponse(Response):
             await self.events.aclose()
 
     async def _pump(self, send: Send) -> None:
-        async for event in self.events:
-            await send({"type": "http.response.body", "body": event, "more_body": True})
+        if self.stall_timeout is None:
+            async for event in self.events:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+        else:
+            while True:
+                try:
+                    event = await asyncio.wait_for(self.events.__anext__(), self.stall_timeout)
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:  # the generator was cancelled: its requests are aborted
+                    error = StreamTimeoutError(
+                        f"No output for {self.stall_timeout:g} s (--stream-stall-timeout); the request was aborted."
+                    )
+                    event = sse_event(error.to_response())
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
+                    break
+                await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
@@ -189,8 +208,10 @@ class OpenAIServing:
         model_aliases: Sequence[str] = (),
         enable_auto_tool_choice: bool = False,
         tool_call_parser: str | None = None,
+        stream_stall_timeout: float | None = None,
     ) -> None:
         self.engine = engine
+        self.stream_stall_timeout = stream_stall_timeout
         # tool_choice "auto" needs both (--enable-auto-tool-choice --tool-call-parser), as in vLLM.
         self.tool_call_parser = tool_call_parser if enable_auto_tool_choice else None
         self.served_model_name = served_model_name
@@ -303,7 +324,7 @@ class OpenAIServing:
             prompts.append((truncated, None, text))
         return prompts
 
-    async def create_completion(self, body: bytes) -> Response:
+    async def create_completion(self, body: bytes, admit: Admit | None = None) -> Response:
         req: CompletionRequest = _decode(body, CompletionRequest)
         self._check_model(req.model)
         req.check_supported()
@@ -315,10 +336,14 @@ class OpenAIServing:
         choices = self._choices(
             engine_id, req, self._completion_prompts(req), 1 if echo_only else req.max_tokens, structured
         )
+        if admit is not None:
+            admit(len(choices))
         param = req.structured_param if structured is not None else None
         if req.stream:
             source = await self._primed(choices, param) if structured is not None else None
-            return EventStreamResponse(self._stream_completion(request_id, req, choices, echo_only, source, param))
+            return EventStreamResponse(
+                self._stream_completion(request_id, req, choices, echo_only, source, param), self.stream_stall_timeout
+            )
         outputs = await self._collect_all(choices, param)
         response_choices = []
         for choice, out in zip(choices, outputs):
@@ -417,7 +442,7 @@ class OpenAIServing:
             return self.input_processor.chat_stop
         return ()
 
-    async def create_chat_completion(self, body: bytes) -> Response:
+    async def create_chat_completion(self, body: bytes, admit: Admit | None = None) -> Response:
         req: ChatCompletionRequest = _decode(body, ChatCompletionRequest)
         self._check_model(req.model)
         req.check_supported()
@@ -436,9 +461,11 @@ class OpenAIServing:
             structured = req.structured_params()
             param = req.structured_param if structured is not None else None
         choices = self._choices(engine_id, req, [(prompt_ids, None, "")], req.requested_max_tokens, structured)
+        if admit is not None:
+            admit(len(choices))
         if req.stream:
             source = await self._primed(choices, param) if structured is not None else None
-            return EventStreamResponse(self._stream_chat(request_id, req, choices, source, param))
+            return EventStreamResponse(self._stream_chat(request_id, req, choices, source, param), self.stream_stall_timeout)
         outputs = await self._collect_all(choices, param)
         response_choices = [
             ChatChoice(
