@@ -194,6 +194,10 @@ def _decode(body: bytes, request_type: type) -> Any:
         raise BadRequestError(f"Invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
         raise BadRequestError(f"The request body is not valid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:  # msgspec raises it for invalid UTF-8 inside a string
+        raise BadRequestError(f"The request body is not valid UTF-8: {exc}") from None
+    except RecursionError:  # JSON nested thousands deep
+        raise BadRequestError("The request body is nested too deeply.") from None
 
 
 class OpenAIServing:

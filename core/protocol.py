@@ -79,6 +79,10 @@ FINISH_REASON_STRINGS = ("stop", "length", "abort", "error")
 MAX_LOGPROBS = 20
 # OpenAI's range for a logit_bias value.
 MAX_LOGIT_BIAS = 100.0
+# Every stop string is looked for after every token: a request must not make that a
+# scan of thousands (OpenAI allows 4).
+MAX_STOP_STRINGS = 128
+MAX_TOP_K = 2**31 - 1  # beyond any vocabulary; the samplers index with int32
 
 
 class StructuredOutputsParams(
@@ -187,8 +191,14 @@ class SamplingParams(
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+        if self.top_k > MAX_TOP_K:
+            raise ValueError(f"top_k must be at most {MAX_TOP_K}, got {self.top_k}.")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}.")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty.")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed}.")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
         for name in ("presence_penalty", "frequency_penalty"):

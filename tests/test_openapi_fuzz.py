@@ -1,0 +1,70 @@
+"""schemathesis, as a library, drives a real server from its own /openapi.json: bodies
+that fit the schema (positive) and bodies that break it (negative) for the completion,
+chat, models, tokenize and detokenize routes. No answer may be a 5xx, every error must
+be in OpenAI's shape, and the server must stay healthy. A fixed seed (derandomize) and
+a bounded number of examples per route keep the run deterministic and short."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = {GenerationMode.POSITIVE: 30, GenerationMode.NEGATIVE: 30}
+ROUTES = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+
+
+def _check(case, response) -> None:  # type: ignore[no-untyped-def]
+    label = f"{case.method} {case.path} {str(case.body)[:300]!r}"
+    assert response.status_code < 500, f"{label}: {response.status_code} {response.text[:300]}"
+    if response.status_code >= 400:
+        body = response.json()
+        assert set(body) == {"error"}, label
+        error = body["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == response.status_code, label
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    from tests.support.servers import start_server, stop_server
+
+    srv = start_server(["--max-model-len", "64"], tmp_path_factory.mktemp("fuzz") / "server.log")
+    yield srv
+    stop_server(srv)
+
+
+@pytest.mark.parametrize("mode", list(EXAMPLES), ids=lambda m: m.value)
+def test_schemathesis_finds_no_5xx_and_only_openai_shaped_errors(server, mode: GenerationMode) -> None:
+    document = httpx.get(server.base_url + "/openapi.json", timeout=10).json()
+    assert ROUTES <= set(document["paths"])
+    schema = schemathesis.openapi.from_dict(document)
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} == ROUTES
+    statuses: Counter[tuple[str, int]] = Counter()
+    for operation in operations:
+        if mode is GenerationMode.NEGATIVE and operation.method.upper() == "GET":
+            continue  # nothing to break: no body, no parameters
+
+        @settings(
+            max_examples=EXAMPLES[mode], derandomize=True, deadline=None, database=None,
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(case=operation.as_strategy(generation_mode=mode))
+        def run(case) -> None:  # type: ignore[no-untyped-def]
+            response = case.call(base_url=server.base_url, timeout=60)
+            statuses[operation.path, response.status_code] += 1
+            _check(case, response)
+
+        run()
+        assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200, operation.label
+    print(mode.value, sorted(statuses.items()))
+    if mode is GenerationMode.POSITIVE:
+        # Some bodies got through to generation, not only to 400s. (The schema has no
+        # numeric ranges yet, so most random completion bodies are refused by validation.)
+        assert statuses["/v1/chat/completions", 200] and statuses["/tokenize", 200], statuses
