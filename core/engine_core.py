@@ -396,8 +396,8 @@ class EngineCoreProc(EngineCore):
                 return
             try:
                 item = self._decode_request(frames, decoders)
-            except (ValueError, msgspec.DecodeError, IndexError) as exc:
-                logger.error("rejected a malformed message from the frontend: %s", exc)
+            except Exception as exc:  # noqa: BLE001 - whatever the bytes were, this thread must live on
+                logger.error("rejected a malformed message from the frontend: %s: %s", type(exc).__name__, exc)
                 continue
             req_type, payload = item
             if req_type == EngineCoreRequestType.ADD:
@@ -405,6 +405,10 @@ class EngineCoreProc(EngineCore):
                     item = (req_type, self.preprocess_add_request(payload))
                 except ValueError as exc:
                     self._reject_request(payload, str(exc))
+                    continue
+                except Exception as exc:  # noqa: BLE001 - a request no check foresaw: refuse it, keep serving
+                    logger.error("rejected a request the engine could not build", exc_info=exc)
+                    self._reject_request(payload, f"{type(exc).__name__}: {exc}")
                     continue
             elif req_type == EngineCoreRequestType.ABORT:
                 self.aborts_queue.put_nowait(payload)
@@ -549,6 +553,11 @@ class EngineCoreProc(EngineCore):
         if not self.is_running():
             refused = finished_outputs([request.request_id], FinishReason.ABORT, "the engine is shutting down")
             self.output_queue.put_nowait((request.client_index, refused))
+        elif request.request_id in self.scheduler.requests:
+            # The frontend never reuses a live id: such a message is malformed. Answering
+            # it would finish the live request, so it is dropped.
+            logger.error("rejected a malformed message from the frontend: request id %r is already running",
+                         request.request_id)
         else:
             self.add_request(request)
 
