@@ -6,8 +6,9 @@ port fails at once rather than after the model has loaded. The frontend runs on 
 the EngineCore process is spawned before anything else is imported, and
 boots while this process builds the web stack and the tokenizer.
 Once the engine is ready, a short banner says what is served and where.
-SIGINT/SIGTERM stop accepting connections, give running requests a few
-seconds (hypercorn's graceful timeout), then shut the engine down.
+SIGINT/SIGTERM stop accepting connections and drain the requests in flight
+for --shutdown-timeout seconds before the engine is shut down; a dead engine
+stops the server with status 1 (app/lifecycle.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import argparse
 import asyncio
 import gc
 import logging
-import signal
 import socket
 import sys
 from functools import partial
@@ -30,8 +30,6 @@ if TYPE_CHECKING:
     from core.client import AsyncMPClient
 
 logger = logging.getLogger("ringllm")
-
-GRACEFUL_TIMEOUT_S = 3.0
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -55,13 +53,14 @@ async def serve(
     chat_template: str | None,
     sock: socket.socket,
     args: argparse.Namespace,
-) -> None:
+) -> int:
+    """Serve until a signal or the engine's death; the process's exit code."""
     from app.async_llm import AsyncLLM
+    from app.lifecycle import CLOSE_GRACE_S, Lifecycle
 
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    lifecycle = Lifecycle(engine_core, args.shutdown_timeout, args.keep_alive_on_engine_death)
+    lifecycle.install_signal_handlers()
 
     # The engine process starts first and boots (torch, the model) while this
     # thread imports the web stack: start-up takes the longer of the two.
@@ -76,16 +75,24 @@ async def serve(
     from hypercorn.config import Config as HypercornConfig
 
     from app.banner import format_banner
+    from app.limits import Admission, ServerLimits
     from app.server import build_app
 
     engine = await starting
     model_aliases = served_model_names(args)[1:]
+    limits = ServerLimits(
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_num_waiting=args.max_num_waiting,
+        stream_stall_timeout=args.stream_stall_timeout,
+    )
+    admission = Admission(engine.config.max_num_seqs, limits.max_num_waiting, limits.retry_after_s)
     try:
         app = build_app(
             engine, engine.served_model_name, engine.max_model_len, args.api_key, chat_template,
             model_aliases=model_aliases, enable_ui=not args.disable_frontend_ui,
             enable_sleep_mode=bool(args.enable_sleep_mode), enable_dev_endpoints=args.enable_dev_endpoints,
             enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+            limits=limits, admission=admission, allowed_origins=args.allowed_origins,
         )
         freeze_startup_heap()
         host, port = sock.getsockname()[:2]
@@ -93,7 +100,12 @@ async def serve(
         hypercorn_config.bind = [f"fd://{sock.detach()}"]  # hypercorn owns the socket from here
         hypercorn_config.accesslog = None
         hypercorn_config.errorlog = logging.getLogger("hypercorn.error")  # through our handlers only
-        hypercorn_config.graceful_timeout = GRACEFUL_TIMEOUT_S
+        # The drain is ours (app/lifecycle.py); hypercorn waits for its connections meanwhile.
+        hypercorn_config.graceful_timeout = args.shutdown_timeout + CLOSE_GRACE_S
+        hypercorn_config.h11_max_incomplete_size = args.max_header_bytes
+        hypercorn_config.h2_max_header_list_size = args.max_header_bytes
+        hypercorn_config.keep_alive_timeout = args.keep_alive_timeout
+        hypercorn_config.backlog = args.backlog
         logger.info(
             "%s",
             format_banner(
@@ -106,7 +118,12 @@ async def serve(
                 routes={getattr(route, "path", "") for route in app.routes},
             ),
         )
-        await hypercorn_serve(app, hypercorn_config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+        lifecycle.serving(engine, admission)
+        server = asyncio.ensure_future(
+            hypercorn_serve(app, hypercorn_config, shutdown_trigger=lifecycle.stop.wait)  # type: ignore[arg-type]
+        )
+        await lifecycle.run_server(server)
+        return lifecycle.exit_code
     finally:
         logger.info("shutting down")
         engine.shutdown()
@@ -153,9 +170,10 @@ def main(argv: list[str] | None = None) -> None:
     import uvloop
 
     try:
-        uvloop.run(serve(config, engine_core, chat_template, sock, args))
+        code = uvloop.run(serve(config, engine_core, chat_template, sock, args))
     finally:
         engine_core.shutdown()
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -161,6 +161,14 @@ class AsyncLLM:
             except EngineDeadError:
                 pass
 
+    def fail_all(self, exc: BaseException) -> int:
+        """End every unfinished request with ``exc`` (the shutdown drain ran out of
+        time): streams send it as an error event, and each request is aborted in the
+        engine as its generator closes. Returns how many there were."""
+        count = len(self.output_processor.requests)
+        self.output_processor.propagate_error(exc)
+        return count
+
     async def get_scheduler_stats(self) -> SchedulerStats:
         return await self.engine_core.get_scheduler_stats_async()
 

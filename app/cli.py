@@ -12,10 +12,15 @@ import argparse
 import os
 import re
 
+from app.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from core.config import EngineConfig
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+DEFAULT_MAX_HEADER_BYTES = 16 << 10
+DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
+DEFAULT_BACKLOG = 1024
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -175,6 +180,11 @@ def make_parser() -> argparse.ArgumentParser:
         help="do not serve the chat page at / (the API is unchanged)",
     )
     server.add_argument(
+        "--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+        help="let browser pages from these origins call the API (CORS), e.g. https://app.example.com, "
+        "or * for any (default: none, no CORS headers)",
+    )
+    server.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"],
         help="logging threshold (default info)",
     )
@@ -205,6 +215,45 @@ def make_parser() -> argparse.ArgumentParser:
         help="serve POST /collective_rpc (whitelisted executor methods, e.g. reload_weights)",
     )
 
+    limits = p.add_argument_group(
+        "limits and shutdown", "what one request may cost, admission, and how the server stops"
+    )
+    limits.add_argument(
+        "--max-num-waiting", type=_non_negative_int, metavar="N",
+        help="at most N requests queued beyond the --max-num-seqs running ones (counted by this "
+        "frontend, in engine requests: n choices count n); more get a 503 with Retry-After "
+        "(default: no limit)",
+    )
+    limits.add_argument(
+        "--max-request-body-bytes", type=parse_size, default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="BYTES",
+        help="larger request bodies get a 413 before they are read whole (default 16MiB)",
+    )
+    limits.add_argument(
+        "--max-header-bytes", type=parse_size, default=DEFAULT_MAX_HEADER_BYTES, metavar="BYTES",
+        help="largest request line and headers accepted (HTTP/1.1), and header list (HTTP/2) (default 16KiB)",
+    )
+    limits.add_argument(
+        "--keep-alive-timeout", type=float, default=DEFAULT_KEEP_ALIVE_TIMEOUT_S, metavar="SECONDS",
+        help="close an idle keep-alive connection after this long (default 5)",
+    )
+    limits.add_argument(
+        "--backlog", type=int, default=DEFAULT_BACKLOG, help=f"listen backlog (default {DEFAULT_BACKLOG})"
+    )
+    limits.add_argument(
+        "--stream-stall-timeout", type=float, metavar="SECONDS",
+        help="end a stream with an error event, aborting its request, when it has had nothing to "
+        "send for this long (default: wait for ever; queued and paused requests count as stalled)",
+    )
+    limits.add_argument(
+        "--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
+        help="on SIGTERM or SIGINT, let requests in flight finish for this long, then abort them "
+        "with an error; a second SIGINT exits at once (default 30)",
+    )
+    limits.add_argument(
+        "--keep-alive-on-engine-death", action="store_true",
+        help="when the EngineCore dies, stay up answering 503 instead of exiting with status 1",
+    )
+
     transport = p.add_argument_group("transport", "between the frontend and the EngineCore process")
     transport.add_argument(
         "--transport", choices=["shm", "zmq"],
@@ -217,6 +266,13 @@ def make_parser() -> argparse.ArgumentParser:
         "(the kernel places them), or a core number; the math libraries' thread pools keep every core",
     )
     return p
+
+
+def _non_negative_int(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {number}")
+    return number
 
 
 def _engine_cpu(value: str) -> str:

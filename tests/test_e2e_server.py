@@ -180,7 +180,7 @@ def test_async_scheduling_server_matches_the_sync_server(server, random_model_di
     prompts = ["Once upon a time", "abc " * 40, LONG_PROMPT, "Hello"]
     expected = [_complete(server, p, 16).choices[0].text for p in prompts]
     srv = server_factory(["--model", random_model_dir, "--served-model-name", "ringllm-default",
-                          "--async-scheduling", *SERVER_ARGS])
+                          "--async-scheduling", "--keep-alive-on-engine-death", *SERVER_ARGS])
 
     async def run_all() -> list[str]:
         client = openai.AsyncOpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
@@ -231,7 +231,8 @@ def test_idle_server_uses_almost_no_cpu(server) -> None:
 def test_engine_kill_fails_stream_and_health(random_model_dir: str, server_factory, transport: str) -> None:
     """Kills its own server's engine."""
     srv = server_factory(
-        ["--model", random_model_dir, "--served-model-name", "m", *SERVER_ARGS, "--transport", transport]
+        ["--model", random_model_dir, "--served-model-name", "m", *SERVER_ARGS, "--transport", transport,
+         "--keep-alive-on-engine-death"]  # to see /health say 503 (by default the server exits 1)
     )
     client = client_for(srv)
     stream = client.completions.create(

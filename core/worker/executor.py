@@ -38,6 +38,7 @@ from core.models.loader import load_model
 from core.protocol import MemoryUsage
 from core.sched.output import ModelRunnerOutput, SchedulerOutput
 from core.worker.async_output import AsyncModelRunnerOutput
+from core.worker.faults import fault_injector_from_env
 from core.worker.model_runner import ModelRunner
 from core.worker.sleep import (
     WeightStash,
@@ -94,6 +95,7 @@ class UniProcExecutor:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ModelRunner")
         self._sleep_level = 0
         self._stash: WeightStash | None = None
+        self._faults = fault_injector_from_env()  # tests only (core/worker/faults.py)
 
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()
@@ -104,6 +106,8 @@ class UniProcExecutor:
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        if self._faults is not None:
+            self._faults.before_step()
         if self._worker is not None:
             future = OutputFuture(self._worker.submit(self.runner.execute_model, scheduler_output))
             return future if non_block else future.result()

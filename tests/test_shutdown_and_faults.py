@@ -1,0 +1,178 @@
+"""Graceful shutdown and faults, on real ``python -m app`` processes (stories260K):
+
+- SIGTERM under streaming load: the streams in flight finish, new connections are
+  refused, the server exits 0 and leaves no process and nothing in /dev/shm;
+- the drain's timeout ends what is left with an error event; a second SIGINT exits at once;
+- an exception inside the model step (RINGLLM_FAULT_INJECT, read by the executor):
+  ENGINE_CORE_DEAD, every stream ends with an error, /health 503, exit status 1;
+- a burst that fills the rings in both directions: nothing lost (count in = count out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from core.worker.faults import FAULT_ENV
+from tests.support.servers import Server
+
+pytestmark = pytest.mark.slow
+
+STREAMS = 12
+TOKENS = 96
+
+
+def _mapped_segments(pid: int) -> set[str]:
+    """The ringllm shared-memory files a process has mapped (their names, deleted or not)."""
+    paths = set()
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].startswith("/dev/shm/ringllm-"):
+            paths.add(parts[5].removesuffix(" (deleted)"))
+    return paths
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
+class Watched:
+    """A server with its engine's pid and shared-memory segments noted while it runs."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.engine_pid = server.engine_pid()
+        self.segments = _mapped_segments(self.engine_pid)
+        assert len(self.segments) >= 4
+
+    def wait_exit(self, timeout: float = 60) -> int:
+        assert self.server.proc is not None
+        return self.server.proc.wait(timeout=timeout)
+
+    def assert_nothing_left(self) -> None:
+        deadline = time.monotonic() + 10
+        while not _gone(self.engine_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(self.engine_pid), "the EngineCore outlived the server"
+        assert not any(os.path.exists(p) for p in self.segments)
+
+
+async def _stream(base: str, max_tokens: int = TOKENS, started: asyncio.Event | None = None) -> dict:
+    """One streamed completion: its finish reason, token count and any error event."""
+    body = {
+        "model": "stories260K", "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+    }
+    result: dict = {"finish_reason": None, "tokens": None, "error": None}
+    async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            if started is not None:
+                started.set()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    result["error"] = event["error"]
+                    continue
+                for choice in event["choices"]:
+                    result["finish_reason"] = choice["finish_reason"] or result["finish_reason"]
+                if event.get("usage"):
+                    result["tokens"] = event["usage"]["completion_tokens"]
+    return result
+
+
+async def _streams_started(base: str, count: int, max_tokens: int = TOKENS) -> list[asyncio.Task]:
+    """``count`` streams, returned once each has its response headers (it is admitted)."""
+    events = [asyncio.Event() for _ in range(count)]
+    tasks = [asyncio.create_task(_stream(base, max_tokens, e)) for e in events]
+    for event, task in zip(events, tasks):
+        waiter = asyncio.create_task(event.wait())
+        await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+    return tasks
+
+
+async def test_sigterm_lets_streams_in_flight_finish_then_exits_0_leaving_nothing(server_factory) -> None:
+    server = Watched(server_factory(["--max-num-seqs", "8"]))  # some streams wait in the queue
+    tasks = await _streams_started(server.server.base_url, STREAMS)
+    server.server.proc.send_signal(signal.SIGTERM)
+    results = await asyncio.gather(*tasks)
+    assert all(r == {"finish_reason": "length", "tokens": TOKENS, "error": None} for r in results), results
+    with pytest.raises(httpx.HTTPError):  # the listening socket is closed
+        httpx.post(server.server.base_url + "/v1/completions", json={"prompt": "x"}, timeout=5)
+    assert server.wait_exit() == 0
+    server.assert_nothing_left()
+    log = server.server.log()
+    assert "draining" in log and "Traceback" not in log
+
+
+async def test_the_drain_timeout_ends_the_rest_with_an_error_event_and_a_second_sigint_exits_at_once(
+    server_factory,
+) -> None:
+    # Paused with "keep", the streams cannot finish: the drain times out.
+    server = Watched(server_factory(["--shutdown-timeout", "1"]))
+    base = server.server.base_url
+    tasks = await _streams_started(base, 3, max_tokens=400)
+    async with httpx.AsyncClient(base_url=base) as client:
+        assert (await client.post("/pause", params={"mode": "keep"})).status_code == 200
+    server.server.proc.send_signal(signal.SIGTERM)
+    results = await asyncio.gather(*tasks)
+    for result in results:
+        assert result["finish_reason"] is None and result["error"]["code"] == 503
+        assert "--shutdown-timeout" in result["error"]["message"]
+    assert server.wait_exit() == 0
+    server.assert_nothing_left()
+
+    server = Watched(server_factory(["--shutdown-timeout", "600"]))
+    base = server.server.base_url
+    tasks = await _streams_started(base, 1, max_tokens=400)
+    async with httpx.AsyncClient(base_url=base) as client:
+        assert (await client.post("/pause", params={"mode": "keep"})).status_code == 200
+    server.server.proc.send_signal(signal.SIGINT)
+    for _ in range(100):  # the drain has begun
+        if "draining" in server.server.log():
+            break
+        await asyncio.sleep(0.05)
+    server.server.proc.send_signal(signal.SIGINT)
+    assert server.wait_exit(timeout=30) == 130
+    server.assert_nothing_left()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@pytest.mark.parametrize("keep_alive", [False, True], ids=["exits", "keep-alive"])
+async def test_a_fault_in_the_model_step_kills_the_engine_cleanly(server_factory, monkeypatch, keep_alive) -> None:
+    monkeypatch.setenv(FAULT_ENV, "step:40")  # the server's engine inherits it
+    server = Watched(server_factory(["--keep-alive-on-engine-death"] if keep_alive else []))
+    base = server.server.base_url
+    results = await asyncio.gather(*(_stream(base, 200) for _ in range(4)))
+    for result in results:
+        assert result["finish_reason"] is None and result["error"] is not None, result
+        assert "dead" in result["error"]["message"] or "engine" in result["error"]["message"].lower()
+    if keep_alive:
+        async with httpx.AsyncClient(base_url=base) as client:
+            health = await client.get("/health")
+            assert health.status_code == 503 and health.json()["error"]["code"] == 503
+            refused = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert 500 <= refused.status_code < 600 and "error" in refused.json()
+        server.server.proc.send_signal(signal.SIGTERM)
+        assert server.wait_exit() == 0
+    else:
+        assert server.wait_exit() == 1
+    server.assert_nothing_left()
+    log = server.server.log()
+    assert "fault injected at model step 40" in log
