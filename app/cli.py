@@ -18,6 +18,9 @@ from core.config import EngineConfig
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MAX_HEADER_BYTES = 16 << 10
+# hypercorn's default. Longer would spare clients the keep-alive race (the server closing
+# an idle connection as the client reuses it), but hypercorn only notices a client that
+# closed an idle connection when this expires: each such socket holds an fd till then.
 DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
 DEFAULT_BACKLOG = 1024
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0

@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "gpu": "bench.gpu",
     "startup": "bench.startup",
     "compare": "bench.compare",
+    "soak": "bench.soak",
 }
 
 

@@ -64,9 +64,9 @@ async def _one(client: httpx.AsyncClient, max_tokens: int, hang_up_after: int | 
 
 
 async def test_soak_with_disconnects_finishes_every_request_and_leaks_nothing(server_factory) -> None:
-    # A keep-alive timeout well above the client pool's (5 s): otherwise the server may close
-    # an idle connection just as the client reuses it, HTTP's keep-alive race, which a
-    # client sees as a ReadError on a POST it may not retry (seen once in four runs).
+    # With the default 5 s keep-alive timeout (httpx's pool keeps idle connections 5 s too),
+    # one run in four saw a ReadError on a POST: the server closing an idle connection as
+    # the client reused it, most likely. A longer timeout keeps the test about the server.
     server = server_factory(["--max-num-seqs", "128", "--keep-alive-timeout", "60"])
     pid = server.proc.pid
     rng = random.Random(SEED)
