@@ -176,3 +176,12 @@ async def test_a_fault_in_the_model_step_kills_the_engine_cleanly(server_factory
     server.assert_nothing_left()
     log = server.server.log()
     assert "fault injected at model step 40" in log
+
+
+async def test_a_frontend_killed_under_load_takes_its_engine_along_leaving_nothing(server_factory) -> None:
+    server = Watched(server_factory([]))
+    tasks = await _streams_started(server.server.base_url, 8, max_tokens=400)
+    server.server.proc.kill()
+    assert server.wait_exit() == -9
+    server.assert_nothing_left()
+    await asyncio.gather(*tasks, return_exceptions=True)  # cut off (or done, had they been quick)
