@@ -12,12 +12,14 @@ import argparse
 import os
 import re
 
-from app.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from core.config import EngineConfig
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MAX_HEADER_BYTES = 16 << 10
+# app.limits' default, not imported from there: this module is read before the engine
+# is spawned, and app.limits brings asyncio and starlette (tests check the two agree).
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
 # hypercorn's default. Longer would spare clients the keep-alive race (the server closing
 # an idle connection as the client reuses it), but hypercorn only notices a client that
 # closed an idle connection when this expires: each such socket holds an fd till then.

@@ -15,6 +15,12 @@ from tests.support.http import MODEL, assert_openai_error, make_engine, running_
 LONG = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
 
 
+def test_the_cli_default_body_limit_is_the_servers() -> None:
+    from app import cli, limits
+
+    assert cli.DEFAULT_MAX_REQUEST_BODY_BYTES == limits.DEFAULT_MAX_REQUEST_BODY_BYTES == ServerLimits().max_request_body_bytes
+
+
 async def test_a_body_over_the_limit_is_a_413_whether_declared_or_chunked(stories_dir) -> None:
     limits = ServerLimits(max_request_body_bytes=1024)
     async with running_server(make_engine(stories_dir), limits=limits) as (client, _):
