@@ -67,6 +67,21 @@ def ringllm_version() -> str:
         return "unknown"
 
 
+class OpenAICORSMiddleware(CORSMiddleware):
+    """Starlette's CORS, with a refused preflight in OpenAI's error shape (not plain text)."""
+
+    def preflight_response(self, request_headers) -> Response:  # type: ignore[no-untyped-def]
+        response = super().preflight_response(request_headers)
+        if response.status_code != 400:
+            return response
+        message = f"{bytes(response.body).decode()} (allowed origins: --allowed-origins)."
+        refused = json_response(error_body(message, "BadRequestError", 400), 400)
+        for name, value in response.headers.items():
+            if name.lower().startswith("access-control") or name.lower() == "vary":
+                refused.headers[name] = value
+        return refused
+
+
 def error_response(exc: OpenAIError) -> Response:
     response = json_response(exc.to_response(), status=exc.status)
     if exc.headers:
@@ -234,7 +249,7 @@ def build_app(
     middleware = []
     if allowed_origins:
         middleware.append(
-            Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"])
+            Middleware(OpenAICORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"])
         )
     middleware.append(Middleware(LimitsMiddleware, admission=admission, max_body_bytes=limits.max_request_body_bytes))
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, middleware=middleware)
