@@ -4,7 +4,10 @@ The request and response structs of app/protocol.py are what the server
 decodes and encodes, so a schema made from them cannot drift from the
 server; msgspec emits JSON Schema 2020-12, which OpenAPI 3.1 uses as is.
 Clients generate code from it and fuzzers (schemathesis) drive the API
-from it.
+from it. The structs carry no ranges, so the ranges the server checks
+(core/protocol.py, app/protocol.py) are written onto the generated request
+schemas here, with the served model names; fields the server declares only to
+refuse are left out.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import msgspec
 
 from app.errors import ErrorResponse
 from app.protocol import (
+    MAX_N,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -25,6 +29,7 @@ from app.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from core.protocol import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_TOP_K
 
 REF_TEMPLATE = "#/components/schemas/{name}"
 
@@ -47,9 +52,74 @@ _ERROR_STATUSES = {
 }
 
 
-def openapi_document(version: str) -> dict[str, Any]:
+# Ranges the server enforces, by field (JSON Schema keywords for the non-null value).
+_RANGES: dict[str, dict[str, Any]] = {
+    "temperature": {"minimum": 0, "maximum": 2},
+    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"minimum": -1, "maximum": MAX_TOP_K},
+    "min_p": {"minimum": 0, "maximum": 1},
+    "presence_penalty": {"minimum": -2, "maximum": 2},
+    "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "repetition_penalty": {"exclusiveMinimum": 0, "maximum": 2},
+    "seed": {"minimum": -(2**63), "maximum": 2**63 - 1},
+    "n": {"minimum": 1, "maximum": MAX_N},
+    "min_tokens": {"minimum": 0},
+    "max_tokens": {"minimum": 0},
+    "max_completion_tokens": {"minimum": 1},
+    "logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+    "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+    "prompt_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+    "truncate_prompt_tokens": {"minimum": 1},
+    "stop_token_ids": {"items": {"type": "integer", "minimum": 0}},
+    "allowed_token_ids": {"items": {"type": "integer", "minimum": 0}},
+    "logit_bias": {"additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS}},
+}
+
+
+def _narrow(schema: dict[str, Any], keywords: dict[str, Any]) -> None:
+    """Apply ``keywords`` to the non-null branches of a property's schema."""
+    branches = schema.get("anyOf", [schema])
+    for branch in branches:
+        if branch.get("type") in ("integer", "number"):
+            branch.update({k: v for k, v in keywords.items() if k != "items" and k != "additionalProperties"})
+        elif branch.get("type") == "array" and "items" in keywords:
+            branch["items"] = keywords["items"]
+        elif branch.get("type") == "object" and "additionalProperties" in keywords:
+            branch["additionalProperties"] = keywords["additionalProperties"]
+
+
+def _describe_request(schema: dict[str, Any], implemented: frozenset[str], model_names: list[str]) -> None:
+    properties = schema["properties"]
+    for name in list(properties):
+        if name not in implemented:
+            del properties[name]  # declared only to be refused unless neutral
+        elif name in _RANGES:
+            _narrow(properties[name], _RANGES[name])
+    if "stop" in properties:
+        properties["stop"] = {"anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS},
+            {"type": "null"},
+        ], "default": None}
+    if "prompt" in properties:  # required unless prompt_embeds (an extension, behind a flag)
+        ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+        properties["prompt"] = {"anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+            ids,
+            {"type": "array", "items": ids, "minItems": 1},
+        ]}
+        schema["required"] = sorted({*schema.get("required", []), "prompt"})
+    if model_names and "model" in properties:
+        properties["model"] = {"anyOf": [{"enum": model_names}, {"type": "null"}], "default": None}
+
+
+def openapi_document(version: str, model_names: list[str] | None = None) -> dict[str, Any]:
+    """``model_names``: the names requests may use (the schema's enum for ``model``)."""
     types = [t for op in _OPERATIONS for t in op[3:5] if t is not None] + [ErrorResponse]
     (_, *_), components = msgspec.json.schema_components(types, ref_template=REF_TEMPLATE)
+    for request_type in (CompletionRequest, ChatCompletionRequest):
+        _describe_request(components[request_type.__name__], request_type.implemented, model_names or [])
     error_ref = {"$ref": REF_TEMPLATE.format(name="ErrorResponse")}
     paths: dict[str, Any] = {}
     for method, path, summary, request_type, response_type, streams in _OPERATIONS:

@@ -192,7 +192,8 @@ def build_app(
 
     async def openapi_json(request: Request) -> Response:
         if not openapi:
-            openapi.append(msgspec.json.encode(openapi_document(ringllm_version())))
+            names = [served_model_name, *model_aliases]
+            openapi.append(msgspec.json.encode(openapi_document(ringllm_version(), names)))
         return Response(openapi[0], media_type="application/json")
 
     async def version(request: Request) -> Response:
