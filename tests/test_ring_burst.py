@@ -5,6 +5,9 @@ reads. Back-pressure must neither deadlock nor drop: count in = count out."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 
 import pytest
@@ -24,11 +27,29 @@ def test_a_burst_through_full_rings_loses_nothing(tiny_llama_dir: str, monkeypat
     monkeypatch.setattr("core.transport.POOL_TO_CLIENT_BYTES", 1 << 16)
     client = SyncMPClient(EngineConfig(model=tiny_llama_dir, transport="shm", max_model_len=256, max_num_seqs=128))
     try:
-        for i in range(BURST):
-            params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True, logprobs=20, prompt_logprobs=20)
-            client.add_request(EngineCoreRequest(
-                request_id=f"r{i}", prompt_token_ids=[(i * 7 + j) % 200 + 1 for j in range(48)], sampling_params=params,
-            ))
+        def burst() -> None:
+            for i in range(BURST):
+                params = SamplingParams(
+                    max_tokens=TOKENS, temperature=0.0, ignore_eos=True, logprobs=20, prompt_logprobs=20
+                )
+                client.add_request(EngineCoreRequest(
+                    request_id=f"r{i}", prompt_token_ids=[(i * 7 + j) % 200 + 1 for j in range(200)],
+                    sampling_params=params,
+                ))
+
+        # The engine stopped (SIGSTOP) reads nothing: the request ring surely fills, and
+        # the sender waits, until the engine goes on.
+        os.kill(client.proc.pid, signal.SIGSTOP)
+        try:
+            sender = threading.Thread(target=burst)
+            sender.start()
+            deadline = time.monotonic() + 30
+            while client.transport.stats().ring_full_waits == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        finally:
+            os.kill(client.proc.pid, signal.SIGCONT)
+        sender.join(timeout=60)
+        assert not sender.is_alive()
         tokens: dict[str, int] = {}
         finished: set[str] = set()
         engine_waits = 0
@@ -46,7 +67,7 @@ def test_a_burst_through_full_rings_loses_nothing(tiny_llama_dir: str, monkeypat
                     finished.add(out.request_id)
         assert tokens == {f"r{i}": TOKENS for i in range(BURST)}
         assert client.transport.stats().ring_full_waits > 0  # the request ring was full
-        assert engine_waits > 0  # and the output ring
+        assert engine_waits > 0  # and the output ring (3 MB of logprobs through 64 KiB)
         assert client.call_utility("get_num_unfinished_requests") == 0
     finally:
         client.shutdown()
