@@ -20,7 +20,8 @@ import asyncio
 import logging
 import os
 import signal
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
 from app.errors import ServiceUnavailableError
 from app.limits import Admission
@@ -63,7 +64,7 @@ class Lifecycle:
         self.engine, self.admission = engine, admission
         self._spawn(self._watch_engine())
 
-    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
