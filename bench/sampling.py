@@ -28,10 +28,10 @@ import argparse
 import statistics
 import time
 
+from bench.step_engine import MAX_MODEL_LEN, stories_engine
 from core.protocol import EngineCoreRequest, SamplingParams
 
 HELP = "decode step cost with logprobs and penalties on vs off"
-MAX_MODEL_LEN = 512
 
 CASES = {
     "off": {},
@@ -85,18 +85,9 @@ def _run_case(
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from core.config import EngineConfig
-    from core.engine_core import EngineCore
-    from core.models.default_model import default_model_dir
     from shm.serial import MsgpackEncoder
 
-    if args.torch_threads is not None:
-        torch.set_num_threads(args.torch_threads)
-    config = EngineConfig(
-        model=default_model_dir(), max_num_seqs=args.requests, max_model_len=MAX_MODEL_LEN, seed=0,
-        enable_prefix_caching=False,
-    )
-    core = EngineCore(config)
+    core = stories_engine(args.requests, args.torch_threads)
     encoder = MsgpackEncoder()
     prompts = _prompts(args.requests, args.prompt_len)
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in CASES}

@@ -27,10 +27,10 @@ import json
 import statistics
 import time
 
+from bench.step_engine import MAX_MODEL_LEN, stories_engine
 from core.protocol import EngineCoreRequest, SamplingParams, StructuredOutputsParams
 
 HELP = "decode step cost with 0/50/100% JSON-schema requests, and TTFT of a fresh vs a cached schema"
-MAX_MODEL_LEN = 512
 # Hundreds of digits before it may end: no request finishes while it is timed.
 LONG_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 600}
 CASES = {"0%": 0.0, "50%": 0.5, "100%": 1.0}
@@ -122,18 +122,9 @@ def _fresh_schema(n: int) -> dict:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from core.config import EngineConfig
-    from core.engine_core import EngineCore
-    from core.models.default_model import default_model_dir
     from shm.serial import MsgpackEncoder
 
-    if args.torch_threads is not None:
-        torch.set_num_threads(args.torch_threads)
-    config = EngineConfig(
-        model=default_model_dir(), max_num_seqs=args.requests, max_model_len=MAX_MODEL_LEN, seed=0,
-        enable_prefix_caching=False,
-    )
-    core = EngineCore(config)
+    core = stories_engine(args.requests, args.torch_threads)
     encoder = MsgpackEncoder()
     prompts = _prompts(args.requests, args.prompt_len)
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in CASES}

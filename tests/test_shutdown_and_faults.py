@@ -15,36 +15,17 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from core.worker.faults import FAULT_ENV
-from tests.support.servers import Server
+from tests.support.servers import Server, mapped_segments, process_gone
 
 pytestmark = pytest.mark.slow
 
 STREAMS = 12
 TOKENS = 96
-
-
-def _mapped_segments(pid: int) -> set[str]:
-    """The ringllm shared-memory files a process has mapped (their names, deleted or not)."""
-    paths = set()
-    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-        parts = line.split(maxsplit=5)
-        if len(parts) == 6 and parts[5].startswith("/dev/shm/ringllm-"):
-            paths.add(parts[5].removesuffix(" (deleted)"))
-    return paths
-
-
-def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return True
-    return state in ("Z", "X")
 
 
 class Watched:
@@ -53,7 +34,7 @@ class Watched:
     def __init__(self, server: Server) -> None:
         self.server = server
         self.engine_pid = server.engine_pid()
-        self.segments = _mapped_segments(self.engine_pid)
+        self.segments = mapped_segments(self.engine_pid)
         assert len(self.segments) >= 4
 
     def wait_exit(self, timeout: float = 60) -> int:
@@ -62,9 +43,9 @@ class Watched:
 
     def assert_nothing_left(self) -> None:
         deadline = time.monotonic() + 10
-        while not _gone(self.engine_pid) and time.monotonic() < deadline:
+        while not process_gone(self.engine_pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _gone(self.engine_pid), "the EngineCore outlived the server"
+        assert process_gone(self.engine_pid), "the EngineCore outlived the server"
         assert not any(os.path.exists(p) for p in self.segments)
 
 

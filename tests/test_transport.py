@@ -16,7 +16,7 @@ import torch
 from core.client import SyncMPClient
 from core.config import EngineConfig
 from core.protocol import EngineCoreRequest, EngineCoreRequestType, SamplingParams
-from tests.support.servers import start_server, stop_server
+from tests.support.servers import mapped_segments, start_server, stop_server, wait_gone
 
 TRANSPORTS = ["shm", "zmq"]
 
@@ -131,46 +131,19 @@ def test_prompt_embeds_travel_out_of_band_and_the_pool_is_handed_back(tiny_llama
 # ------------------------------------------------------------------ crashes
 
 
-def _our_segments(pid: int) -> set[str]:
-    """The ringllm shared-memory files a process has mapped (their names, deleted or not)."""
-    paths = set()
-    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-        parts = line.split(maxsplit=5)
-        if len(parts) == 6 and parts[5].startswith("/dev/shm/ringllm-"):
-            paths.add(parts[5].removesuffix(" (deleted)"))
-    return paths
-
-
-def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return True
-    return state in ("Z", "X")
-
-
-def _wait_gone(pid: int, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if _gone(pid):
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @pytest.mark.parametrize("victims", ["frontend", "both"])
 def test_kill_9_leaves_no_orphan_and_nothing_in_dev_shm(random_model_dir: str, tmp_path, victims: str) -> None:
     server = start_server(["--model", random_model_dir, "--max-model-len", "512"], tmp_path / "server.log")
     try:
         engine = server.engine_pid()
-        segments = _our_segments(engine)
+        segments = mapped_segments(engine)
         assert len(segments) >= 4  # two rings and two tensor pools, mapped
         assert not any(os.path.exists(p) for p in segments)  # names already removed after the handshake
         os.kill(server.proc.pid, signal.SIGKILL)
         if victims == "both":
             os.kill(engine, signal.SIGKILL)
         server.proc.wait(timeout=10)
-        assert _wait_gone(engine, 10), "the EngineCore outlived its frontend"
+        assert wait_gone(engine, 10), "the EngineCore outlived its frontend"
         assert not any(os.path.exists(p) for p in segments)
     finally:
         stop_server(server)

@@ -2,9 +2,39 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from app.launcher import ManagedServer
+
+
+def mapped_segments(pid: int) -> set[str]:
+    """The ringllm shared-memory files a process has mapped (their names, deleted or not)."""
+    paths = set()
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].startswith("/dev/shm/ringllm-"):
+            paths.add(parts[5].removesuffix(" (deleted)"))
+    return paths
+
+
+def process_gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
+def wait_gone(pid: int, seconds: float) -> bool:
+    """Whether ``pid`` exits within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if process_gone(pid):
+            return True
+        time.sleep(0.05)
+    return process_gone(pid)
 
 
 class Server(ManagedServer):
