@@ -6,9 +6,14 @@ matrix-vector product, and the OpenBLAS bundled with numpy streams the
 weights as loaded at about twice the bandwidth torch's MKL reaches on AMD
 processors (whose dispatch falls back to a generic kernel there). For a few
 rows, a BLAS ``gemm`` repacks the whole weight matrix on every call, which
-costs more than the product itself; so each weight also has a copy prepacked
-once in oneDNN's blocked layout (torch's mkldnn linear, as inductor uses it
-on CPUs), which decode batches of two rows or more go through. The copy doubles the weights' memory: ``RINGLLM_CPU_PREPACK=0``
+for a large matrix costs more than the product itself; so a weight may also
+have a copy prepacked once in oneDNN's blocked layout (torch's mkldnn linear,
+as inductor uses it on CPUs), which decode batches of two rows or more then
+go through. Which path wins depends on the shape, the caches and the thread
+pools (oneDNN's fixed cost per call outweighs the repacking of a small
+matrix), so each weight times both on a decode-sized batch when it is
+prepared, in the process that serves, and keeps the packed copy only if it
+was faster. The copy costs the weight's memory again: ``RINGLLM_CPU_PREPACK=0``
 goes without it (numpy for every batch), ``RINGLLM_CPU_BLAS=0`` keeps torch's
 own kernels altogether. Other dtypes and devices keep torch's kernels.
 
@@ -21,6 +26,7 @@ the same bits for the same batch.
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import torch
@@ -32,16 +38,40 @@ CPU_PREPACK = os.environ.get("RINGLLM_CPU_PREPACK", "1") != "0"
 # that many rows. Larger ones (prefill chunks) stay with numpy: in the served engine they
 # ran faster there, though oneDNN won when timed alone.
 PACKED_MAX_ROWS = 64
+# The decode batch both paths are timed on when a weight is prepared, and the timed calls of each.
+TUNE_ROWS = 16
+TUNE_CALLS = 5
 
 
 def _prepack(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's packed copy of ``weight`` [out, in], or None where oneDNN is not available."""
-    if not CPU_PREPACK or weight.numel() == 0 or not torch.backends.mkldnn.is_available():
+    if weight.numel() == 0 or not torch.backends.mkldnn.is_available():
         return None  # (no weight at all: the model sleeps)
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_MAX_ROWS)
     except (RuntimeError, AttributeError):
         return None
+
+
+def _fastest_call(call: object) -> float:
+    """The shortest of TUNE_CALLS timed calls of ``call()``, after one untimed."""
+    call()  # type: ignore[operator]
+    best = float("inf")
+    for _ in range(TUNE_CALLS):
+        start = time.perf_counter()
+        call()  # type: ignore[operator]
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _packed_is_faster(weight_t: np.ndarray, packed: torch.Tensor) -> bool:
+    """Whether a TUNE_ROWS-row product is faster through ``packed`` than through numpy."""
+    x = np.random.default_rng(0).standard_normal((TUNE_ROWS, weight_t.shape[0]), dtype=np.float32)
+    x_t = torch.from_numpy(x)
+    with torch.inference_mode():
+        onednn = _fastest_call(lambda: torch.ops.mkldnn._linear_pointwise(x_t, packed, None, "none", [], ""))
+    blas = _fastest_call(lambda: np.matmul(x, weight_t))
+    return onednn < blas
 
 
 class CpuWeight:
@@ -53,12 +83,16 @@ class CpuWeight:
 
     __slots__ = ("weight_t", "bias", "packed", "bias_tensor")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: str = "auto") -> None:
+        """``pack``: "auto" (keep the packed copy if it is the faster path), "always" or "never"."""
         weight = weight.detach()
         self.weight_t = weight.numpy().T  # [in, out], a transposed view: BLAS reads it as is
         self.bias_tensor = None if bias is None else bias.detach()
         self.bias = None if bias is None else self.bias_tensor.numpy()
-        self.packed = _prepack(weight)
+        packed = None if pack == "never" or not CPU_PREPACK and pack == "auto" else _prepack(weight)
+        if packed is not None and pack == "auto" and not _packed_is_faster(self.weight_t, packed):
+            packed = None
+        self.packed = packed
 
     @staticmethod
     def usable(weight: torch.Tensor) -> bool:

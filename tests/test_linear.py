@@ -9,15 +9,19 @@ import torch.nn.functional as F
 
 from kernels import linear as lin
 
+onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch was built without oneDNN")
 
+
+@pytest.mark.parametrize("pack", ["never", pytest.param("always", marks=onednn)])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("rows", [1, 2, 16, lin.PACKED_MAX_ROWS, lin.PACKED_MAX_ROWS + 1, 200])
-def test_products_equal_torch(rows: int, bias: bool) -> None:
+def test_products_equal_torch(rows: int, bias: bool, pack: str) -> None:
     g = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 80, generator=g)
     b = torch.randn(96, generator=g) if bias else None
     x = torch.randn(rows, 80, generator=g)
-    cpu = lin.CpuWeight(weight, b)
+    cpu = lin.CpuWeight(weight, b, pack)
+    assert (cpu.packed is not None) == (pack == "always")
     want = F.linear(x, weight, b)
     torch.testing.assert_close(lin.linear(x, weight, b, cpu), want, rtol=1e-5, atol=1e-5)
     out = np.full((rows, 96), np.nan, np.float32)
@@ -25,9 +29,13 @@ def test_products_equal_torch(rows: int, bias: bool) -> None:
     torch.testing.assert_close(torch.from_numpy(out), want, rtol=1e-5, atol=1e-5)
 
 
-def test_packed_copy_where_onednn_is_available() -> None:
-    cpu = lin.CpuWeight(torch.randn(8, 8), None)
-    if lin.CPU_PREPACK and torch.backends.mkldnn.is_available():
-        assert cpu.packed is not None and cpu.packed.is_mkldnn
-    else:
-        assert cpu.packed is None
+def test_auto_keeps_a_packed_copy_only_of_onednn_and_gives_the_same_products() -> None:
+    weight, x = torch.randn(64, 48), torch.randn(8, 48)
+    cpu = lin.CpuWeight(weight, None)  # "auto": timed here, either path may win
+    assert cpu.packed is None or cpu.packed.is_mkldnn
+    torch.testing.assert_close(torch.from_numpy(cpu.matmul(x.numpy())), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_no_copy_of_a_dropped_weight() -> None:
+    """A sleeping model's weights have no storage: nothing to pack or time."""
+    assert lin.CpuWeight(torch.empty(0, 0), None, "always").packed is None
