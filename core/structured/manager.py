@@ -59,6 +59,7 @@ class StructuredOutputManager:
         key = (params.kind(), params.spec(), not params.disable_any_whitespace)
         with self._cache_lock:
             future = self._cache.get(key)
+            submitted = future is None
             if future is None:
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(
@@ -66,11 +67,14 @@ class StructuredOutputManager:
                     )
                 future = self._pool.submit(self._compile, key)
                 self._cache[key] = future
-                future.add_done_callback(lambda done, key=key: self._compile_done(key, done))
                 while len(self._cache) > CACHE_SIZE:
                     self._cache.popitem(last=False)
             else:
                 self._cache.move_to_end(key)
+        if submitted:
+            # Outside the lock: a compile that already finished runs the callback right here,
+            # and the callback takes the lock.
+            future.add_done_callback(lambda done, key=key: self._compile_done(key, done))
         return StructuredOutputRequest(key, future, self._get_backend)
 
     def _get_backend(self) -> Any:
