@@ -17,6 +17,7 @@ first, then the arguments), which the official client reassembles.
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 import uuid
@@ -127,14 +128,15 @@ def _whole_call_delta(index: int, call: ToolCall) -> DeltaToolCall:
     )
 
 
-class ToolCallStream:
+class ToolCallStream(abc.ABC):
     """Per choice: text deltas in, (content delta, tool-call fragments) out."""
 
     def __init__(self) -> None:
         self.num_calls = 0
 
+    @abc.abstractmethod
     def feed(self, text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
-        raise NotImplementedError
+        """The content and tool-call fragments that ``text`` (the next delta) completes."""
 
 
 class NamedCallStream(ToolCallStream):
