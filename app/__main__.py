@@ -28,6 +28,7 @@ from core.heap import freeze_startup_heap
 
 if TYPE_CHECKING:
     from core.client import AsyncMPClient
+    from core.dp_client import DPAsyncMPClient
 
 logger = logging.getLogger("ringllm")
 
@@ -49,7 +50,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 async def serve(
     config: EngineConfig,
-    engine_core: AsyncMPClient,
+    engine_core: AsyncMPClient | DPAsyncMPClient,
     chat_template: str | None,
     sock: socket.socket,
     args: argparse.Namespace,
@@ -162,11 +163,17 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, ValueError) as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
 
-    from core.client import AsyncMPClient
-
-    # Start the engine process now: it boots (torch, the model) while this one
+    # Start the engine processes now: they boot (torch, the model) while this one
     # imports and builds everything else.
-    engine_core = AsyncMPClient(config, wait=False)
+    engine_core: AsyncMPClient | DPAsyncMPClient
+    if config.data_parallel_size > 1 or args.restart_dead_engines:
+        from core.dp_client import DPAsyncMPClient
+
+        engine_core = DPAsyncMPClient(config, wait=False, restart_dead_engines=args.restart_dead_engines)
+    else:
+        from core.client import AsyncMPClient
+
+        engine_core = AsyncMPClient(config, wait=False)
     import uvloop
 
     try:

@@ -26,8 +26,11 @@ from app.output_processor import OutputProcessor, RequestOutput, RequestOutputCo
 from app.stats_logger import LOG_STATS_INTERVAL_S, RequestLogger, StatsLogger
 from app.tokenizer import load_tokenizer
 from core.client import AsyncEngineCoreClient, AsyncInprocClient, AsyncMPClient
+from core.dp_client import DPAsyncMPClient
 from core.config import EngineConfig
-from core.protocol import EngineCoreRequest, EngineDeadError, MemoryUsage, SchedulerStats, SleepResult
+from core.protocol import (
+    EngineCoreRequest, EngineDeadError, EngineLostError, MemoryUsage, SchedulerStats, SleepResult,
+)
 
 logger = logging.getLogger("ringllm.frontend")
 
@@ -42,7 +45,7 @@ class AsyncLLM:
         chat_template: str | None = None,
         *,
         in_process: bool = False,
-        engine_core: AsyncMPClient | None = None,
+        engine_core: AsyncMPClient | DPAsyncMPClient | None = None,
         log_requests: bool = False,
         max_log_len: int = 0,
         stats_interval: float = LOG_STATS_INTERVAL_S,
@@ -65,6 +68,7 @@ class AsyncLLM:
                 self.engine_core = (AsyncInprocClient if in_process else AsyncMPClient)(config)
             self.tokenizer = tokenizer.result()
         self.max_model_len = self.engine_core.max_model_len
+        self.data_parallel_size = config.data_parallel_size
         self.served_model_name = config.served_model_name
         self.chat_template = chat_template
         self.input_processor = InputProcessor.from_config(config, self.tokenizer)
@@ -94,6 +98,15 @@ class AsyncLLM:
     def is_dead(self) -> bool:
         return self.engine_core.engine_dead is not None
 
+    def engines_alive(self) -> list[bool]:
+        """Per engine index (data parallel): is it serving."""
+        return self.engine_core.engines_alive()
+
+    def start(self) -> None:
+        """On the serving loop: read the engine's outputs from now on (not only once a
+        request came), so that an engine's death is seen, and handled, while idle."""
+        self._ensure_output_handler()
+
     def _ensure_output_handler(self) -> None:
         if self._output_handler is None:
             loop = asyncio.get_running_loop()
@@ -105,7 +118,13 @@ class AsyncLLM:
         metrics = self.metrics if self.config.log_stats else None
         try:
             while True:
-                outputs = await self.engine_core.get_output_async()
+                try:
+                    outputs = await self.engine_core.get_output_async()
+                except EngineLostError as lost:  # one data-parallel engine died: only its requests fail
+                    self.output_processor.fail_requests(lost.request_ids, lost)
+                    for request_id in lost.request_ids:
+                        self.metrics.finish_request(request_id, "error", lost.engine_index)
+                    continue
                 reqs_to_abort = self.output_processor.process_outputs(outputs.outputs, outputs.logprobs)
                 if metrics is not None:
                     metrics.record(outputs, reqs_to_abort)
@@ -171,6 +190,10 @@ class AsyncLLM:
 
     async def get_scheduler_stats(self) -> SchedulerStats:
         return await self.engine_core.get_scheduler_stats_async()
+
+    async def scheduler_stats_by_engine(self) -> list[SchedulerStats | None]:
+        """Data parallel: each engine's snapshot, None for one that is down."""
+        return await self.engine_core.scheduler_stats_by_engine_async()
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Empty the engine's prefix cache; False when refused (requests are

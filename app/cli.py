@@ -46,6 +46,7 @@ _ENGINE_FIELDS = (
     "enable_prefix_caching", "num_gpu_blocks_override", "kv_cache_memory",
     "gpu_memory_utilization", "enforce_eager", "transport", "scheduling_policy", "enable_prompt_embeds",
     "async_scheduling", "enable_sleep_mode", "logprobs_mode", "structured_outputs_backend", "engine_cpu",
+    "data_parallel_size", "engine_threads",
 )
 
 
@@ -270,7 +271,29 @@ def make_parser() -> argparse.ArgumentParser:
         "to each other every step, cheaply on one core): auto (default, the last core allowed), off "
         "(the kernel places them), or a core number; the math libraries' thread pools keep every core",
     )
+
+    parallel = p.add_argument_group("scale-out", "several EngineCore processes and API server processes")
+    parallel.add_argument(
+        "--data-parallel-size", "-dp", type=_positive_int, metavar="N",
+        help="EngineCore processes on this host, each with its own KV cache (the memory budget split "
+        "between them); requests go to the least loaded one (default 1)",
+    )
+    parallel.add_argument(
+        "--engine-threads", type=_positive_int, metavar="N",
+        help="math-library threads per EngineCore (default: the cores split between the engines)",
+    )
+    parallel.add_argument(
+        "--restart-dead-engines", action="store_true",
+        help="with -dp, start a dead engine again (its requests fail; the others serve meanwhile)",
+    )
     return p
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
 
 
 def _non_negative_int(value: str) -> int:

@@ -181,6 +181,7 @@ class InputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
         prompt_embeds: torch.Tensor | None = None,
+        data_parallel_rank: int | None = None,
     ) -> EngineCoreRequest:
         """Validate and build the request the engine runs; ValueError if it cannot.
 
@@ -200,6 +201,7 @@ class InputProcessor:
             priority=priority,
             cache_salt=cache_salt,
             prompt_embeds=prompt_embeds,
+            data_parallel_rank=data_parallel_rank,
         )
         validate_request(request, self.limits)
         return request

@@ -29,6 +29,7 @@ from app.limits import Admission
 if TYPE_CHECKING:
     from app.async_llm import AsyncLLM
     from core.client import AsyncMPClient
+    from core.dp_client import DPAsyncMPClient
 
 logger = logging.getLogger("ringllm")
 
@@ -43,7 +44,9 @@ EXIT_SECOND_SIGINT = 130
 class Lifecycle:
     """Owns the HTTP server's shutdown trigger and the process's exit code."""
 
-    def __init__(self, engine_core: AsyncMPClient, shutdown_timeout: float, keep_alive_on_engine_death: bool) -> None:
+    def __init__(
+        self, engine_core: AsyncMPClient | DPAsyncMPClient, shutdown_timeout: float, keep_alive_on_engine_death: bool
+    ) -> None:
         self.engine_core = engine_core
         self.shutdown_timeout = shutdown_timeout
         self.keep_alive_on_engine_death = keep_alive_on_engine_death
@@ -62,6 +65,7 @@ class Lifecycle:
     def serving(self, engine: AsyncLLM, admission: Admission) -> None:
         """The server is up: signals now drain it, and the engine is watched."""
         self.engine, self.admission = engine, admission
+        engine.start()
         self._spawn(self._watch_engine())
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -82,11 +86,7 @@ class Lifecycle:
     def exit_now(self) -> None:
         """Second SIGINT: no drain, no teardown; nothing left in /dev/shm or /tmp."""
         logger.warning("second SIGINT: exiting now")
-        proc = self.engine_core.proc
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=2)
-        self.engine_core.transport.close()
+        self.engine_core.kill_now()
         logging.shutdown()
         os._exit(EXIT_SECOND_SIGINT)
 
@@ -108,8 +108,7 @@ class Lifecycle:
 
     async def _watch_engine(self) -> None:
         assert self.engine is not None and self.admission is not None
-        proc = self.engine_core.proc
-        while not self.engine.is_dead and proc.is_alive():
+        while not self.engine.is_dead and not self.engine_core.is_gone():
             await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
         if self.stop.is_set():
             return  # our own shutdown stopped it

@@ -199,3 +199,31 @@ async def send_error(send: Send, exc: OpenAIError, close: bool = False) -> None:
         headers.append((name.lower().encode(), value.encode()))
     await send({"type": "http.response.start", "status": int(exc.status), "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def close_connections_on_client_eof() -> None:
+    """Make hypercorn close a connection as soon as its client has closed it.
+
+    hypercorn 0.18's ``TCPServer`` ends its read loop on the client's EOF, but a
+    connection that was idle still has its keep-alive timer running in the
+    connection's task group, and the socket is closed only once that group is
+    done: each connection a client closed while idle stays in CLOSE_WAIT, holding
+    an fd, until ``keep_alive_timeout`` runs out. Stopping the timer when the
+    read loop ends lets the connection close at once; one with a response still
+    in progress closes when that ends, as before. Call once before serving;
+    calling again does nothing.
+    """
+    from hypercorn.asyncio.tcp_server import TCPServer
+
+    read_data = TCPServer._read_data
+    if getattr(read_data, "stops_idle_timer", False):
+        return
+
+    async def _read_data(self: TCPServer) -> None:
+        try:
+            await read_data(self)
+        finally:
+            await self.idle_task.stop()
+
+    _read_data.stops_idle_timer = True  # type: ignore[attr-defined]
+    TCPServer._read_data = _read_data  # type: ignore[method-assign]

@@ -275,3 +275,10 @@ class OutputProcessor:
         for state in self.requests.values():
             state.collector.put(exc)
         self.requests.clear()
+
+    def fail_requests(self, request_ids: Iterable[str], exc: BaseException) -> None:
+        """Fail these requests with ``exc`` (one data-parallel engine died)."""
+        for request_id in request_ids:
+            state = self.requests.pop(request_id, None)
+            if state is not None:
+                state.collector.put(exc)

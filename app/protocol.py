@@ -178,6 +178,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     safety_identifier: str | None = None  # OpenAI's newer name for ``user``
     prompt_cache_key: str | None = None  # OpenAI's cache-routing hint: prefix caching here needs none
     request_id: str | None = None  # vLLM's: the response's id is built from it
+    data_parallel_rank: int | None = None  # vLLM's: run on this engine of the -dp group
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -212,7 +213,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
             "skip_special_tokens", "priority", "cache_salt", "user", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs",
             "truncate_prompt_tokens", "return_tokens_as_token_ids", "safety_identifier", "prompt_cache_key",
-            "request_id", "response_format", "structured_outputs",
+            "request_id", "response_format", "structured_outputs", "data_parallel_rank",
         }
     )
     refused: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = REFUSED_COMMON

@@ -153,11 +153,16 @@ def build_app(
         return endpoint
 
     async def health(request: Request) -> Response:
-        if engine.is_dead:
+        alive = engine.engines_alive()
+        if engine.is_dead or not any(alive):
             return json_response(error_body("The engine is dead.", "ServiceUnavailableError", 503), 503)
         if admission.draining:  # load balancers: send new work elsewhere
             return json_response(error_body("The server is shutting down.", "ServiceUnavailableError", 503), 503)
-        return Response(status_code=200)
+        if len(alive) == 1:
+            return Response(status_code=200)
+        # Data parallel: serving while at least one engine is; say which are down.
+        engines = [{"index": j, "status": "serving" if up else "down"} for j, up in enumerate(alive)]
+        return json_response({"status": "ok" if all(alive) else "degraded", "engines": engines})
 
     def admit_for(request: Request) -> Callable[[int], None]:
         ticket = ticket_of(request.scope)
@@ -204,8 +209,22 @@ def build_app(
         return Response(body, headers={"Content-Type": content_type})
 
     async def engine_stats(request: Request) -> Response:
-        stats = await engine.get_scheduler_stats()
-        return json_response(msgspec.structs.asdict(stats))
+        """The scheduler's snapshot; with data parallel, the engines' combined and each one's."""
+        if engine.data_parallel_size == 1:
+            return json_response(msgspec.structs.asdict(await engine.get_scheduler_stats()))
+        per_engine = await engine.scheduler_stats_by_engine()
+        serving = [s for s in per_engine if s is not None]
+        if not serving:
+            raise ServiceUnavailableError("No engine is serving.")
+        body = msgspec.structs.asdict(serving[0])
+        for name in body:
+            body[name] = sum(getattr(s, name) for s in serving)
+        body["kv_cache_usage"] = sum(s.kv_cache_usage for s in serving) / len(serving)
+        body["engines"] = [
+            {"index": j, "status": "down"} if s is None else {"index": j, "status": "serving", **msgspec.structs.asdict(s)}
+            for j, s in enumerate(per_engine)
+        ]
+        return json_response(body)
 
     async def reset_prefix_cache(request: Request) -> Response:
         flag = request.query_params.get("reset_running_requests", "false").lower()

@@ -28,7 +28,9 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from app.choices import Choice, collect_all, merged
-from app.errors import BadRequestError, InternalServerError, NotFoundError, OpenAIError, StreamTimeoutError
+from app.errors import (
+    BadRequestError, InternalServerError, NotFoundError, OpenAIError, ServiceUnavailableError, StreamTimeoutError,
+)
 from app.input_processor import InputProcessor
 from app.logprobs import Logprobs, TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs
 from app.output_processor import RequestOutput
@@ -60,6 +62,7 @@ from app.protocol import (
 from core.protocol import (
     EngineCoreRequest,
     EngineDeadError,
+    EngineUnavailableError,
     SamplingParams,
     SchedulerStats,
     StructuredOutputsParams,
@@ -81,13 +84,18 @@ class EngineClient(Protocol):
 
     input_processor: InputProcessor
     chat_template: str | None
+    data_parallel_size: int
 
     @property
     def is_dead(self) -> bool: ...
 
+    def engines_alive(self) -> list[bool]: ...
+
     def generate(self, request: EngineCoreRequest) -> AsyncGenerator[RequestOutput, None]: ...
 
     async def get_scheduler_stats(self) -> SchedulerStats: ...
+
+    async def scheduler_stats_by_engine(self) -> list[SchedulerStats | None]: ...
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool: ...
 
@@ -104,6 +112,8 @@ def as_openai_error(exc: BaseException) -> OpenAIError:
     """The error to show the client for a failure during generation."""
     if isinstance(exc, OpenAIError):
         return exc
+    if isinstance(exc, EngineUnavailableError):
+        return ServiceUnavailableError(f"No engine can take this request now: {exc}")
     if isinstance(exc, EngineDeadError):
         return InternalServerError(f"The engine is dead: {exc}")
     logger.error("request failed", exc_info=exc)
@@ -254,9 +264,15 @@ class OpenAIServing:
         params: SamplingParams,
         prompt_embeds: torch.Tensor | None = None,
     ) -> EngineCoreRequest:
+        rank, engines = req.data_parallel_rank, self.engine.data_parallel_size
+        if rank is not None and not 0 <= rank < engines:
+            raise BadRequestError(
+                f"data_parallel_rank must be in [0, {engines - 1}] (the server runs {engines} engines), got {rank}.",
+                "data_parallel_rank",
+            )
         try:
             return self.input_processor.process(
-                request_id, prompt_ids, params, req.priority, req.cache_salt, prompt_embeds
+                request_id, prompt_ids, params, req.priority, req.cache_salt, prompt_embeds, rank
             )
         except ValueError as exc:
             raise BadRequestError(str(exc), getattr(exc, "param", None)) from None

@@ -7,6 +7,13 @@ request that did not end with finish_reason "length" and the exact token count i
 asked for (ignore_eos). Starts our server (``--model``, ``--server-arg``) unless
 ``--base-url`` points at a running one (then only its frontend is sampled, if local:
 ``--pid``). Writes RESULT.json and RESULT.png (requests/s, errors, RSS, fds over time).
+
+The client keeps an idle connection for reuse only half as long as the server's
+keep-alive timeout (``--keepalive-expiry``): at equal times (httpx's 5 s and the
+server's 5 s) a request sent on a connection at the instant the server closes it
+as idle fails with a ReadError, a race of the client's making. Nothing is retried:
+every failure counts, and the JSON's ``error_kinds`` tells a failure before the
+response began from one during the stream.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import asyncio
 import json
 import random
 import time
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -23,6 +31,7 @@ from typing import Any
 HELP = "streamed requests for --duration seconds at --concurrency, with disconnects: rate, errors, RSS and fds"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SETTLE_S = 6.0  # default idle time after the load (past the keep-alive timeout) before the last sample
+KEEPALIVE_SHARE = 0.5  # the client's idle-connection expiry, as a share of the server's keep-alive timeout
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +49,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--settle", type=float, default=SETTLE_S,
         help=f"idle seconds after the load before the last sample (default {SETTLE_S:g})",
     )
+    parser.add_argument(
+        "--keepalive-expiry", type=float, metavar="SECONDS",
+        help="how long the client keeps an idle connection for reuse (default: half the server's "
+        "--keep-alive-timeout, from --server-arg or the server's default; must be shorter than it)",
+    )
     parser.add_argument("--output", type=Path, help="result prefix (default bench/results/soak-TIMESTAMP)")
+
+
+def server_keep_alive_timeout(server_args: list[str]) -> float:
+    """The ``--keep-alive-timeout`` among the server's flags, else the server's default."""
+    from app.cli import DEFAULT_KEEP_ALIVE_TIMEOUT_S
+
+    timeout = DEFAULT_KEEP_ALIVE_TIMEOUT_S
+    for i, arg in enumerate(server_args):
+        if arg == "--keep-alive-timeout" and i + 1 < len(server_args):
+            timeout = float(server_args[i + 1])
+        elif arg.startswith("--keep-alive-timeout="):
+            timeout = float(arg.split("=", 1)[1])
+    return timeout
+
+
+def client_keepalive_expiry(args: argparse.Namespace) -> float:
+    """The client's idle-connection expiry: given, or a share of the server's keep-alive timeout."""
+    if args.keepalive_expiry is not None:
+        return args.keepalive_expiry
+    return KEEPALIVE_SHARE * server_keep_alive_timeout(args.server_arg)
 
 
 def _proc_rss_fds(pid: int) -> tuple[int, int]:
@@ -61,6 +95,17 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+def _causes(exc: BaseException) -> str:
+    """The exception's message and what it was raised from ("ReadError" alone says little)."""
+    parts, seen = [], set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen and len(parts) < 5:
+        seen.add(id(cause))
+        parts.append(f"{type(cause).__name__}({cause})" if cause is not exc else str(exc))
+        cause = cause.__cause__ or cause.__context__
+    return " <- ".join(parts)
+
+
 class Soak:
     def __init__(self, args: argparse.Namespace, base_url: str, pid: int | None) -> None:
         self.args = args
@@ -69,6 +114,8 @@ class Soak:
         self.rng = random.Random(args.seed)
         self.completed = self.disconnected = self.errors = 0
         self.error_samples: list[str] = []
+        self.error_kinds: Counter[str] = Counter()  # "ReadError before the response": 3
+        self.client_lag = 0.0  # the longest the client's event loop was late, seconds
         self.samples: list[dict[str, float]] = []
 
     async def one(self, client: Any) -> None:
@@ -81,8 +128,10 @@ class Soak:
         }
         finish = tokens = None
         events = 0
+        stage = "before the response"
         try:
             async with client.stream("POST", "/v1/completions", json=body) as response:
+                stage = "during the response"
                 if response.status_code != 200:
                     raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
                 if hang_up == 0:
@@ -107,8 +156,9 @@ class Soak:
             self.completed += 1
         except Exception as exc:  # noqa: BLE001 - counted and reported
             self.errors += 1
+            self.error_kinds[f"{type(exc).__name__} {stage}"] += 1
             if len(self.error_samples) < 10:
-                self.error_samples.append(f"{type(exc).__name__}: {exc}")
+                self.error_samples.append(f"{type(exc).__name__} {stage}: {_causes(exc)}")
 
     def sample(self, started: float) -> None:
         point: dict[str, float] = {
@@ -126,7 +176,10 @@ class Soak:
         import httpx
 
         args = self.args
-        limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+        limits = httpx.Limits(
+            max_connections=args.concurrency, max_keepalive_connections=args.concurrency,
+            keepalive_expiry=client_keepalive_expiry(args),
+        )
         async with httpx.AsyncClient(base_url=self.base_url, timeout=300, limits=limits) as client:
             started = time.monotonic()
             deadline = started + args.duration
@@ -138,7 +191,11 @@ class Soak:
             async def sampler() -> None:
                 while True:
                     self.sample(started)
+                    asleep = time.monotonic()
                     await asyncio.sleep(1.0)
+                    # How late this client's own event loop woke: a busy client is slow to
+                    # see a response end, and so to start a connection's idle clock.
+                    self.client_lag = max(self.client_lag, time.monotonic() - asleep - 1.0)
 
             sampling = asyncio.create_task(sampler())
             await asyncio.gather(*(worker() for _ in range(args.concurrency)))
@@ -211,7 +268,9 @@ def run(args: argparse.Namespace) -> int:
     elapsed = samples[-1]["t"] if samples else args.duration
     result = {
         "duration_s": elapsed, "concurrency": args.concurrency, "completed": soak.completed,
-        "disconnected": soak.disconnected, "errors": soak.errors, "error_samples": soak.error_samples,
+        "disconnected": soak.disconnected, "errors": soak.errors, "error_kinds": dict(soak.error_kinds),
+        "error_samples": soak.error_samples, "client_keepalive_expiry_s": client_keepalive_expiry(args),
+        "client_max_loop_lag_s": soak.client_lag,
         "requests_per_s": (soak.completed + soak.disconnected) / max(elapsed - args.settle, 1e-9),
         "engine_stats_after": soak.stats, "samples": samples,
     }
@@ -225,6 +284,8 @@ def run(args: argparse.Namespace) -> int:
               f"({args.settle:g} s after the load), "
               f"fds {first['frontend_fds']:.0f} -> {last['frontend_fds']:.0f}; EngineCore RSS "
               f"{first['engine_rss'] / 2**20:.0f} -> {last['engine_rss'] / 2**20:.0f} MiB")
+    print(f"client: idle connections kept {client_keepalive_expiry(args):g} s, event loop up to "
+          f"{soak.client_lag * 1000:.0f} ms late")
     for sample in soak.error_samples:
         print("  error:", sample)
     print(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.png')}")

@@ -23,24 +23,25 @@ import torch
 _all_cpus: frozenset[int] | None = None  # what the process could use before any pinning
 
 
-def engine_cpu(setting: str) -> int | None:
-    """The core for the engine's Python threads under ``setting`` (auto | off | a core number)."""
+def engine_cpu(setting: str, engine_index: int = 0) -> int | None:
+    """The core for the engine's Python threads under ``setting`` (auto | off | a core
+    number). With "auto", data-parallel engines take distinct cores from the last one down."""
     allowed = sorted(os.sched_getaffinity(0))
     if setting == "off" or len(allowed) < 2:
         return None
     if setting == "auto":
-        return allowed[-1]
+        return allowed[-1 - engine_index % len(allowed)]
     cpu = int(setting)
     if cpu not in allowed:
         raise ValueError(f"--engine-cpu {cpu}: this process may only use cores {allowed}")
     return cpu
 
 
-def pin_engine_threads(setting: str) -> int | None:
+def pin_engine_threads(setting: str, engine_index: int = 0) -> int | None:
     """Pin the calling thread (the busy loop's) to the engine's core; threads it
     starts afterwards inherit the placement. Call it after the model ran once."""
     global _all_cpus
-    cpu = engine_cpu(setting)
+    cpu = engine_cpu(setting, engine_index)
     if cpu is None:
         return None
     _all_cpus = frozenset(os.sched_getaffinity(0))

@@ -112,6 +112,8 @@ class AsyncEngineCoreClient(Protocol):
 
     async def get_scheduler_stats_async(self) -> SchedulerStats: ...
 
+    async def scheduler_stats_by_engine_async(self) -> list[SchedulerStats | None]: ...
+
     async def reset_prefix_cache_async(self, reset_running_requests: bool = False) -> bool: ...
 
     async def pause_scheduler_async(self, mode: str = "abort", clear_cache: bool = False) -> bool: ...
@@ -132,6 +134,9 @@ class AsyncEngineCoreClient(Protocol):
 
     def transport_stats(self) -> TransportStats | None:
         """This side's transport counters; None when the engine is in this process."""
+
+    def engines_alive(self) -> list[bool]:
+        """Per engine index: is it serving."""
 
     def shutdown(self) -> None: ...
 
@@ -180,6 +185,10 @@ class _AsyncUtilities:
 
     async def get_scheduler_stats_async(self) -> SchedulerStats:
         return await self.call_utility_async("get_scheduler_stats")
+
+    async def scheduler_stats_by_engine_async(self) -> list[SchedulerStats | None]:
+        """One snapshot per engine index (None for an engine that is down)."""
+        return [await self.get_scheduler_stats_async()]
 
     async def reset_prefix_cache_async(self, reset_running_requests: bool = False) -> bool:
         return await self.call_utility_async("reset_prefix_cache", reset_running_requests)
@@ -374,6 +383,9 @@ class AsyncInprocClient(_AsyncUtilities):
     def transport_stats(self) -> TransportStats | None:
         return None
 
+    def engines_alive(self) -> list[bool]:
+        return [self.engine_dead is None]
+
     def shutdown(self) -> None:
         if self._stepper is not None:
             self._stepper.cancel()
@@ -393,7 +405,8 @@ class MPClient:
 
     ready: HandshakeReady | None = None  # what the engine reported: KV cache size, dtype, device
 
-    def __init__(self, config: EngineConfig, *, wait: bool = True) -> None:
+    def __init__(self, config: EngineConfig, *, wait: bool = True, load_table: str | None = None) -> None:
+        """``load_table``: the data-parallel load table the engine publishes its row in."""
         self.config = config.resolve()
         self.transport, spec = ClientTransport.create(self.config.transport)
         # Large request tensors go out of band through the transport's pool,
@@ -405,8 +418,8 @@ class MPClient:
         ctx = multiprocessing.get_context("spawn")
         self.proc = ctx.Process(
             target=run_engine_process,
-            args=(self.config, spec, os.getpid()),
-            name="EngineCore",
+            args=(self.config, spec, os.getpid(), load_table),
+            name=f"EngineCore_DP{self.config.data_parallel_rank}" if self.config.data_parallel_size > 1 else "EngineCore",
             daemon=True,
         )
         try:
@@ -545,6 +558,24 @@ class MPClient:
     def _join_reader(self) -> None:
         """Wait for whatever reads the transport to stop (it sees the engine exit)."""
 
+    def engine_processes(self) -> list[multiprocessing.process.BaseProcess]:
+        return [self.proc]
+
+    def engines_alive(self) -> list[bool]:
+        """Per engine index: is it serving (here, the one engine)."""
+        return [not self.is_gone()]
+
+    def is_gone(self) -> bool:
+        """No engine will serve again."""
+        return self.engine_dead is not None or not self.proc.is_alive()
+
+    def kill_now(self) -> None:
+        """No drain, no goodbye (a second SIGINT): kill the engine, free the transport."""
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=2)
+        self.transport.close()
+
     def transport_stats(self) -> TransportStats | None:
         return self.transport.stats()
 
@@ -605,8 +636,8 @@ class SyncMPClient(MPClient, _Utilities):
 class AsyncMPClient(MPClient, _AsyncUtilities):
     """asyncio client: outputs are read on the loop, without a thread."""
 
-    def __init__(self, config: EngineConfig, *, wait: bool = True) -> None:
-        super().__init__(config, wait=wait)
+    def __init__(self, config: EngineConfig, *, wait: bool = True, load_table: str | None = None) -> None:
+        super().__init__(config, wait=wait, load_table=load_table)
         self.outputs_queue: asyncio.Queue[EngineCoreOutputs | Exception] | None = None
         self._reader_task: asyncio.Task | None = None
         self._send_lock: asyncio.Lock | None = None

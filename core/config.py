@@ -57,6 +57,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     structured_outputs_backend: str = "auto"
     # The core of the engine process's Python threads (core/affinity.py): auto | off | a core number.
     engine_cpu: str = "auto"
+    # Data parallel: this many EngineCore processes share the host's cores and
+    # memory budget (the KV cache budget is split between them); this engine's
+    # index among them. engine_threads: the math libraries' threads per engine
+    # (default: the cores split between the engines).
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    engine_threads: int | None = None
     hf_config: dict[str, Any] | None = None  # the checkpoint's config.json, set by resolve()
 
     @property
@@ -90,6 +97,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 f"structured_outputs_backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
                 f"got {self.structured_outputs_backend!r}"
             )
+        if self.data_parallel_size < 1 or not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank {self.data_parallel_rank} is not in 0..{self.data_parallel_size - 1}"
+            )
+        if self.engine_threads is not None and self.engine_threads < 1:
+            raise ValueError(f"engine_threads must be >= 1, got {self.engine_threads}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         return msgspec.structs.replace(

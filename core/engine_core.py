@@ -59,7 +59,8 @@ from core.sched.output import ModelRunnerOutput, SchedulerOutput
 from core.request import Request, RequestStatus
 from core.sched.scheduler import Scheduler
 from core.structured.manager import StructuredOutputManager
-from core.transport import ChannelClosed, EngineTransport, PeerDeadError
+from core.load import EngineLoadWriter
+from core.transport import ChannelClosed, EngineInbox, EngineTransport, PeerDeadError
 from core.validation import ModelLimits, validate_request
 from core.worker.executor import UniProcExecutor
 from shm.serial import MsgpackDecoder, MsgpackEncoder
@@ -96,8 +97,9 @@ class EngineCore:
         self._idle_waiters: list[tuple[Future, Callable[[], Any]]] = []
         self.side_outputs: list[tuple[int, EngineCoreOutputs]] = []
         logger.info(
-            "EngineCore ready: %d KV blocks of %d tokens, max_model_len %d",
-            self.num_gpu_blocks, self.config.block_size, self.config.max_model_len,
+            "EngineCore %d (pid %d) ready: %d KV blocks of %d tokens, max_model_len %d",
+            self.config.data_parallel_rank, os.getpid(), self.num_gpu_blocks, self.config.block_size,
+            self.config.max_model_len,
         )
 
     # ---------------------------------------------------------------- requests
@@ -338,10 +340,26 @@ class _PeerGone:
 
 
 class EngineCoreProc(EngineCore):
-    """EngineCore in its own process, talking to one client over a transport."""
+    """EngineCore in its own process, talking to its clients over one link each.
 
-    def __init__(self, config: EngineConfig, transport: EngineTransport) -> None:
-        self.transport = transport
+    ``links[i]`` is the transport to the frontend with client index ``i``
+    (one per API server process). With data parallelism the engine also
+    publishes its load (``core.load``) after every step, for the frontends'
+    routing.
+    """
+
+    def __init__(
+        self, config: EngineConfig, links: list[EngineTransport], load_writer: EngineLoadWriter | None = None
+    ) -> None:
+        self.links = links
+        self.transport = links[0]
+        self.inbox = EngineInbox(links)
+        self.engine_index = config.data_parallel_rank
+        self.load_writer = load_writer
+        # ADDs taken from each client (the load table reports them, so that a
+        # client can tell which of its requests the figures already count).
+        self.num_received = [0] * len(links)
+        self.num_rejected = [0] * len(links)  # input thread's count, apart to avoid a shared +=
         self.input_queue: queue.Queue[tuple[Any, Any]] = queue.Queue()
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self.shutdown_state = EngineShutdownState.RUNNING
@@ -364,8 +382,10 @@ class EngineCoreProc(EngineCore):
             dtype=str(self.model_executor.runner.dtype).removeprefix("torch."),
             device=str(self.model_executor.runner.device),
         )
-        transport.send([b"READY", msgspec.msgpack.encode(ready)])
-        cpu = pin_engine_threads(config.engine_cpu)  # the I/O threads started below inherit it
+        self.publish_load()  # before READY: a router never reads a previous engine's row
+        for link in links:
+            link.send([b"READY", msgspec.msgpack.encode(ready)])
+        cpu = pin_engine_threads(config.engine_cpu, self.engine_index)  # the I/O threads started below inherit it
         if cpu is not None:
             logger.info("EngineCore threads on core %d", cpu)
         self._input_thread = threading.Thread(target=self._process_input_socket, name="EngineCoreInput", daemon=True)
@@ -378,29 +398,34 @@ class EngineCoreProc(EngineCore):
     def _process_input_socket(self) -> None:
         """Input thread: read, decode and preprocess, off the busy loop's thread."""
         # Typed decoders: no pickle, and a malformed frame raises instead of
-        # reaching the scheduler. Only ADD may carry tensors (aux frames or pool).
-        decoders = {
-            EngineCoreRequestType.ADD: MsgpackDecoder(
-                EngineCoreRequest, pool=self.transport.pool_reader, cuda_ipc=self.transport.cuda_importer
-            ),
-            EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
-            EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityCall),
-        }
+        # reaching the scheduler. Only ADD may carry tensors (aux frames or pool,
+        # the pool being the link's own).
+        decoders = [
+            {
+                EngineCoreRequestType.ADD: MsgpackDecoder(
+                    EngineCoreRequest, pool=link.pool_reader, cuda_ipc=link.cuda_importer
+                ),
+                EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
+                EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityCall),
+            }
+            for link in self.links
+        ]
         while True:
             try:
-                frames = self.transport.recv()
+                client_index, frames = self.inbox.recv()
             except ChannelClosed:
                 return  # our own shutdown
             except PeerDeadError:
                 self.input_queue.put_nowait((_PeerGone, None))
                 return
             try:
-                item = self._decode_request(frames, decoders)
+                item = self._decode_request(frames, decoders[client_index])
             except Exception as exc:  # noqa: BLE001 - whatever the bytes were, this thread must live on
                 logger.error("rejected a malformed message from the frontend: %s: %s", type(exc).__name__, exc)
                 continue
             req_type, payload = item
             if req_type == EngineCoreRequestType.ADD:
+                payload.client_index = client_index  # the link it came by, whatever the body says
                 try:
                     item = (req_type, self.preprocess_add_request(payload))
                 except ValueError as exc:
@@ -410,6 +435,8 @@ class EngineCoreProc(EngineCore):
                     logger.error("rejected a request the engine could not build", exc_info=exc)
                     self._reject_request(payload, f"{type(exc).__name__}: {exc}")
                     continue
+            elif req_type == EngineCoreRequestType.UTILITY:
+                item = (req_type, (client_index, *payload[1:]))
             elif req_type == EngineCoreRequestType.ABORT:
                 self.aborts_queue.put_nowait(payload)
             self.input_queue.put_nowait(item)
@@ -418,6 +445,7 @@ class EngineCoreProc(EngineCore):
         """A request that cannot run finishes with an error straight away: the
         output goes to the output thread, the busy loop never sees it."""
         logger.warning("rejected request %s: %s", request.request_id, reason)
+        self.num_rejected[request.client_index] += 1
         outputs = finished_outputs([request.request_id], FinishReason.ERROR, reason)
         self.output_queue.put_nowait((request.client_index, outputs))
 
@@ -438,19 +466,22 @@ class EngineCoreProc(EngineCore):
         return req_type, decoder.decode(frames[1:])
 
     def _process_output_socket(self) -> None:
-        """Output thread: encode into one reused buffer; the ring copies it out."""
-        encoder = MsgpackEncoder(pool=self.transport.pool_writer, cuda_ipc=self.transport.cuda_exporter)
+        """Output thread: encode into one reused buffer; the client's ring copies it out."""
+        encoders = [MsgpackEncoder(pool=link.pool_writer, cuda_ipc=link.cuda_exporter) for link in self.links]
         buf = bytearray(64 * 1024)
+        engine_index = self.engine_index
         while True:
             item = self.output_queue.get()
             try:
                 if isinstance(item, tuple) and item[0] is ENGINE_CORE_DEAD:
-                    self.transport.send([ENGINE_CORE_DEAD, item[1].encode()])
+                    for link in self.links:
+                        link.send([ENGINE_CORE_DEAD, item[1].encode()])
                     return
                 if item is None:  # clean shutdown
                     return
-                _client_index, outputs = item
-                self.transport.send(encoder.encode_into(outputs, buf))
+                client_index, outputs = item
+                outputs.engine_index = engine_index
+                self.links[client_index].send(encoders[client_index].encode_into(outputs, buf))
             except PeerDeadError:
                 self.input_queue.put_nowait((_PeerGone, None))
                 return
@@ -475,6 +506,7 @@ class EngineCoreProc(EngineCore):
             if self.input_queue.empty():
                 with self.aborts_queue.mutex:
                     self.aborts_queue.queue.clear()
+            self.publish_load()
             waited_from = time.monotonic()
             item = self.input_queue.get()
             self.idle_seconds += time.monotonic() - waited_from
@@ -482,8 +514,15 @@ class EngineCoreProc(EngineCore):
         while not self.input_queue.empty():
             self._handle_client_request(*self.input_queue.get_nowait())
 
+    def publish_load(self) -> None:
+        """This engine's row of the load table: what the routers read."""
+        if self.load_writer is not None:
+            received = [a + r for a, r in zip(self.num_received, self.num_rejected)]
+            self.load_writer.publish(self.scheduler, received)
+
     def _process_engine_step(self) -> bool:
         outputs, model_executed = self.step_fn()
+        self.publish_load()
         first = outputs.get(0)
         if first is not None and first.scheduler_stats is not None:
             first.engine_stats = self._engine_stats()
@@ -560,6 +599,7 @@ class EngineCoreProc(EngineCore):
                          request.request_id)
         else:
             self.add_request(request)
+        self.num_received[request.client_index] += 1
 
     def _handle_shutdown(self) -> bool:
         """True while the loop should go on; drains for a bounded time after a signal."""
@@ -582,9 +622,9 @@ class EngineCoreProc(EngineCore):
 
     def _abort_all_and_report(self) -> None:
         ids = self.scheduler.unfinished_request_ids()
+        requests = [self.scheduler.requests[i] for i in ids if i in self.scheduler.requests]
         self.abort_requests(ids)
-        if ids:
-            self.output_queue.put_nowait((0, finished_outputs(ids, FinishReason.ABORT)))
+        self._report_aborted(requests)
 
     def request_shutdown(self) -> None:
         """Signal-safe: flip the state and wake the main thread if it is parked."""
@@ -606,7 +646,7 @@ class EngineCoreProc(EngineCore):
     def stop_input_thread(self) -> None:
         """Wake the input thread out of its blocking recv and wait for it, so that
         the transport can be closed under no one's feet."""
-        self.transport.interrupt_recv()
+        self.inbox.interrupt()
         self._input_thread.join(timeout=5)
 
 
@@ -622,17 +662,23 @@ def _die_with_parent() -> None:
         pass
 
 
-def run_engine_core(config: EngineConfig, transport_spec: Any, parent_pid: int) -> None:
-    """Entry point of the spawned EngineCore process; exits the process when done."""
+def run_engine_core(
+    config: EngineConfig, transport_specs: Any, parent_pid: int, load_table: str | None = None
+) -> None:
+    """Entry point of the spawned EngineCore process; exits the process when done.
+
+    ``transport_specs``: one TransportSpec (a single frontend) or a list of them,
+    client index = position."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [engine] %(message)s")
-    code = _serve(config, transport_spec, parent_pid)
+    specs = transport_specs if isinstance(transport_specs, (list, tuple)) else [transport_specs]
+    code = _serve(config, list(specs), parent_pid, load_table)
     # Outputs are flushed and the transport closed: skip the interpreter's teardown,
     # which with torch loaded adds half a second or more to every shutdown.
     logging.shutdown()
     os._exit(code)
 
 
-def _serve(config: EngineConfig, transport_spec: Any, parent_pid: int) -> int:
+def _serve(config: EngineConfig, specs: list[Any], parent_pid: int, load_table: str | None) -> int:
     """Handshake, busy loop, shutdown; the process's exit code."""
     _die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
@@ -641,14 +687,21 @@ def _serve(config: EngineConfig, transport_spec: Any, parent_pid: int) -> int:
     # Until the engine exists a signal just exits; afterwards it starts a drain.
     signal.signal(signal.SIGTERM, lambda *_: (engine.request_shutdown() if engine else os._exit(0)))
     signal.signal(signal.SIGINT, lambda *_: (engine.request_shutdown() if engine else os._exit(0)))
-    transport = EngineTransport.attach(transport_spec, parent_pid)
+    links: list[EngineTransport] = []
+    load_writer: EngineLoadWriter | None = None
     try:
-        transport.send([b"HELLO"])
+        for spec in specs:
+            links.append(EngineTransport.attach(spec, parent_pid))
+        for link in links:
+            link.send([b"HELLO"])
+        if load_table is not None:
+            load_writer = EngineLoadWriter.attach(load_table, config.data_parallel_rank)
         try:
-            engine = EngineCoreProc(config, transport)
+            engine = EngineCoreProc(config, links, load_writer)
         except Exception as exc:
             logger.exception("EngineCore failed to start")
-            transport.send([ENGINE_CORE_DEAD, f"EngineCore failed to start: {exc}".encode()])
+            for link in links:
+                link.send([ENGINE_CORE_DEAD, f"EngineCore failed to start: {exc}".encode()])
             return 1
         try:
             engine.run_busy_loop()
@@ -663,4 +716,7 @@ def _serve(config: EngineConfig, transport_spec: Any, parent_pid: int) -> int:
         logger.warning("frontend went away; EngineCore exits")
         return 1
     finally:
-        transport.close()
+        for link in links:
+            link.close()
+        if load_writer is not None:
+            load_writer.close()

@@ -26,8 +26,21 @@ def configure_cpu_threads() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-def run_engine_process(config: EngineConfig, transport_spec: Any, parent_pid: int) -> None:
+def set_thread_count(threads: int | None) -> None:
+    """The math libraries' pool sizes (torch's OpenMP pool, OpenBLAS's), for an
+    engine that shares the host with other data-parallel engines."""
+    if threads is not None:
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            os.environ[var] = str(threads)
+
+
+def run_engine_process(
+    config: EngineConfig, transport_specs: Any, parent_pid: int, load_table: str | None = None
+) -> None:
+    """``transport_specs``: one per frontend (its client index is its position);
+    ``load_table``: the shared-memory table this engine publishes its load in."""
     configure_cpu_threads()
+    set_thread_count(config.engine_threads)
     from core.engine_core import run_engine_core
 
-    run_engine_core(config, transport_spec, parent_pid)
+    run_engine_core(config, transport_specs, parent_pid, load_table)

@@ -255,6 +255,8 @@ class EngineCoreRequest(
     client_index: int = 0
     cache_salt: str | None = None
     prompt_embeds: torch.Tensor | None = None
+    # Data parallel: the engine this request must run on (else the client picks one).
+    data_parallel_rank: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -480,3 +482,17 @@ class EngineDeadError(RuntimeError):
 
     def __init__(self, message: str = "EngineCore died unexpectedly.") -> None:
         super().__init__(message)
+
+
+class EngineLostError(EngineDeadError):
+    """Data parallel: one engine died, and with it ``request_ids``; the others serve on."""
+
+    def __init__(self, engine_index: int, request_ids: list[str], message: str) -> None:
+        super().__init__(message)
+        self.engine_index = engine_index
+        self.request_ids = request_ids
+
+
+class EngineUnavailableError(EngineDeadError):
+    """Data parallel: no engine a request may go to is serving right now (dead, or
+    restarting), while the client as a whole lives on."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
 from core.protocol import TransportStats
-from shm.channel import ChannelSpec, Duplex
+from shm.channel import ChannelSpec, Duplex, ReceiverGroup
 from shm.cuda_ipc import CudaIpcExporter, CudaIpcImporter
 from shm.interface import AsyncRecvEnd, AsyncSendEnd, Channel
 from shm.ring import Frame
@@ -38,7 +38,9 @@ from shm.waiting import ChannelClosed, PeerDeadError
 if TYPE_CHECKING:  # zmq is imported only when that transport is chosen
     from shm.zmq_channel import ZmqChannelSpec
 
-__all__ = ["ChannelClosed", "ClientTransport", "EngineTransport", "PeerDeadError", "TRANSPORTS", "TransportSpec"]
+__all__ = [
+    "ChannelClosed", "ClientTransport", "EngineInbox", "EngineTransport", "PeerDeadError", "TRANSPORTS", "TransportSpec",
+]
 
 TRANSPORTS = ("shm", "zmq")
 RING_CAPACITY = 1 << 22  # bytes per direction; larger messages are chunked
@@ -180,7 +182,9 @@ class EngineTransport:
         channel: Channel,
         sentinel: int | None,
         pools: tuple[TensorPool, TensorPool] | None = None,
+        kind: str = "shm",
     ) -> None:
+        self.kind = kind
         self._channel = channel
         self._sentinel = sentinel
         self._pools = pools
@@ -209,7 +213,7 @@ class EngineTransport:
         except (AttributeError, OSError):  # not Linux >= 5.3: liveness polling only
             sentinel = None
         channel.set_peer(lambda: os.getppid() == parent_pid, sentinel)
-        return cls(channel, sentinel, pools)
+        return cls(channel, sentinel, pools, spec.kind)
 
     def stats(self) -> TransportStats:
         return _stats(self._channel, self.pool_writer)
@@ -236,3 +240,39 @@ class EngineTransport:
         if self._sentinel is not None:
             os.close(self._sentinel)
             self._sentinel = None
+
+
+class EngineInbox:
+    """The engine's input thread receiving from every frontend's link at once.
+
+    With one frontend it is that link's ``recv``; with several (one per API
+    server process, all over shared-memory rings) one ``ReceiverGroup``
+    sleeps on all their doorbells. ``recv`` returns ``(client_index, frames)``:
+    the index of the link a message came by, which is the only client index
+    the engine trusts.
+    """
+
+    def __init__(self, links: Sequence[EngineTransport]) -> None:
+        if not links:
+            raise ValueError("an engine needs at least one link")
+        self._links = list(links)
+        self._group: ReceiverGroup | None = None
+        if len(links) > 1:
+            receivers = [link._channel.receiver for link in links]
+            if not all(link.kind == "shm" for link in links):
+                raise ValueError("several frontends per engine need the shm transport")
+            self._group = ReceiverGroup(receivers)  # type: ignore[arg-type]
+
+    def recv(self) -> tuple[int, list]:
+        """Blocks; PeerDeadError once a frontend is gone, ChannelClosed after ``interrupt``."""
+        if self._group is None:
+            return 0, self._links[0].recv()
+        got = self._group.recv()
+        assert got is not None  # no timeout given
+        return got
+
+    def interrupt(self) -> None:
+        if self._group is None:
+            self._links[0].interrupt_recv()
+        else:
+            self._group.interrupt()

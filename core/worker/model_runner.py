@@ -177,17 +177,21 @@ class ModelRunner:
         it is DEFAULT_KV_CACHE_MEMORY capped at what ``max_num_seqs``
         full-length requests could ever use; on a GPU it is what
         ``gpu_memory_utilization`` leaves after the weights and the profiled
-        peak of the largest step (core/worker/gpu_memory.py).
+        peak of the largest step (core/worker/gpu_memory.py). Data-parallel
+        engines on one host take one share each (the budget, or the GPU's
+        fraction, divided by their number).
         """
         if self.config.num_gpu_blocks_override is not None:
             return self.config.num_gpu_blocks_override
         per_block = self.kv_bytes_per_block()
+        share = self.config.data_parallel_size  # data-parallel engines split the budget
         if self.config.kv_cache_memory is not None:
-            budget = self.config.kv_cache_memory
+            budget = self.config.kv_cache_memory // share
         elif self.device.type == "cuda":
-            budget = gpu_kv_cache_budget(self.device, self.config.gpu_memory_utilization, self.profile_run)
+            utilization = self.config.gpu_memory_utilization / share
+            budget = gpu_kv_cache_budget(self.device, utilization, self.profile_run)
         else:
-            budget = DEFAULT_KV_CACHE_MEMORY
+            budget = DEFAULT_KV_CACHE_MEMORY // share
         num_blocks = max(budget, 0) // per_block
         cap = self.config.max_num_seqs * self.max_blocks_per_req + 1
         if self.config.kv_cache_memory is None and self.device.type == "cpu":

@@ -1,0 +1,161 @@
+"""One of two data-parallel engines killed with SIGKILL, on real servers (stories260K).
+
+Only the dead engine's streams fail (an error event within 2 s), the other engine's
+complete, new requests are served, /health names the dead engine; with
+--restart-dead-engines it comes back under the same index and takes requests again.
+Nothing is left in /dev/shm afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.servers import wait_gone
+
+pytestmark = pytest.mark.slow
+
+MODEL = "stories260K"
+BODY = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
+        "temperature": 1.0, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def _engine_pids(server) -> dict[int, int]:
+    """Engine index -> pid of its latest incarnation, from the engines' start-up lines."""
+    pids = {}
+    for index, pid in re.findall(r"EngineCore (\d+) \(pid (\d+)\) ready", server.log()):
+        pids[int(index)] = int(pid)
+    return pids
+
+
+def _segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("ringllm-*")}
+
+
+class _Stream(threading.Thread):
+    """Reads one streamed completion to its end: its finish reason, tokens, or error, and when."""
+
+    def __init__(self, base: str, rank: int) -> None:
+        super().__init__(daemon=True)
+        self.client = httpx.Client(base_url=base, timeout=60)
+        self.response = self.client.send(
+            self.client.build_request("POST", "/v1/completions", json={**BODY, "data_parallel_rank": rank}),
+            stream=True,
+        )
+        assert self.response.status_code == 200
+        self.lines = self.response.iter_lines()
+        while not next(self.lines).startswith("data: "):  # running: it has its first token
+            pass
+        self.tokens = 0
+        self.finish: str | None = None
+        self.error: dict | None = None
+        self.ended_at = 0.0
+
+    def run(self) -> None:
+        try:
+            for line in self.lines:
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    self.error = event["error"]
+                    break
+                for choice in event["choices"]:
+                    self.finish = choice["finish_reason"] or self.finish
+                if event.get("usage"):
+                    self.tokens = event["usage"]["completion_tokens"]
+        finally:
+            self.ended_at = time.monotonic()
+            self.response.close()
+            self.client.close()
+
+
+def _wait_for(predicate, what: str, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _complete(base: str, **extra) -> httpx.Response:
+    body = {**BODY, "stream": False, "max_tokens": 16, **extra}
+    del body["stream_options"]
+    return httpx.post(base + "/v1/completions", json=body, timeout=60)
+
+
+def test_a_killed_engine_fails_only_its_own_requests(server_factory) -> None:
+    before = _segments()
+    server = server_factory(["-dp", "2"])
+    base = server.base_url
+    pids = _engine_pids(server)
+    assert sorted(pids) == [0, 1]
+
+    # Requests on both engines, frozen mid-generation (pause "keep") so none can end first.
+    streams = [_Stream(base, rank) for rank in (0, 1) for _ in range(3)]
+    assert httpx.post(base + "/pause", params={"mode": "keep"}, timeout=10).status_code == 200
+    for stream in streams:
+        stream.start()
+    os.kill(pids[1], signal.SIGKILL)
+    killed_at = time.monotonic()
+    for stream in streams[3:]:
+        stream.join(timeout=10)
+        assert stream.error is not None, "a stream of the dead engine did not fail"
+        assert stream.ended_at - killed_at < 2.0
+        assert "engine 1 died" in stream.error["message"]
+    assert httpx.post(base + "/resume", timeout=10).status_code == 200
+    for stream in streams[:3]:
+        stream.join(timeout=60)
+        assert stream.error is None and stream.finish == "length" and stream.tokens == BODY["max_tokens"]
+
+    health = httpx.get(base + "/health", timeout=10)
+    assert health.status_code == 200
+    assert health.json() == {
+        "status": "degraded",
+        "engines": [{"index": 0, "status": "serving"}, {"index": 1, "status": "down"}],
+    }
+    for _ in range(4):  # unpinned requests go to the engine that is left
+        assert _complete(base).json()["choices"][0]["finish_reason"] == "length"
+    pinned = _complete(base, data_parallel_rank=1)
+    assert pinned.status_code == 503 and pinned.json()["error"]["type"] == "ServiceUnavailableError"
+
+    server.stop()
+    assert server.proc is not None and server.proc.returncode == 0
+    assert wait_gone(pids[0], 10)
+    assert _segments() <= before
+
+
+def test_a_dead_engine_is_restarted_and_serves_again(server_factory) -> None:
+    before = _segments()
+    server = server_factory(["-dp", "2", "--restart-dead-engines"])
+    base = server.base_url
+    old = _engine_pids(server)
+    os.kill(old[1], signal.SIGKILL)
+    _wait_for(lambda: _engine_pids(server).get(1, old[1]) != old[1], "engine 1 to start again")
+    new = _engine_pids(server)
+    assert new[0] == old[0]
+
+    def both_serving() -> bool:
+        return httpx.get(base + "/health", timeout=10).json().get("status") == "ok"
+
+    _wait_for(both_serving, "engine 1 to rejoin")
+    for rank in (1, 0, None):
+        extra = {} if rank is None else {"data_parallel_rank": rank}
+        done = _complete(base, **extra)
+        assert done.status_code == 200 and done.json()["choices"][0]["finish_reason"] == "length"
+    stats = httpx.get(base + "/engine/stats", timeout=10).json()["engines"]
+    assert [e["status"] for e in stats] == ["serving", "serving"]
+
+    server.stop()
+    assert server.proc is not None and server.proc.returncode == 0
+    assert wait_gone(new[1], 10)
+    assert _segments() <= before
