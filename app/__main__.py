@@ -54,8 +54,10 @@ async def serve(
     chat_template: str | None,
     sock: socket.socket,
     args: argparse.Namespace,
+    client_index: int = 0,
 ) -> int:
-    """Serve until a signal or the engine's death; the process's exit code."""
+    """Serve until a signal or the engine's death; the process's exit code.
+    ``client_index``: which of several API server processes this is (app/api_servers.py)."""
     from app.async_llm import AsyncLLM
     from app.lifecycle import CLOSE_GRACE_S, Lifecycle
 
@@ -107,18 +109,24 @@ async def serve(
         hypercorn_config.h2_max_header_list_size = args.max_header_bytes
         hypercorn_config.keep_alive_timeout = args.keep_alive_timeout
         hypercorn_config.backlog = args.backlog
-        logger.info(
-            "%s",
-            format_banner(
-                model=engine.config.model,
-                served_names=[engine.served_model_name, *model_aliases],
-                ready=engine.engine_core.ready,
-                transport=engine.config.transport,
-                host=host,
-                port=port,
-                routes={getattr(route, "path", "") for route in app.routes},
-            ),
-        )
+        routes = {getattr(route, "path", "") for route in app.routes}
+        if args.api_server_count > 1:
+            from app.api_servers import tag_responses
+
+            app = tag_responses(app, client_index)
+        if client_index == 0:
+            logger.info(
+                "%s",
+                format_banner(
+                    model=engine.config.model,
+                    served_names=[engine.served_model_name, *model_aliases],
+                    ready=engine.engine_core.ready,
+                    transport=engine.config.transport,
+                    host=host,
+                    port=port,
+                    routes=routes,
+                ),
+            )
         lifecycle.serving(engine, admission)
         server = asyncio.ensure_future(
             hypercorn_serve(app, hypercorn_config, shutdown_trigger=lifecycle.stop.wait)  # type: ignore[arg-type]
@@ -143,6 +151,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+    if args.api_server_count > 1 and args.transport == "zmq":
+        parser.error("--api-server-count > 1 needs the shm transport")
+    if args.api_server_count > 1 and args.restart_dead_engines:
+        parser.error("--restart-dead-engines works with one API server process only")
     if args.model is not None and (problem := model_dir_error(args.model)) is not None:
         parser.exit(2, f"{parser.prog}: error: {problem}\n")  # as argparse's errors, less the long usage
     try:
@@ -162,6 +174,11 @@ def main(argv: list[str] | None = None) -> None:
         config = config.resolve()
     except (OSError, ValueError) as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
+
+    if args.api_server_count > 1:
+        from app.api_servers import run_api_servers
+
+        sys.exit(run_api_servers(args, config, chat_template, sock))
 
     # Start the engine processes now: they boot (torch, the model) while this one
     # imports and builds everything else.

@@ -286,6 +286,10 @@ def make_parser() -> argparse.ArgumentParser:
         "--restart-dead-engines", action="store_true",
         help="with -dp, start a dead engine again (its requests fail; the others serve meanwhile)",
     )
+    parallel.add_argument(
+        "--api-server-count", type=_positive_int, default=1, metavar="M",
+        help="API server processes sharing the port, each talking to every engine (default 1)",
+    )
     return p
 
 

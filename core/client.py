@@ -25,6 +25,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import select
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -50,12 +51,23 @@ from core.protocol import (
     UtilityOutput,
     finished_outputs,
 )
-from core.transport import ClientTransport, PeerDeadError
+from core.transport import ClientTransport, PeerDeadError, TransportSpec
 from shm.serial import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger("ringllm.client")
 
 STARTUP_TIMEOUT_S = 300.0
+
+
+def spawn_engine(
+    config: EngineConfig, specs: list[TransportSpec], load_table: str | None = None
+) -> multiprocessing.process.BaseProcess:
+    """An EngineCore process (not started yet) with one link per frontend in ``specs``."""
+    name = f"EngineCore_DP{config.data_parallel_rank}" if config.data_parallel_size > 1 else "EngineCore"
+    ctx = multiprocessing.get_context("spawn")
+    return ctx.Process(
+        target=run_engine_process, args=(config, specs, os.getpid(), load_table), name=name, daemon=True
+    )
 
 
 class EngineCoreClient(Protocol):
@@ -392,6 +404,29 @@ class AsyncInprocClient(_AsyncUtilities):
         self.engine_core.shutdown()
 
 
+class ForeignEngineProcess:
+    """An engine process that another process started (the supervisor of several API
+    server processes): watched through a pidfd, never signalled or reaped from here."""
+
+    exitcode: int | None = None
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.sentinel = os.pidfd_open(pid)  # readable once the process has exited
+
+    def is_alive(self) -> bool:
+        return not select.select([self.sentinel], [], [], 0)[0]
+
+    def terminate(self) -> None:
+        """Its owner stops it."""
+
+    def kill(self) -> None:
+        """Its owner stops it."""
+
+    def join(self, timeout: float | None = None) -> None:
+        """Its owner reaps it."""
+
+
 class MPClient:
     """Spawns the EngineCore process, runs the handshake, owns the transport.
 
@@ -405,28 +440,37 @@ class MPClient:
 
     ready: HandshakeReady | None = None  # what the engine reported: KV cache size, dtype, device
 
-    def __init__(self, config: EngineConfig, *, wait: bool = True, load_table: str | None = None) -> None:
-        """``load_table``: the data-parallel load table the engine publishes its row in."""
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        wait: bool = True,
+        load_table: str | None = None,
+        adopt: tuple[TransportSpec, int] | None = None,
+    ) -> None:
+        """``load_table``: the data-parallel load table the engine publishes its row in.
+        ``adopt``: (transport spec, pid) of an engine another process started, over a
+        transport it created for us: nothing is spawned."""
         self.config = config.resolve()
-        self.transport, spec = ClientTransport.create(self.config.transport)
+        if adopt is not None:
+            spec, pid = adopt
+            self.transport = ClientTransport.adopt(spec)
+            self.proc: Any = ForeignEngineProcess(pid)
+        else:
+            self.transport, spec = ClientTransport.create(self.config.transport)
         # Large request tensors go out of band through the transport's pool,
         # CUDA ones as IPC handles (shm only).
         self.encoder = MsgpackEncoder(pool=self.transport.pool_writer, cuda_ipc=self.transport.cuda_exporter)
         self.decoder = MsgpackDecoder(
             EngineCoreOutputs, pool=self.transport.pool_reader, cuda_ipc=self.transport.cuda_importer
         )
-        ctx = multiprocessing.get_context("spawn")
-        self.proc = ctx.Process(
-            target=run_engine_process,
-            args=(self.config, spec, os.getpid(), load_table),
-            name=f"EngineCore_DP{self.config.data_parallel_rank}" if self.config.data_parallel_size > 1 else "EngineCore",
-            daemon=True,
-        )
-        try:
-            self.proc.start()
-        except BaseException:
-            self.transport.close()  # nobody will attach: remove the segments now
-            raise
+        if adopt is None:
+            self.proc = spawn_engine(self.config, [spec], load_table)
+            try:
+                self.proc.start()
+            except BaseException:
+                self.transport.close()  # nobody will attach: remove the segments now
+                raise
         self.transport.set_peer(self.proc.is_alive, self.proc.sentinel)
         self.engine_dead: EngineDeadError | None = None
         self._closing = False  # set by shutdown(): the engine's exit is expected
@@ -636,8 +680,15 @@ class SyncMPClient(MPClient, _Utilities):
 class AsyncMPClient(MPClient, _AsyncUtilities):
     """asyncio client: outputs are read on the loop, without a thread."""
 
-    def __init__(self, config: EngineConfig, *, wait: bool = True, load_table: str | None = None) -> None:
-        super().__init__(config, wait=wait, load_table=load_table)
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        wait: bool = True,
+        load_table: str | None = None,
+        adopt: tuple[TransportSpec, int] | None = None,
+    ) -> None:
+        super().__init__(config, wait=wait, load_table=load_table, adopt=adopt)
         self.outputs_queue: asyncio.Queue[EngineCoreOutputs | Exception] | None = None
         self._reader_task: asyncio.Task | None = None
         self._send_lock: asyncio.Lock | None = None

@@ -35,6 +35,8 @@ import msgspec
 from core.client import AsyncMPClient, MPClient, _AsyncUtilities
 from core.config import EngineConfig
 from core.load import EngineLoadReader, create_load_table
+from core.transport import TransportSpec
+from shm.stats_table import StatsTable
 from core.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -61,11 +63,17 @@ class _EngineLost:
 class _DPEngine(AsyncMPClient):
     """One engine of the group: its outputs and its death go to the group."""
 
-    def __init__(self, group: DPAsyncMPClient, config: EngineConfig, load_table: str) -> None:
+    def __init__(
+        self,
+        group: DPAsyncMPClient,
+        config: EngineConfig,
+        load_table: str,
+        adopt: tuple[TransportSpec, int] | None = None,
+    ) -> None:
         self.group = group
         self.index = config.data_parallel_rank
         self.loss_handled = False
-        super().__init__(config, wait=False, load_table=load_table)
+        super().__init__(config, wait=False, load_table=load_table, adopt=adopt)
 
     def detach_from_loop(self) -> None:
         """On the loop's thread: stop reading (before the rest of the shutdown runs elsewhere)."""
@@ -110,20 +118,50 @@ def _combine(method: str, results: list[Any]) -> Any:
     return all(results)  # reset_prefix_cache, pause/resume, is_paused, is_sleeping
 
 
-class DPAsyncMPClient(_AsyncUtilities):
-    """N engine processes, one asyncio client (see the module docstring)."""
+@dataclasses.dataclass(frozen=True)
+class EngineGroupSpec:
+    """Engines started by another process (the API servers' supervisor), for one client:
+    its client index, the load table's name, and (transport spec, pid) per engine."""
 
-    def __init__(self, config: EngineConfig, *, wait: bool = True, restart_dead_engines: bool = False) -> None:
+    client_index: int
+    load_table: str
+    engines: list[tuple[TransportSpec, int]]
+
+
+def engine_configs(config: EngineConfig) -> list[EngineConfig]:
+    """Each engine's config: its rank, and its share of the cores (unless set)."""
+    size = config.data_parallel_size
+    threads = config.engine_threads or max(1, len(os.sched_getaffinity(0)) // size)
+    return [msgspec.structs.replace(config, data_parallel_rank=j, engine_threads=threads) for j in range(size)]
+
+
+class DPAsyncMPClient(_AsyncUtilities):
+    """N engine processes, one asyncio client (see the module docstring).
+
+    It spawns the engines, or with ``group`` adopts engines another process
+    started (one of several API server processes: client index > 0 possible)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        wait: bool = True,
+        restart_dead_engines: bool = False,
+        group: EngineGroupSpec | None = None,
+    ) -> None:
         config = config.resolve()
         self.config = config
         self.size = config.data_parallel_size
+        if group is not None and restart_dead_engines:
+            raise ValueError("engines started by another process are restarted by that process")
         self.restart_dead_engines = restart_dead_engines
-        threads = config.engine_threads or max(1, len(os.sched_getaffinity(0)) // self.size)
-        self._configs = [
-            msgspec.structs.replace(config, data_parallel_rank=j, engine_threads=threads) for j in range(self.size)
-        ]
-        self.load_table = create_load_table(self.size, num_clients=1)
-        self._loads = EngineLoadReader(self.load_table, client_index=0)
+        self._configs = engine_configs(config)
+        if group is None:
+            self.load_table = create_load_table(self.size, num_clients=1)
+            self._loads = EngineLoadReader(self.load_table, client_index=0)
+        else:
+            self.load_table = StatsTable.attach(group.load_table)
+            self._loads = EngineLoadReader(self.load_table, group.client_index)
         self.engines: list[_DPEngine] = []
         self.engine_dead: EngineDeadError | None = None
         self.ready: HandshakeReady | None = None
@@ -137,7 +175,8 @@ class DPAsyncMPClient(_AsyncUtilities):
         self._closing = False
         try:
             for j in range(self.size):
-                self.engines.append(_DPEngine(self, self._configs[j], self.load_table.name))
+                adopt = group.engines[j] if group is not None else None
+                self.engines.append(_DPEngine(self, self._configs[j], self.load_table.name, adopt))
             if wait:
                 self.wait_ready()
         except BaseException:

@@ -124,6 +124,21 @@ class ClientTransport:
         transport = cls(kind, duplex, (to_engine, to_client))
         return transport, TransportSpec(kind, spec, to_engine.name, to_client.name)
 
+    @classmethod
+    def adopt(cls, spec: TransportSpec) -> ClientTransport:
+        """The frontend's side of a transport another process created (the supervisor of
+        several API server processes creates every link and hands each its own)."""
+        if spec.kind != "shm" or not (spec.to_engine_pool and spec.to_client_pool):
+            raise ValueError("only shm transports can be handed to another frontend process")
+        assert isinstance(spec.channel, ChannelSpec)
+        duplex = Duplex.attach(spec.channel, creator_side=True)
+        try:
+            pools = (TensorPool.attach(spec.to_engine_pool), TensorPool.attach(spec.to_client_pool))
+        except BaseException:
+            duplex.close()
+            raise
+        return cls(spec.kind, duplex, pools)
+
     def set_peer(self, alive: Callable[[], bool], sentinel: int | None = None) -> None:
         """How to tell the engine is gone: ``alive()`` and an fd readable once it exits."""
         self._channel.set_peer(alive, sentinel)

@@ -353,9 +353,20 @@ class Duplex:
         return duplex, spec
 
     @classmethod
-    def attach(cls, spec: ChannelSpec, **endpoint_options: float) -> Duplex:
-        """Open the creator's segments and FIFOs (attacher side)."""
+    def attach(cls, spec: ChannelSpec, *, creator_side: bool = False, **endpoint_options: float) -> Duplex:
+        """Open the creator's segments and FIFOs: as the attacher (the other side), or with
+        ``creator_side`` as the creator's stand-in (a process the creator hands its side to)."""
         fwd, bwd = spec.forward, spec.backward
+        if creator_side:
+            sender = Sender(
+                ShmRing.attach(fwd.segment), Doorbell.open(fwd.data_bell), Doorbell.open(fwd.space_bell),
+                **endpoint_options,
+            )
+            receiver = Receiver(
+                ShmRing.attach(bwd.segment), Doorbell.open(bwd.data_bell), Doorbell.open(bwd.space_bell),
+                **endpoint_options,
+            )
+            return cls(sender, receiver, spec)
         receiver = Receiver(
             ShmRing.attach(fwd.segment), Doorbell.open(fwd.data_bell), Doorbell.open(fwd.space_bell),
             **endpoint_options,

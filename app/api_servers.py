@@ -1,0 +1,199 @@
+"""Several API server processes on one port (``--api-server-count M``).
+
+This process becomes a supervisor. It creates every link (one ring pair per
+API server and engine, M x N, and the load table with a column per API
+server), starts the N EngineCore processes (each engine's input thread waits
+on its M rings at once and answers each request on the ring it came by),
+then M API server processes, which share the listening socket (one accept
+queue; whichever process is free takes the next connection) and each adopt
+their row of links (``client_index`` = their index). Each API server routes
+on its own, reading the same load table; prometheus_client's multiprocess
+mode (a private directory) makes any server's /metrics answer for all of them.
+
+Shutdown: SIGTERM or SIGINT is passed to the API servers, which drain; once
+they have exited the engines are stopped; a second SIGINT kills everything at
+once. An API server that dies on its own takes the others down (status 1);
+a dead engine is the API servers' business (they route around it, and exit
+when none is left).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from core.client import spawn_engine
+from core.config import EngineConfig
+from core.dp_client import EngineGroupSpec, engine_configs
+from core.load import create_load_table
+from core.transport import ClientTransport, TransportSpec
+
+logger = logging.getLogger("ringllm.supervisor")
+
+EXIT_API_SERVER_DIED = 1
+ENGINE_STOP_GRACE_S = 5.0
+
+Scope = MutableMapping[str, Any]
+ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
+
+
+def tag_responses(app: ASGIApp, client_index: int) -> ASGIApp:
+    """Every HTTP response says which API server process answered (x-ringllm-api-server:
+    "<index> pid=<pid>"): for debugging a deployment, and for tests."""
+    header = (b"x-ringllm-api-server", f"{client_index} pid={os.getpid()}".encode())
+
+    async def tagged(scope: Scope, receive: Callable[[], Awaitable[Any]], send: Callable[[Any], Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+
+        async def send_tagged(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), header]}
+            await send(message)
+
+        await app(scope, receive, send_tagged)
+
+    return tagged
+
+
+def run_api_server(
+    args: argparse.Namespace, config: EngineConfig, chat_template: str | None, sock: socket.socket,
+    group: EngineGroupSpec,
+) -> None:
+    """Entry point of one API server process (spawned by the supervisor)."""
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s %(name)s [api {group.client_index}]: %(message)s",
+        stream=sys.stderr,
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # until the event loop takes the signals over
+    import uvloop
+
+    from app.__main__ import serve
+    from core.dp_client import DPAsyncMPClient
+
+    engine_core = DPAsyncMPClient(config, wait=False, group=group)
+    try:
+        code = uvloop.run(serve(config, engine_core, chat_template, sock, args, client_index=group.client_index))
+    finally:
+        engine_core.shutdown()
+    sys.exit(code)
+
+
+class Supervisor:
+    """Owns the links, the engines and the API server processes (see the module docstring)."""
+
+    def __init__(
+        self, args: argparse.Namespace, config: EngineConfig, chat_template: str | None, sock: socket.socket
+    ) -> None:
+        self.args = args
+        self.config = config
+        self.num_servers = args.api_server_count
+        self.num_engines = config.data_parallel_size
+        self.ctx = multiprocessing.get_context("spawn")
+        self.metrics_dir = tempfile.mkdtemp(prefix="ringllm-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir  # inherited by the API servers
+        self.table = create_load_table(self.num_engines, self.num_servers)
+        # links[i][j]: API server i <-> engine j. Kept open here until the end, so that
+        # every name can be removed even if a process never attached.
+        self.links: list[list[tuple[ClientTransport, TransportSpec]]] = [
+            [ClientTransport.create("shm") for _ in range(self.num_engines)] for _ in range(self.num_servers)
+        ]
+        self.engines: list[multiprocessing.process.BaseProcess] = []
+        for j, engine_config in enumerate(engine_configs(config)):
+            specs = [self.links[i][j][1] for i in range(self.num_servers)]
+            engine = spawn_engine(engine_config, specs, self.table.name)
+            engine.start()
+            self.engines.append(engine)
+        self.servers: list[multiprocessing.process.BaseProcess] = []
+        for i in range(self.num_servers):
+            group = EngineGroupSpec(
+                i, self.table.name, [(self.links[i][j][1], e.pid) for j, e in enumerate(self.engines)]  # type: ignore[misc]
+            )
+            server = self.ctx.Process(
+                target=run_api_server, args=(args, config, chat_template, sock, group), name=f"ApiServer_{i}"
+            )
+            server.start()
+            self.servers.append(server)
+        sock.close()  # the API servers hold it
+        self.stopping = False
+        self.signals = 0
+
+    def on_signal(self, sig: int, _frame: Any) -> None:
+        self.signals += 1
+        if self.signals > 1 and sig == signal.SIGINT:
+            logger.warning("second SIGINT: killing every process now")
+            for proc in (*self.servers, *self.engines):
+                if proc.is_alive():
+                    proc.kill()
+            return
+        if not self.stopping:
+            logger.info("%s: stopping the API servers (they drain first)", signal.Signals(sig).name)
+            self.stop_servers()
+
+    def stop_servers(self) -> None:
+        self.stopping = True
+        for server in self.servers:
+            if server.is_alive():
+                server.terminate()
+
+    def run(self) -> int:
+        """Until every API server has exited; the exit code to return."""
+        code = 0
+        running = {server.sentinel: server for server in self.servers}
+        while running:
+            for sentinel in multiprocessing.connection.wait(list(running)):
+                server = running.pop(sentinel)  # type: ignore[call-overload]
+                server.join()
+                if not self.stopping:
+                    logger.error("API server %s exited (code %s); stopping the others", server.name, server.exitcode)
+                    code = EXIT_API_SERVER_DIED
+                    self.stop_servers()
+                elif server.exitcode not in (0, None) and code == 0:
+                    code = server.exitcode
+        return code
+
+    def close(self) -> None:
+        """Stop the engines (they have nothing left to drain), remove every name."""
+        for engine in self.engines:
+            if engine.is_alive():
+                engine.terminate()
+        for engine in self.engines:
+            engine.join(timeout=self.config.engine_drain_timeout + ENGINE_STOP_GRACE_S)
+            if engine.is_alive():
+                engine.kill()
+                engine.join(timeout=5)
+        for row in self.links:
+            for transport, _ in row:
+                transport.close()
+        self.table.close()
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)
+
+
+def run_api_servers(
+    args: argparse.Namespace, config: EngineConfig, chat_template: str | None, sock: socket.socket
+) -> int:
+    """Serve with ``args.api_server_count`` API server processes; the exit code."""
+    supervisor = Supervisor(args, config, chat_template, sock)
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, supervisor.on_signal)
+        logger.info(
+            "%d API server processes and %d engines started (pids: API %s, engines %s)",
+            supervisor.num_servers, supervisor.num_engines,
+            [s.pid for s in supervisor.servers], [e.pid for e in supervisor.engines],
+        )
+        return supervisor.run()
+    finally:
+        supervisor.close()
