@@ -155,6 +155,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--api-server-count > 1 needs the shm transport")
     if args.api_server_count > 1 and args.restart_dead_engines:
         parser.error("--restart-dead-engines works with one API server process only")
+    if args.api_server_count > 1 and args.data_parallel_backend == "ray":
+        parser.error("--data-parallel-backend ray works with one API server process only")
+    if args.ray_engine_resources is not None and args.data_parallel_backend != "ray":
+        parser.error("--ray-engine-resources needs --data-parallel-backend ray")
     if args.model is not None and (problem := model_dir_error(args.model)) is not None:
         parser.exit(2, f"{parser.prog}: error: {problem}\n")  # as argparse's errors, less the long usage
     try:
@@ -183,10 +187,20 @@ def main(argv: list[str] | None = None) -> None:
     # Start the engine processes now: they boot (torch, the model) while this one
     # imports and builds everything else.
     engine_core: AsyncMPClient | DPAsyncMPClient
-    if config.data_parallel_size > 1 or args.restart_dead_engines:
-        from core.dp_client import DPAsyncMPClient
+    if config.data_parallel_size > 1 or args.restart_dead_engines or args.data_parallel_backend == "ray":
+        from core.dp_client import DPAsyncMPClient, engine_configs
 
-        engine_core = DPAsyncMPClient(config, wait=False, restart_dead_engines=args.restart_dead_engines)
+        launcher = None
+        if args.data_parallel_backend == "ray":
+            from core.ray_engines import RayLauncher
+
+            try:
+                launcher = RayLauncher(engine_configs(config)[0], args.ray_engine_resources)
+            except (RuntimeError, ValueError) as exc:
+                parser.exit(1, f"{parser.prog}: error: {exc}\n")
+        engine_core = DPAsyncMPClient(
+            config, wait=False, restart_dead_engines=args.restart_dead_engines, launcher=launcher
+        )
     else:
         from core.client import AsyncMPClient
 

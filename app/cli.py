@@ -9,6 +9,7 @@ network should be a decision, not a default.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 
@@ -290,7 +291,30 @@ def make_parser() -> argparse.ArgumentParser:
         "--api-server-count", type=_positive_int, default=1, metavar="M",
         help="API server processes sharing the port, each talking to every engine (default 1)",
     )
+    parallel.add_argument(
+        "--data-parallel-backend", choices=["mp", "ray"], default="mp",
+        help="how engines start: mp (processes on this host, default) or ray (actors placed by Ray on "
+        "the cluster at RAY_ADDRESS, one placement-group bundle each; engines on other nodes are "
+        "reached over ZeroMQ/TCP); needs pip install 'ringllm[ray]'",
+    )
+    parallel.add_argument(
+        "--ray-engine-resources", type=_json_list_of_dicts, metavar="JSON",
+        help='with the ray backend, extra Ray resources per engine, e.g. \'[{"node_a": 1}, {"node_b": 1}]\' '
+        "to place engine 0 and engine 1 on the nodes offering them",
+    )
     return p
+
+
+def _json_list_of_dicts(text: str) -> list[dict[str, float]]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, list) or not all(
+        isinstance(d, dict) and all(isinstance(v, (int, float)) for v in d.values()) for d in value
+    ):
+        raise argparse.ArgumentTypeError("expected a JSON list of {resource: amount} objects")
+    return value
 
 
 def _positive_int(value: str) -> int:

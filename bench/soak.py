@@ -8,12 +8,11 @@ asked for (ignore_eos). Starts our server (``--model``, ``--server-arg``) unless
 ``--base-url`` points at a running one (then only its frontend is sampled, if local:
 ``--pid``). Writes RESULT.json and RESULT.png (requests/s, errors, RSS, fds over time).
 
-The client keeps an idle connection for reuse only half as long as the server's
-keep-alive timeout (``--keepalive-expiry``): at equal times (httpx's 5 s and the
-server's 5 s) a request sent on a connection at the instant the server closes it
-as idle fails with a ReadError, a race of the client's making. Nothing is retried:
-every failure counts, and the JSON's ``error_kinds`` tells a failure before the
-response began from one during the stream.
+Each of the ``--concurrency`` clients has its own keep-alive connection (a new one
+after it hangs up), which it drops once idle for half the server's keep-alive
+timeout (``--keepalive-expiry``), so it never sends a request on a connection the
+server is closing as idle. Nothing is retried: every failure counts, and the JSON's
+``error_kinds`` tells a failure before the response began from one during it.
 """
 
 from __future__ import annotations
@@ -173,18 +172,32 @@ class Soak:
         self.samples.append(point)
 
     async def run(self) -> None:
+        import ssl
+        from contextlib import AsyncExitStack
+
         import httpx
 
         args = self.args
-        limits = httpx.Limits(
-            max_connections=args.concurrency, max_keepalive_connections=args.concurrency,
-            keepalive_expiry=client_keepalive_expiry(args),
-        )
-        async with httpx.AsyncClient(base_url=self.base_url, timeout=300, limits=limits) as client:
+        # One client, and so one keep-alive connection, per simulated user: a connection is
+        # idle only between its user's requests, never long enough for the server's
+        # keep-alive timeout. (A pool shared by all users let a connection sit idle until
+        # the server closed it as the client reused it, and httpcore 1.0.9's pool can close
+        # an expired connection it has already handed to a waiting request, under that
+        # request: encode/httpcore#1110. Both showed as a rare ReadError.)
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1,
+                              keepalive_expiry=client_keepalive_expiry(args))
+        tls = ssl.create_default_context()  # unused over http://; shared, not loaded 256 times
+        async with AsyncExitStack() as stack:
+            clients = [
+                await stack.enter_async_context(
+                    httpx.AsyncClient(base_url=self.base_url, timeout=300, limits=limits, verify=tls)
+                )
+                for _ in range(args.concurrency)
+            ]
             started = time.monotonic()
             deadline = started + args.duration
 
-            async def worker() -> None:
+            async def worker(client: httpx.AsyncClient) -> None:
                 while time.monotonic() < deadline:
                     await self.one(client)
 
@@ -193,18 +206,18 @@ class Soak:
                     self.sample(started)
                     asleep = time.monotonic()
                     await asyncio.sleep(1.0)
-                    # How late this client's own event loop woke: a busy client is slow to
-                    # see a response end, and so to start a connection's idle clock.
+                    # How late this client's own event loop woke (a busy client is slow to
+                    # read its streams, which slows the rate it measures).
                     self.client_lag = max(self.client_lag, time.monotonic() - asleep - 1.0)
 
             sampling = asyncio.create_task(sampler())
-            await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+            await asyncio.gather(*(worker(client) for client in clients))
             sampling.cancel()
             self.sample(started)
             # Idle again: what the load left behind (sockets, memory) shows here.
             await asyncio.sleep(args.settle)
             self.sample(started)
-            self.stats = (await client.get("/engine/stats")).json()
+            self.stats = (await clients[0].get("/engine/stats")).json()
 
 
 def save_plot(result: dict[str, Any], path: Path) -> None:

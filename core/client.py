@@ -427,6 +427,22 @@ class ForeignEngineProcess:
         """Its owner reaps it."""
 
 
+class EngineLauncher(Protocol):
+    """Starts engines that are not children of this process (``core.ray_engines``)."""
+
+    frontend_host: str  # this host's address, for engines elsewhere to connect to
+
+    def is_local(self, engine_index: int) -> bool:
+        """Whether that engine runs on this host (shared-memory rings) or elsewhere (TCP)."""
+
+    def launch(self, config: EngineConfig, spec: TransportSpec, load_table: str | None) -> Any:
+        """Start the engine; a handle with ``is_alive``, ``sentinel``, ``exitcode``,
+        ``terminate``, ``kill`` and ``join`` as a multiprocessing Process has."""
+
+    def shutdown(self) -> None:
+        """Release what was reserved for the engines (they are stopped already)."""
+
+
 class MPClient:
     """Spawns the EngineCore process, runs the handshake, owns the transport.
 
@@ -439,6 +455,7 @@ class MPClient:
     """
 
     ready: HandshakeReady | None = None  # what the engine reported: KV cache size, dtype, device
+    remote = False  # on another host: no load table, TCP transport
 
     def __init__(
         self,
@@ -447,15 +464,29 @@ class MPClient:
         wait: bool = True,
         load_table: str | None = None,
         adopt: tuple[TransportSpec, int] | None = None,
+        launcher: EngineLauncher | None = None,
     ) -> None:
         """``load_table``: the data-parallel load table the engine publishes its row in.
         ``adopt``: (transport spec, pid) of an engine another process started, over a
-        transport it created for us: nothing is spawned."""
+        transport it created for us: nothing is spawned. ``launcher``: start the engine
+        through it (Ray) instead of as a child; one on another host is reached over TCP
+        and gets no load table (shared memory does not reach it)."""
         self.config = config.resolve()
         if adopt is not None:
             spec, pid = adopt
             self.transport = ClientTransport.adopt(spec)
             self.proc: Any = ForeignEngineProcess(pid)
+        elif launcher is not None:
+            self.remote = not launcher.is_local(self.config.data_parallel_rank)
+            if self.remote:
+                self.transport, spec = ClientTransport.create("zmq", tcp_host=launcher.frontend_host)
+            else:
+                self.transport, spec = ClientTransport.create(self.config.transport)
+            try:
+                self.proc = launcher.launch(self.config, spec, None if self.remote else load_table)
+            except BaseException:
+                self.transport.close()
+                raise
         else:
             self.transport, spec = ClientTransport.create(self.config.transport)
         # Large request tensors go out of band through the transport's pool,
@@ -464,7 +495,7 @@ class MPClient:
         self.decoder = MsgpackDecoder(
             EngineCoreOutputs, pool=self.transport.pool_reader, cuda_ipc=self.transport.cuda_importer
         )
-        if adopt is None:
+        if adopt is None and launcher is None:
             self.proc = spawn_engine(self.config, [spec], load_table)
             try:
                 self.proc.start()
@@ -687,8 +718,9 @@ class AsyncMPClient(MPClient, _AsyncUtilities):
         wait: bool = True,
         load_table: str | None = None,
         adopt: tuple[TransportSpec, int] | None = None,
+        launcher: EngineLauncher | None = None,
     ) -> None:
-        super().__init__(config, wait=wait, load_table=load_table, adopt=adopt)
+        super().__init__(config, wait=wait, load_table=load_table, adopt=adopt, launcher=launcher)
         self.outputs_queue: asyncio.Queue[EngineCoreOutputs | Exception] | None = None
         self._reader_task: asyncio.Task | None = None
         self._send_lock: asyncio.Lock | None = None

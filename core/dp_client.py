@@ -32,9 +32,9 @@ from typing import Any
 
 import msgspec
 
-from core.client import AsyncMPClient, MPClient, _AsyncUtilities
+from core.client import AsyncMPClient, EngineLauncher, MPClient, _AsyncUtilities
 from core.config import EngineConfig
-from core.load import EngineLoadReader, create_load_table
+from core.load import WAITING_WEIGHT, EngineLoadReader, create_load_table
 from core.transport import TransportSpec
 from shm.stats_table import StatsTable
 from core.protocol import (
@@ -69,11 +69,12 @@ class _DPEngine(AsyncMPClient):
         config: EngineConfig,
         load_table: str,
         adopt: tuple[TransportSpec, int] | None = None,
+        launcher: EngineLauncher | None = None,
     ) -> None:
         self.group = group
         self.index = config.data_parallel_rank
         self.loss_handled = False
-        super().__init__(config, wait=False, load_table=load_table, adopt=adopt)
+        super().__init__(config, wait=False, load_table=load_table, adopt=adopt, launcher=launcher)
 
     def detach_from_loop(self) -> None:
         """On the loop's thread: stop reading (before the rest of the shutdown runs elsewhere)."""
@@ -148,6 +149,7 @@ class DPAsyncMPClient(_AsyncUtilities):
         wait: bool = True,
         restart_dead_engines: bool = False,
         group: EngineGroupSpec | None = None,
+        launcher: EngineLauncher | None = None,
     ) -> None:
         config = config.resolve()
         self.config = config
@@ -155,6 +157,7 @@ class DPAsyncMPClient(_AsyncUtilities):
         if group is not None and restart_dead_engines:
             raise ValueError("engines started by another process are restarted by that process")
         self.restart_dead_engines = restart_dead_engines
+        self.launcher = launcher
         self._configs = engine_configs(config)
         if group is None:
             self.load_table = create_load_table(self.size, num_clients=1)
@@ -168,6 +171,10 @@ class DPAsyncMPClient(_AsyncUtilities):
         self._routable = [False] * self.size
         self._sent = [0] * self.size  # ADDs sent to each engine (since it started)
         self._owner: dict[str, int] = {}  # unfinished request id -> engine index
+        # Engines on another host have no row in the load table: their load is
+        # estimated from what was routed there and their last scheduler snapshot.
+        self._owned = [0] * self.size
+        self._last_running = [0] * self.size
         self._next = 0  # where the next tie-break starts
         self._queue: asyncio.Queue[EngineCoreOutputs | _EngineLost | Exception] | None = None
         self._pending: list[EngineCoreOutputs | _EngineLost] = []  # delivered before the loop ran
@@ -176,7 +183,7 @@ class DPAsyncMPClient(_AsyncUtilities):
         try:
             for j in range(self.size):
                 adopt = group.engines[j] if group is not None else None
-                self.engines.append(_DPEngine(self, self._configs[j], self.load_table.name, adopt))
+                self.engines.append(_DPEngine(self, self._configs[j], self.load_table.name, adopt, launcher))
             if wait:
                 self.wait_ready()
         except BaseException:
@@ -229,10 +236,14 @@ class DPAsyncMPClient(_AsyncUtilities):
             if isinstance(item, Exception):
                 queue.put_nowait(item)  # every later caller fails too
                 raise item
-            owner = self._owner
+            owner, owned = self._owner, self._owned
             for output in item.outputs:
                 if output.finish_reason is not None:
-                    owner.pop(output.request_id, None)
+                    j = owner.pop(output.request_id, None)
+                    if j is not None:
+                        owned[j] -= 1
+            if item.scheduler_stats is not None:
+                self._last_running[item.engine_index] = item.scheduler_stats.num_running_reqs
             return item
 
     def _engine_lost(self, engine: _DPEngine, error: BaseException) -> EngineLostError | None:
@@ -245,6 +256,7 @@ class DPAsyncMPClient(_AsyncUtilities):
         ids = [rid for rid, owner in self._owner.items() if owner == j]
         for rid in ids:
             del self._owner[rid]
+        self._owned[j] = 0
         exitcode = engine.proc.exitcode
         logger.error("engine %d died (exit code %s): %s; %d requests failed", j, exitcode, error, len(ids))
         if self.restart_dead_engines:
@@ -264,7 +276,7 @@ class DPAsyncMPClient(_AsyncUtilities):
         async def restart() -> None:
             old.detach_from_loop()
             await loop.run_in_executor(None, MPClient.shutdown, old)  # reaps the process, frees its rings
-            engine = _DPEngine(self, self._configs[j], self.load_table.name)
+            engine = _DPEngine(self, self._configs[j], self.load_table.name, launcher=self.launcher)
             self.engines[j] = engine
             try:
                 await loop.run_in_executor(None, engine.wait_ready)
@@ -294,13 +306,17 @@ class DPAsyncMPClient(_AsyncUtilities):
                 raise EngineUnavailableError(f"engine {rank} is not serving")
             return rank
         best, best_score = -1, 0
-        loads, sent, routable = self._loads, self._sent, self._routable
+        loads, sent, routable, engines = self._loads, self._sent, self._routable, self.engines
         for k in range(self.size):
             j = (self._next + k) % self.size
             if not routable[j]:
                 continue
-            load = loads.read(j)
-            score = load.score(sent[j] - load.received)
+            if engines[j].remote:
+                running = min(self._last_running[j], self._owned[j])
+                score = WAITING_WEIGHT * (self._owned[j] - running) + running
+            else:
+                load = loads.read(j)
+                score = load.score(sent[j] - load.received)
             if best < 0 or score < best_score:
                 best, best_score = j, score
         if best < 0:
@@ -314,6 +330,7 @@ class DPAsyncMPClient(_AsyncUtilities):
             raise self.engine_dead
         j = self._choose(request)
         self._owner[request.request_id] = j
+        self._owned[j] += 1
         self._sent[j] += 1
         try:
             await self.engines[j].add_request_async(request)
@@ -326,6 +343,7 @@ class DPAsyncMPClient(_AsyncUtilities):
         for rid in request_ids:
             j = self._owner.pop(rid, None)
             if j is not None:
+                self._owned[j] -= 1
                 by_engine.setdefault(j, []).append(rid)
         for j, ids in by_engine.items():
             if self._routable[j]:
@@ -384,4 +402,6 @@ class DPAsyncMPClient(_AsyncUtilities):
         for engine in self.engines:
             engine.shutdown()
         self.engines = []
+        if self.launcher is not None:
+            self.launcher.shutdown()
         self.load_table.close()

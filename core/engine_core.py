@@ -671,27 +671,41 @@ def run_engine_core(
     client index = position."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [engine] %(message)s")
     specs = transport_specs if isinstance(transport_specs, (list, tuple)) else [transport_specs]
-    code = _serve(config, list(specs), parent_pid, load_table)
+    code = serve_engine(config, list(specs), load_table, parent_pid=parent_pid)
     # Outputs are flushed and the transport closed: skip the interpreter's teardown,
     # which with torch loaded adds half a second or more to every shutdown.
     logging.shutdown()
     os._exit(code)
 
 
-def _serve(config: EngineConfig, specs: list[Any], parent_pid: int, load_table: str | None) -> int:
-    """Handshake, busy loop, shutdown; the process's exit code."""
-    _die_with_parent()
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        return 1
+def serve_engine(
+    config: EngineConfig,
+    specs: list[Any],
+    load_table: str | None,
+    *,
+    parent_pid: int | None,
+    frontend_is_parent: bool = True,
+) -> int:
+    """Handshake, busy loop, shutdown; the exit code. ``parent_pid``: the frontend,
+    which spawned this process (``frontend_is_parent``), or runs beside it on this host
+    (an engine placed by Ray), or None: on another host (Ray, or a headless engine)."""
+    if frontend_is_parent:
+        assert parent_pid is not None
+        _die_with_parent()
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            return 1
     engine: EngineCoreProc | None = None
     # Until the engine exists a signal just exits; afterwards it starts a drain.
-    signal.signal(signal.SIGTERM, lambda *_: (engine.request_shutdown() if engine else os._exit(0)))
-    signal.signal(signal.SIGINT, lambda *_: (engine.request_shutdown() if engine else os._exit(0)))
+    try:
+        signal.signal(signal.SIGTERM, lambda *_: (engine.request_shutdown() if engine else os._exit(0)))
+        signal.signal(signal.SIGINT, lambda *_: (engine.request_shutdown() if engine else os._exit(0)))
+    except ValueError:  # not the main thread (an actor's executor): its owner stops it
+        pass
     links: list[EngineTransport] = []
     load_writer: EngineLoadWriter | None = None
     try:
         for spec in specs:
-            links.append(EngineTransport.attach(spec, parent_pid))
+            links.append(EngineTransport.attach(spec, parent_pid, child=frontend_is_parent))
         for link in links:
             link.send([b"HELLO"])
         if load_table is not None:

@@ -101,13 +101,16 @@ class ClientTransport:
         self._async_ends: tuple[AsyncSendEnd, AsyncRecvEnd] | None = None
 
     @classmethod
-    def create(cls, kind: str) -> tuple[ClientTransport, TransportSpec]:
-        """A new channel of ``kind`` (shm | zmq) and the spec the engine process attaches with."""
+    def create(cls, kind: str, tcp_host: str | None = None) -> tuple[ClientTransport, TransportSpec]:
+        """A new channel of ``kind`` (shm | zmq) and the spec the engine process attaches with.
+        ``tcp_host``: zmq over TCP on this address, for an engine on another host."""
         _check_kind(kind)
+        if tcp_host is not None and kind != "zmq":
+            raise ValueError("only the zmq transport reaches another host")
         if kind == "zmq":
             from shm.zmq_channel import ZmqDuplex
 
-            zduplex, zspec = ZmqDuplex.create()
+            zduplex, zspec = ZmqDuplex.create(host=tcp_host)
             return cls(kind, zduplex), TransportSpec(kind, zspec)
         duplex, spec = Duplex.create(RING_CAPACITY)
         try:
@@ -210,7 +213,10 @@ class EngineTransport:
         self.cuda_exporter = CudaIpcExporter(self.pool_writer) if self.pool_writer else None
 
     @classmethod
-    def attach(cls, spec: TransportSpec, parent_pid: int) -> EngineTransport:
+    def attach(cls, spec: TransportSpec, parent_pid: int | None, *, child: bool = True) -> EngineTransport:
+        """``parent_pid``: the frontend's process, watched (our parent when ``child``; a
+        process on this host otherwise). None: a frontend on another host, whose loss
+        the TCP connection itself reports."""
         _check_kind(spec.kind)
         pools = None
         if spec.kind == "zmq":
@@ -223,11 +229,18 @@ class EngineTransport:
             channel = Duplex.attach(spec.channel, spin_s=0.0)
             if spec.to_engine_pool and spec.to_client_pool:
                 pools = (TensorPool.attach(spec.to_engine_pool), TensorPool.attach(spec.to_client_pool))
+        sentinel: int | None = None
+        if parent_pid is None:
+            channel.set_peer(None)
+            return cls(channel, sentinel, pools, spec.kind)
         try:
-            sentinel: int | None = os.pidfd_open(parent_pid)
+            sentinel = os.pidfd_open(parent_pid)
         except (AttributeError, OSError):  # not Linux >= 5.3: liveness polling only
             sentinel = None
-        channel.set_peer(lambda: os.getppid() == parent_pid, sentinel)
+        if child:
+            channel.set_peer(lambda: os.getppid() == parent_pid, sentinel)
+        else:
+            channel.set_peer(lambda: _process_exists(parent_pid), sentinel)
         return cls(channel, sentinel, pools, spec.kind)
 
     def stats(self) -> TransportStats:
@@ -255,6 +268,16 @@ class EngineTransport:
         if self._sentinel is not None:
             os.close(self._sentinel)
             self._sentinel = None
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class EngineInbox:

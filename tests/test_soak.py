@@ -15,6 +15,8 @@ import asyncio
 import json
 import random
 import socket
+import ssl
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import httpx
@@ -79,15 +81,23 @@ async def test_soak_with_disconnects_finishes_every_request_and_leaks_nothing(se
     results: list[tuple[str, int] | None] = [None] * REQUESTS
     rss: dict[str, int] = {}
     next_index = 0
-    # The client drops an idle connection well before the server's 5 s keep-alive timeout.
-    # At httpx's default (5 s too), one run in four saw a ReadError: a POST sent on a
-    # connection at the instant the server closed it as idle.
-    limits = httpx.Limits(
-        max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY, keepalive_expiry=CLIENT_KEEPALIVE_S
-    )
-    async with httpx.AsyncClient(base_url=server.base_url, timeout=120, limits=limits) as client:
+    # One client (one keep-alive connection) per simulated user, dropped after 2.5 s idle,
+    # half the server's keep-alive timeout. With one pool shared by all users, one run in
+    # four saw a ReadError: a connection left idle until the server closed it as the
+    # client reused it, or httpcore's pool closing an expired connection it had already
+    # handed to a waiting request (encode/httpcore#1110).
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=CLIENT_KEEPALIVE_S)
+    tls = ssl.create_default_context()  # unused over http://; shared rather than loaded per client
+    async with AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(
+                httpx.AsyncClient(base_url=server.base_url, timeout=120, limits=limits, verify=tls)
+            )
+            for _ in range(CONCURRENCY)
+        ]
+        client = clients[0]
 
-        async def worker() -> None:
+        async def worker(client: httpx.AsyncClient) -> None:
             nonlocal next_index
             while next_index < REQUESTS:
                 index = next_index
@@ -96,7 +106,7 @@ async def test_soak_with_disconnects_finishes_every_request_and_leaks_nothing(se
                     rss["first"] = _rss_bytes(pid)
                 results[index] = await _one(client, *plans[index])
 
-        await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+        await asyncio.gather(*(worker(client) for client in clients))
         rss["last"] = _rss_bytes(pid)
 
         stayed = [(plan, result) for plan, result in zip(plans, results) if result is not None]
