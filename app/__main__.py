@@ -23,6 +23,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from app.cli import build_engine_config, load_chat_template, make_parser, model_dir_error, served_model_names
+from app.scale_out import run_headless_host, scale_out_error, start_engines
 from core.config import EngineConfig
 from core.heap import freeze_startup_heap
 
@@ -151,14 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
-    if args.api_server_count > 1 and args.transport == "zmq":
-        parser.error("--api-server-count > 1 needs the shm transport")
-    if args.api_server_count > 1 and args.restart_dead_engines:
-        parser.error("--restart-dead-engines works with one API server process only")
-    if args.api_server_count > 1 and args.data_parallel_backend == "ray":
-        parser.error("--data-parallel-backend ray works with one API server process only")
-    if args.ray_engine_resources is not None and args.data_parallel_backend != "ray":
-        parser.error("--ray-engine-resources needs --data-parallel-backend ray")
+    if (problem := scale_out_error(args)) is not None:
+        parser.error(problem)
     if args.model is not None and (problem := model_dir_error(args.model)) is not None:
         parser.exit(2, f"{parser.prog}: error: {problem}\n")  # as argparse's errors, less the long usage
     try:
@@ -169,6 +164,12 @@ def main(argv: list[str] | None = None) -> None:
         config = build_engine_config(args)
     except FileNotFoundError as exc:  # the embedded model's files are missing
         parser.exit(1, f"{exc}\n")
+    if args.headless:  # engines only: no HTTP, no socket
+        try:
+            config = config.resolve()
+        except (OSError, ValueError) as exc:
+            parser.exit(2, f"{parser.prog}: error: {exc}\n")
+        sys.exit(run_headless_host(args, config))
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:
@@ -186,25 +187,10 @@ def main(argv: list[str] | None = None) -> None:
 
     # Start the engine processes now: they boot (torch, the model) while this one
     # imports and builds everything else.
-    engine_core: AsyncMPClient | DPAsyncMPClient
-    if config.data_parallel_size > 1 or args.restart_dead_engines or args.data_parallel_backend == "ray":
-        from core.dp_client import DPAsyncMPClient, engine_configs
-
-        launcher = None
-        if args.data_parallel_backend == "ray":
-            from core.ray_engines import RayLauncher
-
-            try:
-                launcher = RayLauncher(engine_configs(config)[0], args.ray_engine_resources)
-            except (RuntimeError, ValueError) as exc:
-                parser.exit(1, f"{parser.prog}: error: {exc}\n")
-        engine_core = DPAsyncMPClient(
-            config, wait=False, restart_dead_engines=args.restart_dead_engines, launcher=launcher
-        )
-    else:
-        from core.client import AsyncMPClient
-
-        engine_core = AsyncMPClient(config, wait=False)
+    try:
+        engine_core = start_engines(args, config)
+    except (RuntimeError, ValueError, OSError) as exc:  # Ray missing or unreachable, a taken RPC port
+        parser.exit(1, f"{parser.prog}: error: {exc}\n")
     import uvloop
 
     try:

@@ -153,8 +153,11 @@ class Supervisor:
         code = 0
         running = {server.sentinel: server for server in self.servers}
         while running:
-            for sentinel in multiprocessing.connection.wait(list(running)):
-                server = running.pop(sentinel)  # type: ignore[call-overload]
+            multiprocessing.connection.wait(list(running), timeout=1.0)  # is_alive reaps; a sentinel may lag
+            for sentinel, server in list(running.items()):
+                if server.is_alive():
+                    continue
+                del running[sentinel]
                 server.join()
                 if not self.stopping:
                     logger.error("API server %s exited (code %s); stopping the others", server.name, server.exitcode)

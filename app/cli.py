@@ -27,6 +27,7 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
 DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
 DEFAULT_BACKLOG = 1024
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+DEFAULT_DP_RPC_PORT = 29550
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -47,7 +48,7 @@ _ENGINE_FIELDS = (
     "enable_prefix_caching", "num_gpu_blocks_override", "kv_cache_memory",
     "gpu_memory_utilization", "enforce_eager", "transport", "scheduling_policy", "enable_prompt_embeds",
     "async_scheduling", "enable_sleep_mode", "logprobs_mode", "structured_outputs_backend", "engine_cpu",
-    "data_parallel_size", "engine_threads",
+    "data_parallel_size", "engine_threads", "data_parallel_size_local",
 )
 
 
@@ -296,6 +297,28 @@ def make_parser() -> argparse.ArgumentParser:
         help="how engines start: mp (processes on this host, default) or ray (actors placed by Ray on "
         "the cluster at RAY_ADDRESS, one placement-group bundle each; engines on other nodes are "
         "reached over ZeroMQ/TCP); needs pip install 'ringllm[ray]'",
+    )
+    parallel.add_argument(
+        "--data-parallel-size-local", "-dpl", type=_positive_int, metavar="N",
+        help="engines on this host (default: all of them); the head waits for the others to "
+        "register from --headless hosts",
+    )
+    parallel.add_argument(
+        "--data-parallel-start-rank", "-dpr", type=_non_negative_int, default=0, metavar="R",
+        help="on a --headless host, the rank of its first engine",
+    )
+    parallel.add_argument(
+        "--data-parallel-address", "-dpa", metavar="HOST",
+        help="the head's address: where headless engines register and connect (TCP)",
+    )
+    parallel.add_argument(
+        "--data-parallel-rpc-port", "-dpp", type=int, default=DEFAULT_DP_RPC_PORT, metavar="PORT",
+        help=f"the head's registration port for headless engines (default {DEFAULT_DP_RPC_PORT})",
+    )
+    parallel.add_argument(
+        "--headless", action="store_true",
+        help="run only engines (ranks --data-parallel-start-rank ..), for the frontend at "
+        "--data-parallel-address; no HTTP server",
     )
     parallel.add_argument(
         "--ray-engine-resources", type=_json_list_of_dicts, metavar="JSON",

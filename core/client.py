@@ -439,6 +439,9 @@ class EngineLauncher(Protocol):
         """Start the engine; a handle with ``is_alive``, ``sentinel``, ``exitcode``,
         ``terminate``, ``kill`` and ``join`` as a multiprocessing Process has."""
 
+    def can_restart(self, engine_index: int) -> bool:
+        """Whether a dead engine of that index can be started again from here."""
+
     def shutdown(self) -> None:
         """Release what was reserved for the engines (they are stopped already)."""
 

@@ -64,6 +64,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
     engine_threads: int | None = None
+    # Engines on this engine's host (default: all of them): what the host's cores and
+    # memory budget are split between.
+    data_parallel_size_local: int | None = None
+
+    @property
+    def engines_on_this_host(self) -> int:
+        return self.data_parallel_size_local or self.data_parallel_size
     hf_config: dict[str, Any] | None = None  # the checkpoint's config.json, set by resolve()
 
     @property

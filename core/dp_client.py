@@ -132,7 +132,7 @@ class EngineGroupSpec:
 def engine_configs(config: EngineConfig) -> list[EngineConfig]:
     """Each engine's config: its rank, and its share of the cores (unless set)."""
     size = config.data_parallel_size
-    threads = config.engine_threads or max(1, len(os.sched_getaffinity(0)) // size)
+    threads = config.engine_threads or max(1, len(os.sched_getaffinity(0)) // config.engines_on_this_host)
     return [msgspec.structs.replace(config, data_parallel_rank=j, engine_threads=threads) for j in range(size)]
 
 
@@ -259,9 +259,9 @@ class DPAsyncMPClient(_AsyncUtilities):
         self._owned[j] = 0
         exitcode = engine.proc.exitcode
         logger.error("engine %d died (exit code %s): %s; %d requests failed", j, exitcode, error, len(ids))
-        if self.restart_dead_engines:
+        if self.restart_dead_engines and (self.launcher is None or self.launcher.can_restart(j)):
             self._restart(j)
-        elif not any(self._routable):
+        elif not any(self._routable) and not self._restarts:
             self.engine_dead = EngineDeadError(f"every engine is dead (the last one: {error})")
             assert self._queue is not None
             self._queue.put_nowait(self.engine_dead)  # after these outputs, the output handler stops
@@ -282,6 +282,9 @@ class DPAsyncMPClient(_AsyncUtilities):
                 await loop.run_in_executor(None, engine.wait_ready)
             except Exception as exc:  # noqa: BLE001 - it stays out of routing; logged
                 logger.error("engine %d did not restart: %s", j, exc)
+                if not any(self._routable) and len(self._restarts) <= 1 and self._queue is not None:
+                    self.engine_dead = EngineDeadError(f"every engine is dead (engine {j} did not restart: {exc})")
+                    self._queue.put_nowait(self.engine_dead)
                 return
             if self._closing:
                 return

@@ -128,6 +128,9 @@ class RayLauncher:
     def is_local(self, engine_index: int) -> bool:
         return self._local[engine_index]
 
+    def can_restart(self, engine_index: int) -> bool:
+        return True  # a new actor in the same bundle
+
     def launch(self, config: EngineConfig, spec: TransportSpec, load_table: str | None) -> RayEngineHandle:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -11,6 +11,7 @@ import pytest
 from app.banner import display_host, format_banner
 from app.cli import build_engine_config, make_parser, model_dir_error, parse_args, served_model_names
 from app.launcher import REPO
+from app.scale_out import scale_out_error
 from core.models.default_model import DEFAULT_MODEL_DIR
 from core.protocol import HandshakeReady
 
@@ -20,6 +21,11 @@ GROUPS = {
     "cache": {"--block-size", "--kv-cache-memory", "--enable-prefix-caching", "--num-gpu-blocks-override"},
     "server": {"--host", "--port", "--api-key", "--disable-frontend-ui", "--log-level"},
     "transport": {"--transport"},
+    "scale-out": {
+        "--data-parallel-size", "--api-server-count", "--restart-dead-engines", "--data-parallel-backend",
+        "--headless", "--data-parallel-address", "--data-parallel-rpc-port", "--data-parallel-start-rank",
+        "--data-parallel-size-local", "--engine-threads", "--ray-engine-resources",
+    },
 }
 
 
@@ -96,3 +102,28 @@ def test_parse_size_errors_are_argparse_errors() -> None:
     with pytest.raises(SystemExit):
         make_parser().parse_args(["--kv-cache-memory", "lots"])
     assert isinstance(make_parser(), argparse.ArgumentParser)
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--api-server-count", "2", "--transport", "zmq"], "needs the shm transport"),
+        (["--api-server-count", "2", "--restart-dead-engines"], "one API server process only"),
+        (["--api-server-count", "2", "--data-parallel-backend", "ray"], "every engine on this host"),
+        (["--ray-engine-resources", '[{"a": 1}]'], "needs --data-parallel-backend ray"),
+        (["-dp", "2", "-dpl", "3"], "cannot exceed"),
+        (["-dp", "2", "--headless"], "--headless needs --data-parallel-address"),
+        (["-dp", "2", "-dpl", "1"], "need --data-parallel-address"),
+        (["-dp", "2", "--headless", "-dpa", "h", "-dpr", "2"], "exceed --data-parallel-size"),
+    ],
+)
+def test_scale_out_flag_combinations_that_cannot_work_are_refused(flags: list[str], needle: str) -> None:
+    problem = scale_out_error(make_parser().parse_args(flags))
+    assert problem is not None and needle in problem
+
+
+def test_scale_out_errors_exit_2_before_anything_starts() -> None:
+    result = run_app("--api-server-count", "2", "--transport", "zmq")
+    assert result.returncode == 2 and "needs the shm transport" in result.stderr
+    assert scale_out_error(make_parser().parse_args(["-dp", "2", "--api-server-count", "2"])) is None
+    assert scale_out_error(make_parser().parse_args([])) is None

@@ -184,7 +184,7 @@ class ModelRunner:
         if self.config.num_gpu_blocks_override is not None:
             return self.config.num_gpu_blocks_override
         per_block = self.kv_bytes_per_block()
-        share = self.config.data_parallel_size  # data-parallel engines split the budget
+        share = self.config.engines_on_this_host  # data-parallel engines split the budget
         if self.config.kv_cache_memory is not None:
             budget = self.config.kv_cache_memory // share
         elif self.device.type == "cuda":

@@ -1,0 +1,71 @@
+"""A head and a ``--headless`` host (both on this machine, over TCP on 127.0.0.1):
+the head runs engine 0, the headless host registers and runs engine 1, which talks to
+the head's frontend over ZeroMQ/TCP. Both engines serve the same greedy text; killing
+the headless engine takes only it out of routing; the head stops cleanly."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.launcher import REPO, free_port
+from tests.support.servers import wait_gone
+
+pytestmark = pytest.mark.slow
+
+BODY = {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}
+
+
+def _wait_for(predicate, what: str, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_an_engine_on_a_headless_host_serves_the_head(server_factory, tmp_path: Path) -> None:
+    port = str(free_port())
+    dp = ["-dp", "2", "-dpl", "1", "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", port]
+    log_path = tmp_path / "headless.log"
+    with open(log_path, "wb") as log:  # started first: it waits for the head
+        headless = subprocess.Popen(
+            [sys.executable, "-m", "app", "--headless", *dp, "--data-parallel-start-rank", "1"],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        )
+    try:
+        head = server_factory(dp)
+        assert "engine 1 registered from a headless host" in head.log()
+        texts = []
+        for rank in (0, 1):
+            done = httpx.post(head.base_url + "/v1/completions", json={**BODY, "data_parallel_rank": rank}, timeout=60)
+            assert done.status_code == 200, done.text
+            texts.append(done.json()["choices"][0]["text"])
+        assert texts[0] == texts[1] and texts[0]
+
+        engine_pid = int(re.search(r"engine 1 started \(pid (\d+)\)", log_path.read_text()).group(1))
+        subprocess.run(["kill", "-9", str(engine_pid)], check=True)
+
+        def engine1_down() -> bool:
+            health = httpx.get(head.base_url + "/health", timeout=10).json()
+            return health.get("engines", [{}, {}])[1].get("status") == "down"
+
+        _wait_for(engine1_down, "the head to see engine 1 gone")
+        assert headless.wait(timeout=30) == 1  # its engine died
+        done = httpx.post(head.base_url + "/v1/completions", json=BODY, timeout=60)
+        assert done.json()["choices"][0]["text"] == texts[0]  # engine 0 serves on
+
+        head.stop()
+        assert head.proc is not None and head.proc.returncode == 0
+        assert wait_gone(engine_pid, 5)
+    finally:
+        if headless.poll() is None:
+            headless.kill()
+            headless.wait()
