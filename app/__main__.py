@@ -126,6 +126,8 @@ async def serve(
                     host=host,
                     port=port,
                     routes=routes,
+                    engines=engine.data_parallel_size,
+                    api_servers=args.api_server_count,
                 ),
             )
         lifecycle.serving(engine, admission)

@@ -35,8 +35,12 @@ def format_banner(
     host: str,
     port: int,
     routes: Collection[str],
+    engines: int = 1,
+    api_servers: int = 1,
 ) -> str:
-    """The banner's text; ``routes`` are the app's paths, so only pages that exist are listed."""
+    """The banner's text; ``routes`` are the app's paths, so only pages that exist are listed.
+    ``engines``, ``api_servers``: data-parallel engines (the KV cache line is per engine) and
+    API server processes."""
     base = f"http://{display_host(host)}:{port}"
     aliases = f" (also answers to {', '.join(served_names[1:])})" if len(served_names) > 1 else ""
     device = f" on {ready.device}" if ready.device else ""
@@ -46,9 +50,11 @@ def format_banner(
         f"  model      {served_names[0]}{aliases}, from {model}",
         f"  dtype      {ready.dtype or 'unknown'}{device}",
         f"  KV cache   {ready.num_gpu_blocks:,} blocks x {ready.block_size} tokens = {tokens:,} tokens; "
-        f"max_model_len {ready.max_model_len:,}",
+        f"max_model_len {ready.max_model_len:,}" + (f"; in each of {engines} engines" if engines > 1 else ""),
         f"  transport  {transport} ({_TRANSPORTS.get(transport, transport)})",
     ]
+    if api_servers > 1:
+        lines.append(f"  processes  {api_servers} API servers on the port")
     if "/" in routes:
         lines.append(f"  chat page  {base}/")
     lines.append(f"  API        {base}/v1")
