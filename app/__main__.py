@@ -79,7 +79,7 @@ async def serve(
     from hypercorn.config import Config as HypercornConfig
 
     from app.banner import format_banner
-    from app.limits import Admission, ServerLimits
+    from app.limits import Admission, ServerLimits, close_connections_on_client_eof
     from app.server import build_app
 
     engine = await starting
@@ -131,6 +131,7 @@ async def serve(
                 ),
             )
         lifecycle.serving(engine, admission)
+        close_connections_on_client_eof()  # hypercorn 0.18 would hold them till keep_alive_timeout
         server = asyncio.ensure_future(
             hypercorn_serve(app, hypercorn_config, shutdown_trigger=lifecycle.stop.wait)  # type: ignore[arg-type]
         )
