@@ -21,9 +21,8 @@ DEFAULT_MAX_HEADER_BYTES = 16 << 10
 # app.limits' default, not imported from there: this module is read before the engine
 # is spawned, and app.limits brings asyncio and starlette (tests check the two agree).
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
-# hypercorn's default. Longer would spare clients the keep-alive race (the server closing
-# an idle connection as the client reuses it), but hypercorn only notices a client that
-# closed an idle connection when this expires: each such socket holds an fd till then.
+# hypercorn's default. A client should drop an idle connection before this (httpx's own
+# default expiry is 5 s too, which invites the keep-alive race; bench soak uses half).
 DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
 DEFAULT_BACKLOG = 1024
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
