@@ -8,6 +8,7 @@ torch's thread pool (libgomp) is loaded.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from core.config import EngineConfig
@@ -28,10 +29,21 @@ def configure_cpu_threads() -> None:
 
 def set_thread_count(threads: int | None) -> None:
     """The math libraries' pool sizes (torch's OpenMP pool, OpenBLAS's), for an
-    engine that shares the host with other data-parallel engines."""
-    if threads is not None:
-        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-            os.environ[var] = str(threads)
+    engine that shares the host with other data-parallel engines.
+
+    The environment reaches the libraries loaded from now on (torch). numpy, and
+    with it OpenBLAS, is usually loaded already, by the unpickling of this process's
+    arguments: its pool is resized in place (threadpoolctl). Left at one thread per
+    core, every engine's OpenBLAS threads spin on the same cores.
+    """
+    if threads is None:
+        return
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    if "numpy" in sys.modules:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(threads, user_api="blas")
 
 
 def run_engine_process(
