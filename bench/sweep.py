@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import re
 import shlex
 import statistics
 import tempfile
@@ -139,17 +140,36 @@ def start_servers(configs: list[ConfigRun], args: argparse.Namespace, model_dir:
             print(f"### {config.name} FAILED: {config.error}{kept}")
 
 
+def engine_pids(log_path: Path) -> list[int]:
+    """The engines' pids, from the line each one logs when it is ready."""
+    text = log_path.read_text(errors="replace")
+    return [int(pid) for pid in re.findall(r"EngineCore \d+ \(pid (\d+)\) ready", text)]
+
+
+def frontend_cpu_s(pid: int, engines: list[int]) -> float:
+    """CPU seconds of the server's processes other than its engines."""
+    total = process_tree_cpu_s(pid)
+    for engine in engines:
+        try:
+            total -= process_cpu_s(engine)
+        except OSError:  # gone (restarted): its time left the tree with it
+            pass
+    return total
+
+
 def run_once(config: ConfigRun, args: argparse.Namespace, model_dir: str, tag: str) -> None:
     """One run of the workload against the configuration's server; a failure is kept as its error."""
     print(f"\n### {config.name}: {tag}")
     assert config.server is not None and config.server.proc is not None
     pid = config.server.proc.pid
     try:
-        frontend, server = process_cpu_s(pid), process_tree_cpu_s(pid)
+        # The frontend is the server's process tree less its engines (one frontend
+        # process, or a supervisor and its API server processes).
+        engines = engine_pids(config.server.log_path)
+        frontend, server = frontend_cpu_s(pid, engines), process_tree_cpu_s(pid)
         result = run_benchmark(serve_args_for(args, config, model_dir, tag))
         tokens = max(result["total_output_tokens"], 1)
-        # The server's own process is the frontend (the engine is its child).
-        result["frontend_cpu_us_per_token"] = (process_cpu_s(pid) - frontend) * 1e6 / tokens
+        result["frontend_cpu_us_per_token"] = (frontend_cpu_s(pid, engines) - frontend) * 1e6 / tokens
         result["server_cpu_us_per_token"] = (process_tree_cpu_s(pid) - server) * 1e6 / tokens
         config.results.append(result)
     except (ValueError, RuntimeError, OSError) as exc:
