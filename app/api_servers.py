@@ -83,7 +83,9 @@ def run_api_server(
     from app.__main__ import serve
     from core.dp_client import DPAsyncMPClient
 
-    engine_core = DPAsyncMPClient(config, wait=False, group=group)
+    engine_core = DPAsyncMPClient(
+        config, wait=False, group=group, prefix_affinity=args.data_parallel_prefix_affinity
+    )
     try:
         code = uvloop.run(serve(config, engine_core, chat_template, sock, args, client_index=group.client_index))
     finally:

@@ -288,6 +288,11 @@ def make_parser() -> argparse.ArgumentParser:
         help="with -dp, start a dead engine again (its requests fail; the others serve meanwhile)",
     )
     parallel.add_argument(
+        "--data-parallel-prefix-affinity", action="store_true",
+        help="with -dp, send a request to the engine that got its longest prompt prefix before (it "
+        "likely still caches it), unless that engine is much busier than the least loaded one",
+    )
+    parallel.add_argument(
         "--api-server-count", type=_positive_int, default=1, metavar="M",
         help="API server processes sharing the port, each talking to every engine (default 1)",
     )

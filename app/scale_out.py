@@ -69,7 +69,10 @@ def start_engines(args: argparse.Namespace, config: EngineConfig) -> AsyncMPClie
         from core.headless import HeadLauncher
 
         launcher = HeadLauncher(config, args.data_parallel_address, args.data_parallel_rpc_port, 0, local)
-    return DPAsyncMPClient(config, wait=False, restart_dead_engines=args.restart_dead_engines, launcher=launcher)
+    return DPAsyncMPClient(
+        config, wait=False, restart_dead_engines=args.restart_dead_engines, launcher=launcher,
+        prefix_affinity=args.data_parallel_prefix_affinity,
+    )
 
 
 def run_headless_host(args: argparse.Namespace, config: EngineConfig) -> int:

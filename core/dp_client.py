@@ -35,6 +35,7 @@ import msgspec
 from core.client import AsyncMPClient, EngineLauncher, MPClient, _AsyncUtilities
 from core.config import EngineConfig
 from core.load import WAITING_WEIGHT, EngineLoadReader, create_load_table
+from core.prefix_affinity import PrefixAffinity
 from core.transport import TransportSpec
 from shm.stats_table import StatsTable
 from core.protocol import (
@@ -50,6 +51,10 @@ from core.protocol import (
 )
 
 logger = logging.getLogger("ringllm.dp")
+
+# Prefix affinity: a request follows its prefix to an engine with up to this much
+# more load than the least loaded one (four more waiting requests).
+AFFINITY_SLACK = 4 * WAITING_WEIGHT
 
 
 @dataclasses.dataclass
@@ -150,7 +155,10 @@ class DPAsyncMPClient(_AsyncUtilities):
         restart_dead_engines: bool = False,
         group: EngineGroupSpec | None = None,
         launcher: EngineLauncher | None = None,
+        prefix_affinity: bool = False,
     ) -> None:
+        """``prefix_affinity``: let a request follow its longest prefix already routed to
+        an engine that is not much busier than the least loaded (``core.prefix_affinity``)."""
         config = config.resolve()
         self.config = config
         self.size = config.data_parallel_size
@@ -176,6 +184,7 @@ class DPAsyncMPClient(_AsyncUtilities):
         self._owned = [0] * self.size
         self._last_running = [0] * self.size
         self._next = 0  # where the next tie-break starts
+        self._affinity = PrefixAffinity(config.block_size) if prefix_affinity else None
         self._queue: asyncio.Queue[EngineCoreOutputs | _EngineLost | Exception] | None = None
         self._pending: list[EngineCoreOutputs | _EngineLost] = []  # delivered before the loop ran
         self._restarts: set[asyncio.Task] = set()
@@ -257,6 +266,8 @@ class DPAsyncMPClient(_AsyncUtilities):
         for rid in ids:
             del self._owner[rid]
         self._owned[j] = 0
+        if self._affinity is not None:
+            self._affinity.forget_engine(j)
         exitcode = engine.proc.exitcode
         logger.error("engine %d died (exit code %s): %s; %d requests failed", j, exitcode, error, len(ids))
         if self.restart_dead_engines and (self.launcher is None or self.launcher.can_restart(j)):
@@ -301,6 +312,18 @@ class DPAsyncMPClient(_AsyncUtilities):
     # ---------------------------------------------------------------- routing
 
     def _choose(self, request: EngineCoreRequest) -> int:
+        affinity = self._affinity
+        if affinity is None:
+            return self._least_loaded(request, None)
+        keys = affinity.keys(request.prompt_token_ids, request.cache_salt)
+        engine = self._least_loaded(request, affinity.lookup(keys)[0] if keys else -1)
+        if keys:
+            affinity.record(keys, engine)
+        return engine
+
+    def _least_loaded(self, request: EngineCoreRequest, preferred: int | None) -> int:
+        """The pinned engine, else the least loaded one, else ``preferred`` (>= 0) when its
+        score is within AFFINITY_SLACK of the least loaded's."""
         rank = request.data_parallel_rank
         if rank is not None:
             if not 0 <= rank < self.size:
@@ -308,6 +331,7 @@ class DPAsyncMPClient(_AsyncUtilities):
             if not self._routable[rank]:
                 raise EngineUnavailableError(f"engine {rank} is not serving")
             return rank
+        preferred_score = None
         best, best_score = -1, 0
         loads, sent, routable, engines = self._loads, self._sent, self._routable, self.engines
         for k in range(self.size):
@@ -322,8 +346,12 @@ class DPAsyncMPClient(_AsyncUtilities):
                 score = load.score(sent[j] - load.received)
             if best < 0 or score < best_score:
                 best, best_score = j, score
+            if j == preferred:
+                preferred_score = score
         if best < 0:
             raise EngineUnavailableError("no engine is serving")
+        if preferred_score is not None and preferred_score <= best_score + AFFINITY_SLACK:
+            return preferred  # type: ignore[return-value]
         self._next = (best + 1) % self.size
         return best
 

@@ -25,6 +25,7 @@ GROUPS = {
         "--data-parallel-size", "--api-server-count", "--restart-dead-engines", "--data-parallel-backend",
         "--headless", "--data-parallel-address", "--data-parallel-rpc-port", "--data-parallel-start-rank",
         "--data-parallel-size-local", "--engine-threads", "--ray-engine-resources",
+        "--data-parallel-prefix-affinity",
     },
 }
 

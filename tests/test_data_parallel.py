@@ -191,3 +191,23 @@ def test_an_abort_reaches_the_engine_that_owns_the_request(dp2) -> None:
         httpx.post(base + "/resume", timeout=10)
     health = httpx.get(base + "/health", timeout=10)
     assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def test_prefix_affinity_keeps_a_shared_prefix_on_one_engine(server_factory) -> None:
+    """With --data-parallel-prefix-affinity, requests sharing a prefix of whole blocks follow
+    the first one to its engine (one at a time, so the loads are equal and only the prefix
+    decides); without it, the same requests alternate between the engines."""
+    story = " ".join(["Once upon a time there was a little girl named Lily who loved the park."] * 4)
+    prompts = [f"{story} Question {i}:" for i in range(8)]
+
+    def split(server) -> list[float]:
+        before = _successes(server)
+        for prompt in prompts:
+            done = httpx.post(server.base_url + "/v1/completions",
+                              json={"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0}, timeout=60)
+            assert done.status_code == 200, done.text
+        after = _successes(server)
+        return sorted(after[e] - before[e] for e in ("0", "1"))
+
+    assert split(server_factory(["-dp", "2", "--data-parallel-prefix-affinity"])) == [0, 8]
+    assert split(server_factory(["-dp", "2"])) == [4, 4]
