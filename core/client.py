@@ -712,21 +712,12 @@ class SyncMPClient(MPClient, _Utilities):
 
 
 class AsyncMPClient(MPClient, _AsyncUtilities):
-    """asyncio client: outputs are read on the loop, without a thread."""
+    """asyncio client: outputs are read on the loop, without a thread. The queue,
+    the reader task and the send lock are made on the loop, at first use."""
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        *,
-        wait: bool = True,
-        load_table: str | None = None,
-        adopt: tuple[TransportSpec, int] | None = None,
-        launcher: EngineLauncher | None = None,
-    ) -> None:
-        super().__init__(config, wait=wait, load_table=load_table, adopt=adopt, launcher=launcher)
-        self.outputs_queue: asyncio.Queue[EngineCoreOutputs | Exception] | None = None
-        self._reader_task: asyncio.Task | None = None
-        self._send_lock: asyncio.Lock | None = None
+    outputs_queue: asyncio.Queue[EngineCoreOutputs | Exception] | None = None
+    _reader_task: asyncio.Task | None = None
+    _send_lock: asyncio.Lock | None = None
 
     def _ensure_reader(self) -> None:
         if self._reader_task is None:

@@ -31,6 +31,8 @@ from shm.zmq_channel import ZmqChannelSpec
 
 logger = logging.getLogger("ringllm.headless")
 
+RETRY_INTERVAL_S = 0.2
+
 
 
 class RemoteEngineHandle:
@@ -73,6 +75,7 @@ class HeadLauncher:
         self._thread = threading.Thread(target=self._serve_registrations, name="HeadlessRegistry", daemon=True)
         self._thread.start()
         remote = [r for r in range(config.data_parallel_size) if r not in self._local]
+        self._remote = set(remote)
         logger.info("engines %s run here; waiting for engines %s at tcp://%s:%d", list(self._local), remote,
                     address, rpc_port)
 
@@ -100,11 +103,17 @@ class HeadLauncher:
         while not self._closing:
             if not poller.poll(200):
                 continue
+            answer = None
             try:
                 rank = int(json.loads(self._socket.recv())["rank"])
                 with self._lock:
                     answer = self._answers.get(rank)
-                reply = answer if answer is not None else {"error": f"rank {rank} is not waited for"}
+                if answer is not None:
+                    reply = answer
+                elif rank in self._remote:  # its transport is not made yet: ask again shortly
+                    reply = {"retry": f"engine {rank} is not ready to be connected yet"}
+                else:
+                    reply = {"error": f"rank {rank} is not waited for"}
             except (ValueError, KeyError, TypeError) as exc:
                 reply = {"error": f"malformed registration: {exc}"}
             self._socket.send(json.dumps(reply).encode())
@@ -119,15 +128,23 @@ class HeadLauncher:
 
 def _ask(context: zmq.Context, endpoint: str, rank: int, timeout: float) -> dict[str, str]:
     """Where engine ``rank`` connects. The request waits in the socket until the head
-    is up (zmq connects lazily), so a headless host may start first."""
+    is up (zmq connects lazily), so a headless host may start first; the head may also
+    answer "retry" while it is still making that engine's transport."""
+    deadline = time.monotonic() + timeout
     socket = context.socket(zmq.REQ)
     socket.setsockopt(zmq.LINGER, 0)
     try:
         socket.connect(endpoint)
-        socket.send(json.dumps({"rank": rank}).encode())
-        if not socket.poll(int(max(timeout, 0) * 1000)):
-            raise TimeoutError(f"no answer from the head at {endpoint} for engine {rank}")
-        reply = json.loads(socket.recv())
+        while True:
+            socket.send(json.dumps({"rank": rank}).encode())
+            if not socket.poll(int(max(deadline - time.monotonic(), 0) * 1000)):
+                raise TimeoutError(f"no answer from the head at {endpoint} for engine {rank}")
+            reply = json.loads(socket.recv())
+            if "retry" not in reply:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the head at {endpoint} never got ready for engine {rank}")
+            time.sleep(RETRY_INTERVAL_S)
     finally:
         socket.close(linger=0)
     if "error" in reply:

@@ -7,20 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.support.metrics import parse_metrics, value
+from tests.support.servers import segments
 
 pytestmark = pytest.mark.slow
 
 MODEL = "stories260K"
-
-
-def _segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("ringllm-*")}
 
 
 async def _stream_on_new_connection(base: str, i: int) -> tuple[str, str, int]:
@@ -45,7 +41,7 @@ async def _stream_on_new_connection(base: str, i: int) -> tuple[str, str, int]:
 
 
 def test_two_api_servers_share_the_port_and_both_engines(server_factory) -> None:
-    before = _segments()
+    before = segments()
     server = server_factory(["--api-server-count", "2", "-dp", "2"])
     base = server.base_url
 
@@ -85,4 +81,4 @@ def test_two_api_servers_share_the_port_and_both_engines(server_factory) -> None
 
     server.stop()
     assert server.proc is not None and server.proc.returncode == 0
-    assert _segments() <= before
+    assert segments() <= before

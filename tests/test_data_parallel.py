@@ -9,7 +9,6 @@ Which engine served what is read from /metrics (the ``engine`` label) and /engin
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -17,6 +16,7 @@ import openai
 import pytest
 
 from tests.support.metrics import parse_metrics, value
+from tests.support.servers import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -129,15 +129,6 @@ def _engine_stats(server) -> list[dict]:
     return httpx.get(server.base_url + "/engine/stats", timeout=10).json()["engines"]
 
 
-def _wait_for(predicate, what: str, seconds: float = 20.0) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _open_stream(base: str, body: dict, first_token: bool) -> tuple[httpx.Client, httpx.Response, Iterator[str]]:
     """A stream left open; with ``first_token``, read up to its first event. The line
     iterator is returned with it: dropping it would close the connection."""
@@ -170,10 +161,10 @@ def test_an_abort_reaches_the_engine_that_owns_the_request(dp2) -> None:
     assert httpx.post(base + "/pause", params={"mode": "keep"}, timeout=10).status_code == 200
     try:
         held = [_open_stream(base, body, first_token=False) for _ in range(3)]
-        _wait_for(lambda: _engine_stats(dp2)[1]["num_waiting_reqs"] == 3, "3 requests held in engine 1")
+        wait_for(lambda: _engine_stats(dp2)[1]["num_waiting_reqs"] == 3, "3 requests held in engine 1")
         assert _engine_stats(dp2)[0]["num_waiting_reqs"] == 0
         _close(held)
-        _wait_for(engine1_empty, "engine 1 to drop the held requests")
+        wait_for(engine1_empty, "engine 1 to drop the held requests")
     finally:
         httpx.post(base + "/resume", timeout=10)
 
@@ -185,7 +176,7 @@ def test_an_abort_reaches_the_engine_that_owns_the_request(dp2) -> None:
         engine1 = _engine_stats(dp2)[1]
         assert engine1["num_running_reqs"] >= 1 and engine1["kv_cache_usage"] > 0, engine1
         _close(running)
-        _wait_for(engine1_empty, "engine 1 to drop the running requests and free their KV blocks")
+        wait_for(engine1_empty, "engine 1 to drop the running requests and free their KV blocks")
     finally:
         _close(running)
         httpx.post(base + "/resume", timeout=10)

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.servers import wait_gone
+from tests.support.servers import segments, wait_for, wait_gone
 
 pytestmark = pytest.mark.slow
 
@@ -34,10 +34,6 @@ def _engine_pids(server) -> dict[int, int]:
     for index, pid in re.findall(r"EngineCore (\d+) \(pid (\d+)\) ready", server.log()):
         pids[int(index)] = int(pid)
     return pids
-
-
-def _segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("ringllm-*")}
 
 
 class _Stream(threading.Thread):
@@ -78,15 +74,6 @@ class _Stream(threading.Thread):
             self.client.close()
 
 
-def _wait_for(predicate, what: str, seconds: float = 30.0) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _complete(base: str, **extra) -> httpx.Response:
     body = {**BODY, "stream": False, "max_tokens": 16, **extra}
     del body["stream_options"]
@@ -94,7 +81,7 @@ def _complete(base: str, **extra) -> httpx.Response:
 
 
 def test_a_killed_engine_fails_only_its_own_requests(server_factory) -> None:
-    before = _segments()
+    before = segments()
     server = server_factory(["-dp", "2"])
     base = server.base_url
     pids = _engine_pids(server)
@@ -131,23 +118,23 @@ def test_a_killed_engine_fails_only_its_own_requests(server_factory) -> None:
     server.stop()
     assert server.proc is not None and server.proc.returncode == 0
     assert wait_gone(pids[0], 10)
-    assert _segments() <= before
+    assert segments() <= before
 
 
 def test_a_dead_engine_is_restarted_and_serves_again(server_factory) -> None:
-    before = _segments()
+    before = segments()
     server = server_factory(["-dp", "2", "--restart-dead-engines"])
     base = server.base_url
     old = _engine_pids(server)
     os.kill(old[1], signal.SIGKILL)
-    _wait_for(lambda: _engine_pids(server).get(1, old[1]) != old[1], "engine 1 to start again")
+    wait_for(lambda: _engine_pids(server).get(1, old[1]) != old[1], "engine 1 to start again")
     new = _engine_pids(server)
     assert new[0] == old[0]
 
     def both_serving() -> bool:
         return httpx.get(base + "/health", timeout=10).json().get("status") == "ok"
 
-    _wait_for(both_serving, "engine 1 to rejoin")
+    wait_for(both_serving, "engine 1 to rejoin")
     for rank in (1, 0, None):
         extra = {} if rank is None else {"data_parallel_rank": rank}
         done = _complete(base, **extra)
@@ -158,4 +145,4 @@ def test_a_dead_engine_is_restarted_and_serves_again(server_factory) -> None:
     server.stop()
     assert server.proc is not None and server.proc.returncode == 0
     assert wait_gone(new[1], 10)
-    assert _segments() <= before
+    assert segments() <= before

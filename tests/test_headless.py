@@ -8,27 +8,17 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from app.launcher import REPO, free_port
-from tests.support.servers import wait_gone
+from tests.support.servers import wait_for, wait_gone
 
 pytestmark = pytest.mark.slow
 
 BODY = {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}
-
-
-def _wait_for(predicate, what: str, seconds: float = 30.0) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_an_engine_on_a_headless_host_serves_the_head(server_factory, tmp_path: Path) -> None:
@@ -57,7 +47,7 @@ def test_an_engine_on_a_headless_host_serves_the_head(server_factory, tmp_path: 
             health = httpx.get(head.base_url + "/health", timeout=10).json()
             return health.get("engines", [{}, {}])[1].get("status") == "down"
 
-        _wait_for(engine1_down, "the head to see engine 1 gone")
+        wait_for(engine1_down, "the head to see engine 1 gone")
         assert headless.wait(timeout=30) == 1  # its engine died
         done = httpx.post(head.base_url + "/v1/completions", json=BODY, timeout=60)
         assert done.json()["choices"][0]["text"] == texts[0]  # engine 0 serves on

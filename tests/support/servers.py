@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from app.launcher import ManagedServer
@@ -35,6 +36,21 @@ def wait_gone(pid: int, seconds: float) -> bool:
             return True
         time.sleep(0.05)
     return process_gone(pid)
+
+
+def wait_for(predicate: Callable[[], bool], what: str, seconds: float = 30.0) -> None:
+    """Poll ``predicate`` until it holds; AssertionError naming ``what`` after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def segments() -> set[str]:
+    """The ringllm segments in /dev/shm now."""
+    return {p.name for p in Path("/dev/shm").glob("ringllm-*")}
 
 
 class Server(ManagedServer):
