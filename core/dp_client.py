@@ -416,7 +416,8 @@ class DPAsyncMPClient(_AsyncUtilities):
         return [e.proc for e in self.engines]
 
     def transport_stats(self) -> TransportStats | None:
-        return _sum_structs([e.transport.stats() for e in self.engines])
+        """This side's counters, summed over the engines' transports."""
+        return _sum_structs([e.transport.stats() for e in self.engines]) if self.engines else None
 
     def kill_now(self) -> None:
         self._closing = True
