@@ -106,13 +106,18 @@ def paged_attention(
     backend = _attention_backend(query)
     if backend is not torch_ref or not (cpu.usable(query, k_cache) and _heads_contiguous(query)):
         return backend.paged_attention(query, k_cache, v_cache, meta, scale, out)
-    step = torch_ref.plan(meta, k_cache.shape[1], query.device, cpu.ROW_PAIRS_LIMIT)
+    whole_chunks = query.shape[2] <= cpu.PREFILL_KERNEL_MAX_HEAD_DIM
+    step = torch_ref.plan(meta, k_cache.shape[1], query.device, cpu.ROW_PAIRS_LIMIT, whole_chunks)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype)
     if step.query_rows is not None:
         cpu.paged_decode_attention(
             query, k_cache, v_cache, meta.block_tables, step.query_rows, step.query_tables,
             step.query_seq_lens, step.query_max_len, scale, out,
+        )
+    for start, end, r, seq_len in step.small_prefills:
+        cpu.paged_prefill_attention(
+            query[start:end], k_cache, v_cache, meta.block_tables[r], seq_len, scale, out[start:end]
         )
     torch_ref.attend_prefills(query, k_cache, v_cache, step, scale, out)
     return out

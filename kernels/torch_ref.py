@@ -104,9 +104,11 @@ class CpuAttentionPlan:
     ``query_*`` list the rows that the C kernel attends one query at a time
     (kernels/cpu): the decodes, plus, when the plan is built with a
     ``row_pairs_limit``, every token of the prefill chunks small enough
-    (query length x context length at most the limit) for that to beat a
-    batched SDPA call; ``prefills`` are the chunks left to SDPA. The torch
-    path builds it with no limit and batches its decodes itself.
+    (query length x context length at most the limit) for the C kernels to
+    beat a batched SDPA call; with ``whole_chunks`` those chunks are instead
+    listed in ``small_prefills``, for the C kernel that attends a chunk at
+    once. ``prefills`` are the chunks left to SDPA. The torch path builds the
+    plan with no limit and batches its decodes itself.
     """
 
     decode_rows: torch.Tensor | None  # token rows of the decodes; None when every token is a decode
@@ -119,10 +121,16 @@ class CpuAttentionPlan:
     query_seq_lens: torch.Tensor | None  # int64 context length each one sees (causal)
     query_max_len: int
     prefills: list[_Prefill]
+    small_prefills: list[tuple[int, int, int, int]]  # (start, end, request, seq_len) of each
 
     @classmethod
     def build(
-        cls, meta: AttentionMetadata, block_size: int, device: torch.device, row_pairs_limit: int = 0
+        cls,
+        meta: AttentionMetadata,
+        block_size: int,
+        device: torch.device,
+        row_pairs_limit: int = 0,
+        whole_chunks: bool = False,
     ) -> CpuAttentionPlan:
         qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         decodes = [r for r in range(meta.num_reqs) if qsl[r + 1] - qsl[r] == 1]
@@ -147,13 +155,17 @@ class CpuAttentionPlan:
                 pad = torch.arange(decode_len, device=device)[None, :] >= torch.tensor(lens, device=device)[:, None]
                 decode_mask = torch.zeros(pad.shape, device=device).masked_fill_(pad, float("-inf"))[:, None, None]
         prefills = []
+        small_prefills = []
         for r in range(meta.num_reqs):
             start, end = qsl[r], qsl[r + 1]
             q_len, seq_len = end - start, seq_lens[r]
             if q_len <= 1:
                 continue
-            if q_len * seq_len <= row_pairs_limit:  # token i sees the context up to its own position
-                first = seq_len - q_len + 1
+            if q_len * seq_len <= row_pairs_limit:
+                if whole_chunks:
+                    small_prefills.append((start, end, r, seq_len))
+                    continue
+                first = seq_len - q_len + 1  # token i sees the context up to its own position
                 rows += range(start, end)
                 row_tables += [r] * q_len
                 row_lens += range(first, seq_len + 1)
@@ -171,15 +183,21 @@ class CpuAttentionPlan:
             query_lens = torch.tensor(row_lens, dtype=torch.int64, device=device)
         return cls(
             decode_rows, decode_blocks, len(decodes), decode_len, decode_mask, query_rows, query_tables,
-            query_lens, max(row_lens, default=0), prefills,
+            query_lens, max(row_lens, default=0), prefills, small_prefills,
         )
 
 
-def plan(meta: AttentionMetadata, block_size: int, device: torch.device, row_pairs_limit: int = 0) -> CpuAttentionPlan:
+def plan(
+    meta: AttentionMetadata,
+    block_size: int,
+    device: torch.device,
+    row_pairs_limit: int = 0,
+    whole_chunks: bool = False,
+) -> CpuAttentionPlan:
     """The step's plan, built by the first layer that asks and cached on ``meta``."""
     plan = meta.cpu_plan
     if plan is None:
-        plan = meta.cpu_plan = CpuAttentionPlan.build(meta, block_size, device, row_pairs_limit)
+        plan = meta.cpu_plan = CpuAttentionPlan.build(meta, block_size, device, row_pairs_limit, whole_chunks)
     return plan
 
 

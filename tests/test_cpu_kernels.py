@@ -85,20 +85,26 @@ _LARGE_BATCH = ([1] * 24 + [12], [100 + 7 * i for i in range(24)] + [30], 4, 3, 
         pytest.param([9, 1, 20, 1, 3], [0, 12, 7, 33, 5], 2, 3, 16, 4, id="decodes-between-prefill-chunks"),
         pytest.param([1, 1], [0, 10], 1, 8, 128, 1, id="mqa-block-size-one"),
         pytest.param(*_LARGE_BATCH, id="batch-large-enough-for-threads"),
+        # Prefill chunks with and without a cached prefix on both sides of the
+        # head size where whole chunks give way to one query at a time.
+        pytest.param([40, 1, 17], [0, 9, 30], 2, 2, 8, 16, id="prefill-chunks-head-dim-8"),
+        pytest.param([40, 1, 17], [0, 9, 30], 2, 2, 32, 16, id="prefill-chunks-head-dim-32"),
+        pytest.param([130], [0], 4, 2, 8, 16, id="prefill-chunk-large-enough-for-threads"),
     ],
 )
 def test_paged_decode_attention_matches_dense(query_lens, context_lens, kv_heads, group, head_dim, block_size):
     run_case(query_lens, context_lens, kv_heads, group, head_dim, block_size, attention=kernels.paged_attention)
 
 
-def test_threaded_attention_is_bitwise_the_single_thread_result() -> None:
-    """Threads split a large batch by decode, each computed exactly as on one thread."""
+@pytest.mark.parametrize("case", [_LARGE_BATCH, ([130], [0], 4, 2, 8, 16)], ids=["decodes", "prefill-chunk"])
+def test_threaded_attention_is_bitwise_the_single_thread_result(case) -> None:
+    """Threads split a large batch by decode (or a chunk by query), each computed exactly as on one thread."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = run_case(*_LARGE_BATCH, attention=kernels.paged_attention)
+        alone = run_case(*case, attention=kernels.paged_attention)
         torch.set_num_threads(max(2, threads))
-        shared = run_case(*_LARGE_BATCH, attention=kernels.paged_attention)
+        shared = run_case(*case, attention=kernels.paged_attention)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(alone, shared)

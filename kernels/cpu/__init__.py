@@ -48,6 +48,10 @@ DISABLE_ENV = "RINGLLM_CPU_KERNELS"
 # kernel one query at a time; larger ones by torch's SDPA, whose per-call cost
 # only pays off on longer chunks (bench/README.md).
 ROW_PAIRS_LIMIT = int(os.environ.get("RINGLLM_CPU_PREFILL_PAIRS", str(512 * 512)))
+# Up to this head size such a chunk is attended at once (paged_prefill_attention:
+# vector work along the keys); above it one query at a time (a dot product per
+# key is then long enough to be efficient). bench/README.md has the crossover.
+PREFILL_KERNEL_MAX_HEAD_DIM = 16
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -57,6 +61,7 @@ _SIGNATURES = {
     "write_kv": [_P, _I, _P, _I, _I, _I, _P, _P, _P],
     "silu_mul": [_P, _I, _I, _P],
     "paged_decode_attention": [_P, _I, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _P, _F, _P, _I, _P, _I, _I],
+    "paged_prefill_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, _F, _P, _I, _P, _P, _I],
 }
 
 _lock = threading.Lock()
@@ -180,6 +185,29 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
     _lib.silu_mul(gate_up.data_ptr(), rows, width // 2, out.data_ptr())
     return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """out = causal attention of one request's prefill chunk query [n, Hq, D] (the last n of
+    its first ``seq_len`` positions) over the blocks in ``table`` (int32), read in place."""
+    n, heads, head_dim = query.shape
+    kv_heads = k_cache.shape[2]
+    threads = torch.get_num_threads()
+    kv_scratch = torch.empty(2 * kv_heads * head_dim * seq_len, dtype=torch.float32)
+    scores = torch.empty(threads * seq_len, dtype=torch.float32)
+    _lib.paged_prefill_attention(
+        query.data_ptr(), query.stride(0), n, heads, kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
+        k_cache.shape[1], table.data_ptr(), seq_len, scale, out.data_ptr(), out.stride(0), kv_scratch.data_ptr(),
+        scores.data_ptr(), threads,
+    )
 
 
 def paged_decode_attention(

@@ -278,3 +278,79 @@ void paged_decode_attention(const float *q, int64_t q_stride, const int64_t *q_r
 #undef DECODE
     }
 }
+
+/* Attention of one request's prefill chunk, read from the paged caches.
+ *
+ * Query i (row q + i*q_stride, heads of head_dim) sits at position
+ * seq_len - n + i and attends to the request's cached tokens 0 .. its own
+ * position; its output goes to out + i*out_stride. The request's first
+ * seq_len keys and values are first copied transposed, per KV head
+ * [head_dim][seq_len], into kv_scratch (2 * kv_heads * head_dim * seq_len
+ * floats): all n queries read them, and a query's scores and its output are
+ * then vector operations along the keys instead of one short dot product per
+ * key (which is what the decode kernel does, and what costs there for small
+ * head dimensions). The queries are shared among up to `threads` OpenMP
+ * threads; thread t keeps its scores at score_scratch + t*seq_len.
+ */
+void paged_prefill_attention(const float *q, int64_t q_stride, int64_t n, int64_t heads, int64_t kv_heads,
+                             int64_t head_dim, const float *k_cache, const float *v_cache, int64_t block_size,
+                             const int32_t *table, int64_t seq_len, float scale, float *out, int64_t out_stride,
+                             float *kv_scratch, float *score_scratch, int64_t threads) {
+    int64_t group = heads / kv_heads;
+    int64_t kv_row = kv_heads * head_dim;
+    float *kt = kv_scratch;
+    float *vt = kv_scratch + kv_row * seq_len;
+    for (int64_t j0 = 0, b = 0; j0 < seq_len; j0 += block_size, b++) {
+        int64_t m = seq_len - j0 < block_size ? seq_len - j0 : block_size;
+        const float *kb = k_cache + (int64_t)table[b] * block_size * kv_row;
+        const float *vb = v_cache + (int64_t)table[b] * block_size * kv_row;
+        for (int64_t t = 0; t < m; t++)
+            for (int64_t c = 0; c < kv_row; c++) {
+                kt[c * seq_len + j0 + t] = kb[t * kv_row + c];
+                vt[c * seq_len + j0 + t] = vb[t * kv_row + c];
+            }
+    }
+    int64_t first = seq_len - n;
+    int parallel = threads > 1 && n > 1 && n * (first + n / 2) * heads * head_dim >= PARALLEL_MIN_WORK;
+    (void)parallel;
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads) if (parallel)
+    for (int64_t i = 0; i < n; i++) {
+#ifdef _OPENMP
+        float *s = score_scratch + omp_get_thread_num() * seq_len;
+#else
+        float *s = score_scratch;
+#endif
+        int64_t len = first + i + 1;
+        const float *qi = q + i * q_stride;
+        float *oi = out + i * out_stride;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *qh = qi + h * head_dim;
+            const float *kh = kt + (h / group) * head_dim * seq_len;
+            const float *vh = vt + (h / group) * head_dim * seq_len;
+            float q0 = qh[0];
+#pragma omp simd
+            for (int64_t j = 0; j < len; j++) s[j] = q0 * kh[j];
+            for (int64_t d = 1; d < head_dim; d++) {
+                float qd = qh[d];
+                const float *kd = kh + d * seq_len;
+#pragma omp simd
+                for (int64_t j = 0; j < len; j++) s[j] += qd * kd[j];
+            }
+            float m = -INFINITY;
+#pragma omp simd
+            for (int64_t j = 0; j < len; j++) s[j] *= scale;
+#pragma omp simd reduction(max : m)
+            for (int64_t j = 0; j < len; j++) m = s[j] > m ? s[j] : m;
+#pragma omp simd
+            for (int64_t j = 0; j < len; j++) s[j] -= m;
+            exp_array(s, s, len);
+            float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+            for (int64_t j = 0; j < len; j++) total += s[j];
+            float inv = 1.0f / total;
+#pragma omp simd
+            for (int64_t j = 0; j < len; j++) s[j] *= inv;
+            for (int64_t d = 0; d < head_dim; d++) oi[h * head_dim + d] = dot(s, vh + d * seq_len, len);
+        }
+    }
+}
