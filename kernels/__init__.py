@@ -106,7 +106,7 @@ def paged_attention(
     backend = _attention_backend(query)
     if backend is not torch_ref or not (cpu.usable(query, k_cache) and _heads_contiguous(query)):
         return backend.paged_attention(query, k_cache, v_cache, meta, scale, out)
-    whole_chunks = query.shape[2] <= cpu.PREFILL_KERNEL_MAX_HEAD_DIM
+    whole_chunks = query.shape[2] in cpu.PREFILL_KERNEL_HEAD_DIMS
     step = torch_ref.plan(meta, k_cache.shape[1], query.device, cpu.ROW_PAIRS_LIMIT, whole_chunks)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype)

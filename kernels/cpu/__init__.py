@@ -48,10 +48,11 @@ DISABLE_ENV = "RINGLLM_CPU_KERNELS"
 # kernel one query at a time; larger ones by torch's SDPA, whose per-call cost
 # only pays off on longer chunks (bench/README.md).
 ROW_PAIRS_LIMIT = int(os.environ.get("RINGLLM_CPU_PREFILL_PAIRS", str(512 * 512)))
-# Up to this head size such a chunk is attended at once (paged_prefill_attention:
-# vector work along the keys); above it one query at a time (a dot product per
-# key is then long enough to be efficient). bench/README.md has the crossover.
-PREFILL_KERNEL_MAX_HEAD_DIM = 16
+# For these head sizes such a chunk is attended at once (paged_prefill_attention,
+# specialised for them: vector work along the keys); for others one query at a
+# time (from 32 on, a dot product per key is long enough to be efficient).
+# bench/README.md has the measurements.
+PREFILL_KERNEL_HEAD_DIMS = (8, 16)
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {

@@ -279,6 +279,34 @@ void paged_decode_attention(const float *q, int64_t q_stride, const int64_t *q_r
     }
 }
 
+/* One query head of a prefill chunk over keys and values stored transposed
+ * ([head_dim][stride]); always inlined with a constant head_dim (8 and 16, the
+ * sizes the dispatcher sends here), so that each key's score is a fixed-length
+ * sum kept in a register and the loop over the keys is vector code. */
+static inline __attribute__((always_inline)) void prefill_query_head(
+    const float *qh, const float *kt, const float *vt, int64_t len, int64_t stride, const int64_t head_dim,
+    float scale, float *s, float *oh) {
+#pragma omp simd
+    for (int64_t j = 0; j < len; j++) {
+        float acc = 0.0f;
+        for (int64_t d = 0; d < head_dim; d++) acc += qh[d] * kt[d * stride + j];
+        s[j] = acc * scale;
+    }
+    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < len; j++) m = s[j] > m ? s[j] : m;
+#pragma omp simd
+    for (int64_t j = 0; j < len; j++) s[j] -= m;
+    exp_array(s, s, len);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < len; j++) total += s[j];
+    float inv = 1.0f / total;
+#pragma omp simd
+    for (int64_t j = 0; j < len; j++) s[j] *= inv;
+    for (int64_t d = 0; d < head_dim; d++) oh[d] = dot(s, vt + d * stride, len);
+}
+
 /* Attention of one request's prefill chunk, read from the paged caches.
  *
  * Query i (row q + i*q_stride, heads of head_dim) sits at position
@@ -324,33 +352,15 @@ void paged_prefill_attention(const float *q, int64_t q_stride, int64_t n, int64_
         const float *qi = q + i * q_stride;
         float *oi = out + i * out_stride;
         for (int64_t h = 0; h < heads; h++) {
-            const float *qh = qi + h * head_dim;
             const float *kh = kt + (h / group) * head_dim * seq_len;
             const float *vh = vt + (h / group) * head_dim * seq_len;
-            float q0 = qh[0];
-#pragma omp simd
-            for (int64_t j = 0; j < len; j++) s[j] = q0 * kh[j];
-            for (int64_t d = 1; d < head_dim; d++) {
-                float qd = qh[d];
-                const float *kd = kh + d * seq_len;
-#pragma omp simd
-                for (int64_t j = 0; j < len; j++) s[j] += qd * kd[j];
+#define PREFILL(D) prefill_query_head(qi + h * head_dim, kh, vh, len, seq_len, D, scale, s, oi + h * head_dim)
+            switch (head_dim) {
+                case 8: PREFILL(8); break;
+                case 16: PREFILL(16); break;
+                default: PREFILL(head_dim);
             }
-            float m = -INFINITY;
-#pragma omp simd
-            for (int64_t j = 0; j < len; j++) s[j] *= scale;
-#pragma omp simd reduction(max : m)
-            for (int64_t j = 0; j < len; j++) m = s[j] > m ? s[j] : m;
-#pragma omp simd
-            for (int64_t j = 0; j < len; j++) s[j] -= m;
-            exp_array(s, s, len);
-            float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-            for (int64_t j = 0; j < len; j++) total += s[j];
-            float inv = 1.0f / total;
-#pragma omp simd
-            for (int64_t j = 0; j < len; j++) s[j] *= inv;
-            for (int64_t d = 0; d < head_dim; d++) oi[h * head_dim + d] = dot(s, vh + d * seq_len, len);
+#undef PREFILL
         }
     }
 }
