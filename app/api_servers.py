@@ -106,7 +106,9 @@ class Supervisor:
         self.ctx = multiprocessing.get_context("spawn")
         self.metrics_dir = tempfile.mkdtemp(prefix="ringllm-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir  # inherited by the API servers
-        self.table = create_load_table(self.num_engines, self.num_servers)
+        # One load table per engine; API servers attach them at start, so the names stay
+        # until the end (a SIGKILL of this process leaves these small files behind).
+        self.tables = [create_load_table(self.num_servers) for _ in range(self.num_engines)]
         # links[i][j]: API server i <-> engine j. Kept open here until the end, so that
         # every name can be removed even if a process never attached.
         self.links: list[list[tuple[ClientTransport, TransportSpec]]] = [
@@ -115,13 +117,13 @@ class Supervisor:
         self.engines: list[multiprocessing.process.BaseProcess] = []
         for j, engine_config in enumerate(engine_configs(config)):
             specs = [self.links[i][j][1] for i in range(self.num_servers)]
-            engine = spawn_engine(engine_config, specs, self.table.name)
+            engine = spawn_engine(engine_config, specs, self.tables[j].name)
             engine.start()
             self.engines.append(engine)
         self.servers: list[multiprocessing.process.BaseProcess] = []
         for i in range(self.num_servers):
             group = EngineGroupSpec(
-                i, self.table.name, [(self.links[i][j][1], e.pid) for j, e in enumerate(self.engines)]  # type: ignore[misc]
+                i, [t.name for t in self.tables], [(self.links[i][j][1], e.pid) for j, e in enumerate(self.engines)]  # type: ignore[misc]
             )
             server = self.ctx.Process(
                 target=run_api_server, args=(args, config, chat_template, sock, group), name=f"ApiServer_{i}"
@@ -182,7 +184,8 @@ class Supervisor:
         for row in self.links:
             for transport, _ in row:
                 transport.close()
-        self.table.close()
+        for table in self.tables:
+            table.close()
         shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
 

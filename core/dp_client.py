@@ -130,7 +130,7 @@ class EngineGroupSpec:
     its client index, the load table's name, and (transport spec, pid) per engine."""
 
     client_index: int
-    load_table: str
+    load_tables: list[str]  # one per engine
     engines: list[tuple[TransportSpec, int]]
 
 
@@ -168,11 +168,9 @@ class DPAsyncMPClient(_AsyncUtilities):
         self.launcher = launcher
         self._configs = engine_configs(config)
         if group is None:
-            self.load_table = create_load_table(self.size, num_clients=1)
-            self._loads = EngineLoadReader(self.load_table, client_index=0)
+            self._loads = EngineLoadReader([create_load_table(num_clients=1) for _ in range(self.size)], 0)
         else:
-            self.load_table = StatsTable.attach(group.load_table)
-            self._loads = EngineLoadReader(self.load_table, group.client_index)
+            self._loads = EngineLoadReader([StatsTable.attach(n) for n in group.load_tables], group.client_index)
         self.engines: list[_DPEngine] = []
         self.engine_dead: EngineDeadError | None = None
         self.ready: HandshakeReady | None = None
@@ -192,7 +190,7 @@ class DPAsyncMPClient(_AsyncUtilities):
         try:
             for j in range(self.size):
                 adopt = group.engines[j] if group is not None else None
-                self.engines.append(_DPEngine(self, self._configs[j], self.load_table.name, adopt, launcher))
+                self.engines.append(_DPEngine(self, self._configs[j], self._loads.tables[j].name, adopt, launcher))
             if wait:
                 self.wait_ready()
         except BaseException:
@@ -207,6 +205,7 @@ class DPAsyncMPClient(_AsyncUtilities):
             for engine in self.engines:
                 engine.wait_ready()
             for j in range(self.size):
+                self._loads.tables[j].unlink()  # the engine has it open (it is READY): drop the name
                 self._routable[j] = True
             first = self.engines[0].ready
             assert first is not None
@@ -287,7 +286,8 @@ class DPAsyncMPClient(_AsyncUtilities):
         async def restart() -> None:
             old.detach_from_loop()
             await loop.run_in_executor(None, MPClient.shutdown, old)  # reaps the process, frees its rings
-            engine = _DPEngine(self, self._configs[j], self.load_table.name, launcher=self.launcher)
+            self._loads.replace(j, create_load_table(num_clients=1)).close()
+            engine = _DPEngine(self, self._configs[j], self._loads.tables[j].name, launcher=self.launcher)
             self.engines[j] = engine
             try:
                 await loop.run_in_executor(None, engine.wait_ready)
@@ -297,6 +297,7 @@ class DPAsyncMPClient(_AsyncUtilities):
                     self.engine_dead = EngineDeadError(f"every engine is dead (engine {j} did not restart: {exc})")
                     self._queue.put_nowait(self.engine_dead)
                 return
+            self._loads.tables[j].unlink()
             if self._closing:
                 return
             self._sent[j] = 0  # the new engine's counts start from zero
@@ -423,7 +424,7 @@ class DPAsyncMPClient(_AsyncUtilities):
         self._closing = True
         for engine in self.engines:
             engine.kill_now()
-        self.load_table.close()
+        self._loads.close()
 
     def shutdown(self) -> None:
         if self._closing and not self.engines:
@@ -436,4 +437,4 @@ class DPAsyncMPClient(_AsyncUtilities):
         self.engines = []
         if self.launcher is not None:
             self.launcher.shutdown()
-        self.load_table.close()
+        self._loads.close()

@@ -709,7 +709,7 @@ def serve_engine(
         for link in links:
             link.send([b"HELLO"])
         if load_table is not None:
-            load_writer = EngineLoadWriter.attach(load_table, config.data_parallel_rank)
+            load_writer = EngineLoadWriter.attach(load_table)
         try:
             engine = EngineCoreProc(config, links, load_writer)
         except Exception as exc:

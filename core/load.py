@@ -10,8 +10,11 @@ engine; the difference with the engine's "taken from me" count is what is
 still on its way, so a burst sent between two steps spreads evenly instead
 of piling onto the engine that looked idle.
 
-Row layout (int64): waiting, running, KV usage in millionths, then one
-received count per client index.
+Each engine has a table of its own, one row (int64): waiting, running, KV usage
+in millionths, then one received count per client index. Its own, so that its
+name can be dropped as soon as that engine has attached (it is READY), and a
+restarted engine gets a fresh one: nothing is left in /dev/shm whichever
+process is killed.
 """
 
 from __future__ import annotations
@@ -40,39 +43,53 @@ class EngineLoad:
         return WAITING_WEIGHT * (self.waiting + in_flight) + self.running
 
 
-def create_load_table(num_engines: int, num_clients: int) -> StatsTable:
-    return StatsTable.create(num_engines, _FIXED_FIELDS + num_clients)
+def create_load_table(num_clients: int) -> StatsTable:
+    """One engine's table, with a received count for each of ``num_clients`` clients."""
+    return StatsTable.create(1, _FIXED_FIELDS + num_clients)
 
 
 class EngineLoadWriter:
-    """An engine's side: publishes its own row."""
+    """An engine's side: publishes its row."""
 
-    def __init__(self, table: StatsTable, engine_index: int) -> None:
+    def __init__(self, table: StatsTable) -> None:
         self.table = table
-        self.row = engine_index
 
     @classmethod
-    def attach(cls, name: str, engine_index: int) -> EngineLoadWriter:
-        return cls(StatsTable.attach(name), engine_index)
+    def attach(cls, name: str) -> EngineLoadWriter:
+        return cls(StatsTable.attach(name))
 
     def publish(self, scheduler: Scheduler, received: list[int]) -> None:
         running, waiting = scheduler.get_request_counts()
         usage = int(scheduler.kv_cache_manager.usage * 1_000_000)
-        self.table.write(self.row, [waiting, running, usage, *received])
+        self.table.write(0, [waiting, running, usage, *received])
 
     def close(self) -> None:
         self.table.close()
 
 
 class EngineLoadReader:
-    """A client's side: reads any engine's row as seen by client ``client_index``."""
+    """A client's side: every engine's table, read as client ``client_index`` sees them."""
 
-    def __init__(self, table: StatsTable, client_index: int) -> None:
-        if _FIXED_FIELDS + client_index >= table.width:
-            raise ValueError(f"client index {client_index} has no column in the load table")
-        self.table = table
+    def __init__(self, tables: list[StatsTable], client_index: int) -> None:
+        self.tables = tables  # by engine index; a restarted engine's replaces its predecessor's
         self.client_index = client_index
+        for table in tables:
+            self._check(table)
+
+    def _check(self, table: StatsTable) -> None:
+        if _FIXED_FIELDS + self.client_index >= table.width:
+            raise ValueError(f"client index {self.client_index} has no column in load table {table.name}")
+
+    def replace(self, engine_index: int, table: StatsTable) -> StatsTable:
+        """A new table for that engine; returns the old one (to close)."""
+        self._check(table)
+        old, self.tables[engine_index] = self.tables[engine_index], table
+        return old
 
     def read(self, engine_index: int) -> EngineLoad:
-        row = self.table.read(engine_index)
+        row = self.tables[engine_index].read(0)
         return EngineLoad(row[0], row[1], row[2] / 1_000_000, row[_FIXED_FIELDS + self.client_index])
+
+    def close(self) -> None:
+        for table in self.tables:
+            table.close()

@@ -146,3 +146,16 @@ def test_a_dead_engine_is_restarted_and_serves_again(server_factory) -> None:
     assert server.proc is not None and server.proc.returncode == 0
     assert wait_gone(new[1], 10)
     assert segments() <= before
+
+
+def test_a_killed_frontend_leaves_nothing_behind(server_factory) -> None:
+    """kill -9 of a -dp 2 server: both engines go with it (they watch their parent), and
+    every name (rings, pools, load tables) was dropped once the engines were ready."""
+    before = segments()
+    server = server_factory(["-dp", "2"])
+    pids = _engine_pids(server)
+    assert server.proc is not None
+    server.proc.kill()
+    server.proc.wait(timeout=10)
+    assert all(wait_gone(pid, 10) for pid in pids.values())
+    assert segments() <= before
