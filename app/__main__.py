@@ -28,6 +28,7 @@ from core.config import EngineConfig
 from core.heap import freeze_startup_heap
 
 if TYPE_CHECKING:
+    from app.async_llm import AsyncLLM
     from core.client import AsyncMPClient
     from core.dp_client import DPAsyncMPClient
 
@@ -47,6 +48,28 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+async def _until_started(
+    starting: asyncio.Future, stop: asyncio.Event, engine_core: AsyncMPClient | DPAsyncMPClient
+) -> AsyncLLM | None:
+    """The engine handle once every engine is ready; None if a signal came first. Then the
+    engines are stopped, which ends their handshakes (a head waiting for headless engines
+    that never come would otherwise wait out the start-up timeout)."""
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((starting, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if starting.done():
+        return starting.result()
+    for proc in engine_core.engine_processes():
+        proc.terminate()
+    try:
+        await starting
+    except Exception:  # noqa: BLE001 - the handshake fails now, as it should
+        pass
+    return None
 
 
 async def serve(
@@ -82,7 +105,10 @@ async def serve(
     from app.limits import Admission, ServerLimits, close_connections_on_client_eof
     from app.server import build_app
 
-    engine = await starting
+    engine = await _until_started(starting, lifecycle.stop, engine_core)
+    if engine is None:
+        logger.info("stopped before the engines were ready")
+        return lifecycle.exit_code
     model_aliases = served_model_names(args)[1:]
     limits = ServerLimits(
         max_request_body_bytes=args.max_request_body_bytes,
