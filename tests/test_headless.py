@@ -6,6 +6,7 @@ the headless engine takes only it out of routing; the head stops cleanly."""
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ import httpx
 import pytest
 
 from app.launcher import REPO, free_port
-from tests.support.servers import wait_for, wait_gone
+from tests.support.servers import segments, wait_for, wait_gone
 
 pytestmark = pytest.mark.slow
 
@@ -59,3 +60,24 @@ def test_an_engine_on_a_headless_host_serves_the_head(server_factory, tmp_path: 
         if headless.poll() is None:
             headless.kill()
             headless.wait()
+
+
+def test_a_head_stopped_while_it_waits_for_headless_engines_exits_at_once(tmp_path: Path) -> None:
+    """SIGTERM before every engine is ready (here: one that never registers) stops the
+    engines and exits 0 at once, with nothing left in /dev/shm."""
+    before = segments()
+    dp = ["-dp", "2", "-dpl", "1", "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port",
+          str(free_port()), "--port", str(free_port())]
+    log_path = tmp_path / "head.log"
+    with open(log_path, "wb") as log:
+        head = subprocess.Popen([sys.executable, "-m", "app", *dp], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "EngineCore 0 (pid" in log_path.read_text(), "the local engine to be ready")
+        head.send_signal(signal.SIGTERM)
+        assert head.wait(timeout=15) == 0
+        assert "stopped before the engines were ready" in log_path.read_text()
+        assert segments() <= before
+    finally:
+        if head.poll() is None:
+            head.kill()
+            head.wait()
