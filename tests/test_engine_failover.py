@@ -14,7 +14,6 @@ import re
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
