@@ -33,10 +33,8 @@ PLACEMENT_TIMEOUT_S = 120.0
 class _EngineActor:
     """Body of the Ray actor that hosts one EngineCore (made a remote class lazily)."""
 
-    def where(self) -> tuple[int, str]:
-        import ray
-
-        return os.getpid(), ray.get_runtime_context().get_node_id()
+    def pid(self) -> int:
+        return os.getpid()
 
     def run(self, config: EngineConfig, spec: TransportSpec, frontend_pid: int | None, load_table: str | None) -> int:
         """Serve until the engine stops; its exit code."""
@@ -141,9 +139,8 @@ class RayLauncher:
             num_cpus=bundle["CPU"],
             resources={k: v for k, v in bundle.items() if k != "CPU"},
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=j),
-            name=None,
         ).remote()
-        pid, _node = ray.get(actor.where.remote(), timeout=PLACEMENT_TIMEOUT_S)
+        pid = ray.get(actor.pid.remote(), timeout=PLACEMENT_TIMEOUT_S)
         local = self._local[j]
         frontend_pid = os.getpid() if local else None
         run_ref = actor.run.remote(config, spec, frontend_pid, load_table)
