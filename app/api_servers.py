@@ -80,7 +80,7 @@ def run_api_server(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # until the event loop takes the signals over
     import uvloop
 
-    from app.__main__ import serve
+    from app.frontend import serve
     from core.dp_client import DPAsyncMPClient
 
     engine_core = DPAsyncMPClient(

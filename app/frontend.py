@@ -1,0 +1,149 @@
+"""The frontend process's serving loop: the engine handle, the Starlette app, hypercorn.
+
+``serve`` runs on a uvloop event loop in ``python -m app`` and in each API server
+process of ``--api-server-count`` (app/api_servers.py). The engines are started
+by the caller; this builds the web stack while they boot, serves until a signal
+or the engines' death, and returns the process's exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import logging
+import socket
+from functools import partial
+from typing import TYPE_CHECKING
+
+from app.cli import served_model_names
+from core.config import EngineConfig
+from core.heap import freeze_startup_heap
+
+if TYPE_CHECKING:
+    from app.async_llm import AsyncLLM
+    from core.client import AsyncMPClient
+    from core.dp_client import DPAsyncMPClient
+
+logger = logging.getLogger("ringllm")
+
+
+async def _until_started(
+    starting: asyncio.Future, stop: asyncio.Event, engine_core: AsyncMPClient | DPAsyncMPClient
+) -> AsyncLLM | None:
+    """The engine handle once every engine is ready; None if a signal came first. Then the
+    engines are stopped, which ends their handshakes (a head waiting for headless engines
+    that never come would otherwise wait out the start-up timeout)."""
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((starting, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if starting.done():
+        return starting.result()
+    for proc in engine_core.engine_processes():
+        proc.terminate()
+    try:
+        await starting
+    except Exception:  # noqa: BLE001 - the handshake fails now, as it should
+        pass
+    return None
+
+
+async def serve(
+    config: EngineConfig,
+    engine_core: AsyncMPClient | DPAsyncMPClient,
+    chat_template: str | None,
+    sock: socket.socket,
+    args: argparse.Namespace,
+    client_index: int = 0,
+) -> int:
+    """Serve until a signal or the engine's death; the process's exit code.
+    ``client_index``: which of several API server processes this is (app/api_servers.py)."""
+    from app.async_llm import AsyncLLM
+    from app.lifecycle import CLOSE_GRACE_S, Lifecycle
+
+    loop = asyncio.get_running_loop()
+    lifecycle = Lifecycle(engine_core, args.shutdown_timeout, args.keep_alive_on_engine_death)
+    lifecycle.install_signal_handlers()
+
+    # The engine process starts first and boots (torch, the model) while this
+    # thread imports the web stack: start-up takes the longer of the two.
+    starting = loop.run_in_executor(
+        None,
+        partial(
+            AsyncLLM, config, chat_template, engine_core=engine_core,
+            log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+        ),
+    )
+    from hypercorn.asyncio import serve as hypercorn_serve
+    from hypercorn.config import Config as HypercornConfig
+
+    from app.banner import format_banner
+    from app.limits import Admission, ServerLimits, close_connections_on_client_eof
+    from app.server import build_app
+
+    engine = await _until_started(starting, lifecycle.stop, engine_core)
+    if engine is None:
+        logger.info("stopped before the engines were ready")
+        return lifecycle.exit_code
+    model_aliases = served_model_names(args)[1:]
+    limits = ServerLimits(
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_num_waiting=args.max_num_waiting,
+        stream_stall_timeout=args.stream_stall_timeout,
+    )
+    admission = Admission(engine.config.max_num_seqs, limits.max_num_waiting, limits.retry_after_s)
+    try:
+        app = build_app(
+            engine, engine.served_model_name, engine.max_model_len, args.api_key, chat_template,
+            model_aliases=model_aliases, enable_ui=not args.disable_frontend_ui,
+            enable_sleep_mode=bool(args.enable_sleep_mode), enable_dev_endpoints=args.enable_dev_endpoints,
+            enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+            limits=limits, admission=admission, allowed_origins=args.allowed_origins,
+        )
+        freeze_startup_heap()
+        host, port = sock.getsockname()[:2]
+        hypercorn_config = HypercornConfig()
+        hypercorn_config.bind = [f"fd://{sock.detach()}"]  # hypercorn owns the socket from here
+        hypercorn_config.accesslog = None
+        hypercorn_config.errorlog = logging.getLogger("hypercorn.error")  # through our handlers only
+        # The drain is ours (app/lifecycle.py); hypercorn waits for its connections meanwhile.
+        hypercorn_config.graceful_timeout = args.shutdown_timeout + CLOSE_GRACE_S
+        hypercorn_config.h11_max_incomplete_size = args.max_header_bytes
+        hypercorn_config.h2_max_header_list_size = args.max_header_bytes
+        hypercorn_config.keep_alive_timeout = args.keep_alive_timeout
+        hypercorn_config.backlog = args.backlog
+        routes = {getattr(route, "path", "") for route in app.routes}
+        if args.api_server_count > 1:
+            from app.api_servers import tag_responses
+
+            app = tag_responses(app, client_index)
+        if client_index == 0:
+            logger.info(
+                "%s",
+                format_banner(
+                    model=engine.config.model,
+                    served_names=[engine.served_model_name, *model_aliases],
+                    ready=engine.engine_core.ready,
+                    transport=engine.config.transport,
+                    host=host,
+                    port=port,
+                    routes=routes,
+                    engines=engine.data_parallel_size,
+                    api_servers=args.api_server_count,
+                ),
+            )
+        lifecycle.serving(engine, admission)
+        close_connections_on_client_eof()  # hypercorn 0.18 would hold them till keep_alive_timeout
+        server = asyncio.ensure_future(
+            hypercorn_serve(app, hypercorn_config, shutdown_trigger=lifecycle.stop.wait)  # type: ignore[arg-type]
+        )
+        await lifecycle.run_server(server)
+        return lifecycle.exit_code
+    finally:
+        logger.info("shutting down")
+        engine.shutdown()
+        # Hand the frozen start-up heap back to the collector, so that the
+        # interpreter's teardown frees it (extensions report leaks otherwise).
+        gc.unfreeze()
