@@ -175,6 +175,22 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
     return sum;
 }
 
+/* s = softmax(s) over its n scores, in place (max subtracted first). */
+static inline __attribute__((always_inline)) void softmax(float *s, int64_t n) {
+    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+#pragma omp simd
+    for (int64_t j = 0; j < n; j++) s[j] -= m;
+    exp_array(s, s, n);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < n; j++) total += s[j];
+    float inv = 1.0f / total;
+#pragma omp simd
+    for (int64_t j = 0; j < n; j++) s[j] *= inv;
+}
+
 /* One decode's attention (see paged_decode_attention). Always inlined with a
  * constant head_dim for the common sizes, so that the dot products and the
  * value accumulation compile to fixed-length vector code. */
@@ -195,20 +211,7 @@ static inline __attribute__((always_inline)) void decode_one(
                     scratch[h * len + j0 + t] = dot(qd + h * head_dim, row + kh * head_dim, head_dim) * scale;
         }
     }
-    for (int64_t h = 0; h < heads; h++) {  /* softmax over j */
-        float *sc = scratch + h * len;
-        float m = sc[0];
-        for (int64_t j = 1; j < len; j++) m = sc[j] > m ? sc[j] : m;
-#pragma omp simd
-        for (int64_t j = 0; j < len; j++) sc[j] -= m;
-        exp_array(sc, sc, len);
-        float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t j = 0; j < len; j++) total += sc[j];
-        float inv = 1.0f / total;
-#pragma omp simd
-        for (int64_t j = 0; j < len; j++) sc[j] *= inv;
-    }
+    for (int64_t h = 0; h < heads; h++) softmax(scratch + h * len, len);
     memset(od, 0, sizeof(float) * heads * head_dim);
     for (int64_t j0 = 0, b = 0; j0 < len; j0 += block_size, b++) {  /* out_h = sum_j p[h][j] * v_j */
         const float *block = v_cache + (int64_t)table[b] * block_size * kv_row;
@@ -292,18 +295,7 @@ static inline __attribute__((always_inline)) void prefill_query_head(
         for (int64_t d = 0; d < head_dim; d++) acc += qh[d] * kt[d * stride + j];
         s[j] = acc * scale;
     }
-    float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-    for (int64_t j = 0; j < len; j++) m = s[j] > m ? s[j] : m;
-#pragma omp simd
-    for (int64_t j = 0; j < len; j++) s[j] -= m;
-    exp_array(s, s, len);
-    float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t j = 0; j < len; j++) total += s[j];
-    float inv = 1.0f / total;
-#pragma omp simd
-    for (int64_t j = 0; j < len; j++) s[j] *= inv;
+    softmax(s, len);
     for (int64_t d = 0; d < head_dim; d++) oh[d] = dot(s, vt + d * stride, len);
 }
 
