@@ -53,6 +53,7 @@ ROW_PAIRS_LIMIT = int(os.environ.get("RINGLLM_CPU_PREFILL_PAIRS", str(512 * 512)
 # time (from 32 on, a dot product per key is long enough to be efficient).
 # bench/README.md has the measurements.
 PREFILL_KERNEL_HEAD_DIMS = (8, 16)
+VECTOR_LANES = 8  # VLANES in cpu_kernels.c: the prefill kernel pads its keys to a multiple of it
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -202,8 +203,9 @@ def paged_prefill_attention(
     n, heads, head_dim = query.shape
     kv_heads = k_cache.shape[2]
     threads = torch.get_num_threads()
-    kv_scratch = torch.empty(2 * kv_heads * head_dim * seq_len, dtype=torch.float32)
-    scores = torch.empty(threads * seq_len, dtype=torch.float32)
+    stride = -(-seq_len // VECTOR_LANES) * VECTOR_LANES  # the kernel's padded key count
+    kv_scratch = torch.empty(2 * kv_heads * head_dim * stride, dtype=torch.float32)
+    scores = torch.empty(threads * stride, dtype=torch.float32)
     _lib.paged_prefill_attention(
         query.data_ptr(), query.stride(0), n, heads, kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
         k_cache.shape[1], table.data_ptr(), seq_len, scale, out.data_ptr(), out.stride(0), kv_scratch.data_ptr(),

@@ -282,21 +282,68 @@ void paged_decode_attention(const float *q, int64_t q_stride, const int64_t *q_r
     }
 }
 
+/* Vector helpers for the prefill kernel: unaligned loads and stores, a
+ * lane-wise select, and the lanes' max and sum. */
+static inline vfloat vload(const float *p) {
+    vfloat v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void vstore(float *p, vfloat v) { memcpy(p, &v, sizeof v); }
+
+static inline vfloat vblend(vint mask, vfloat a, vfloat b) {
+    return (vfloat)(((vint)a & mask) | ((vint)b & ~mask));
+}
+
+static inline float vmax_lanes(vfloat v) {
+    float m = v[0];
+    for (int i = 1; i < VLANES; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+
+static inline float vsum_lanes(vfloat v) {
+    float t = 0.0f;
+    for (int i = 0; i < VLANES; i++) t += v[i];
+    return t;
+}
+
 /* One query head of a prefill chunk over keys and values stored transposed
- * ([head_dim][stride]); always inlined with a constant head_dim (8 and 16, the
- * sizes the dispatcher sends here), so that each key's score is a fixed-length
- * sum kept in a register and the loop over the keys is vector code. */
+ * ([head_dim][stride], stride a multiple of VLANES, zeros past the last key);
+ * always inlined with a constant head_dim (8 and 16, the sizes the dispatcher
+ * sends here). Three passes over the keys, in vectors of VLANES keys: the
+ * scores (each a register sum over head_dim) and their max; exp and its sum
+ * (lanes past `len` are zeroed); then each output dimension, divided by the sum
+ * at the end. s holds the scores of the vectors that cover `len`. */
 static inline __attribute__((always_inline)) void prefill_query_head(
     const float *qh, const float *kt, const float *vt, int64_t len, int64_t stride, const int64_t head_dim,
     float scale, float *s, float *oh) {
-#pragma omp simd
-    for (int64_t j = 0; j < len; j++) {
-        float acc = 0.0f;
-        for (int64_t d = 0; d < head_dim; d++) acc += qh[d] * kt[d * stride + j];
-        s[j] = acc * scale;
+    const vint lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    const vfloat zero = {0};
+    const int32_t end = (int32_t)len;
+    vfloat vmax = zero - INFINITY;
+    for (int64_t j = 0; j < len; j += VLANES) {
+        vfloat acc = zero;
+        for (int64_t d = 0; d < head_dim; d++) acc += qh[d] * vload(kt + d * stride + j);
+        acc = vblend(lane + (int32_t)j < end, acc * scale, zero - INFINITY);
+        vstore(s + j, acc);
+        vmax = vblend(acc > vmax, acc, vmax);
     }
-    softmax(s, len);
-    for (int64_t d = 0; d < head_dim; d++) oh[d] = dot(s, vt + d * stride, len);
+    float m = vmax_lanes(vmax);
+    vfloat vsum = zero;
+    for (int64_t j = 0; j < len; j += VLANES) {
+        vfloat x = clamp_v(vload(s + j) - m), e;
+        EXP_BODY(vfloat, vint, x, e);
+        e = vblend(lane + (int32_t)j < end, e, zero);
+        vstore(s + j, e);
+        vsum += e;
+    }
+    float inv = 1.0f / vsum_lanes(vsum);
+    for (int64_t d = 0; d < head_dim; d++) {
+        vfloat acc = zero;
+        for (int64_t j = 0; j < len; j += VLANES) acc += vload(s + j) * vload(vt + d * stride + j);
+        oh[d] = vsum_lanes(acc) * inv;
+    }
 }
 
 /* Attention of one request's prefill chunk, read from the paged caches.
@@ -305,38 +352,44 @@ static inline __attribute__((always_inline)) void prefill_query_head(
  * seq_len - n + i and attends to the request's cached tokens 0 .. its own
  * position; its output goes to out + i*out_stride. The request's first
  * seq_len keys and values are first copied transposed, per KV head
- * [head_dim][seq_len], into kv_scratch (2 * kv_heads * head_dim * seq_len
- * floats): all n queries read them, and a query's scores and its output are
- * then vector operations along the keys instead of one short dot product per
- * key (which is what the decode kernel does, and what costs there for small
- * head dimensions). The queries are shared among up to `threads` OpenMP
- * threads; thread t keeps its scores at score_scratch + t*seq_len.
+ * [head_dim][stride] with stride = seq_len rounded up to VLANES (zeros after
+ * the last key), into kv_scratch (2 * kv_heads * head_dim * stride floats): all
+ * n queries read them, and a query's scores and its output are then vector
+ * operations along the keys instead of one short dot product per key (which
+ * is what the decode kernel does, and what costs there for small head
+ * dimensions). The queries are shared among up to `threads` OpenMP threads;
+ * thread t keeps its scores at score_scratch + t*stride. Unlike the rest of
+ * this file, multiply-adds may fuse here: attention agrees with torch's to
+ * rounding either way, and fused it is faster.
  */
-void paged_prefill_attention(const float *q, int64_t q_stride, int64_t n, int64_t heads, int64_t kv_heads,
-                             int64_t head_dim, const float *k_cache, const float *v_cache, int64_t block_size,
-                             const int32_t *table, int64_t seq_len, float scale, float *out, int64_t out_stride,
-                             float *kv_scratch, float *score_scratch, int64_t threads) {
+__attribute__((optimize("fp-contract=fast"))) void paged_prefill_attention(
+    const float *q, int64_t q_stride, int64_t n, int64_t heads, int64_t kv_heads, int64_t head_dim,
+    const float *k_cache, const float *v_cache, int64_t block_size, const int32_t *table, int64_t seq_len, float scale,
+    float *out, int64_t out_stride, float *kv_scratch, float *score_scratch, int64_t threads) {
     int64_t group = heads / kv_heads;
     int64_t kv_row = kv_heads * head_dim;
+    int64_t stride = (seq_len + VLANES - 1) / VLANES * VLANES;
     float *kt = kv_scratch;
-    float *vt = kv_scratch + kv_row * seq_len;
+    float *vt = kv_scratch + kv_row * stride;
     for (int64_t j0 = 0, b = 0; j0 < seq_len; j0 += block_size, b++) {
         int64_t m = seq_len - j0 < block_size ? seq_len - j0 : block_size;
         const float *kb = k_cache + (int64_t)table[b] * block_size * kv_row;
         const float *vb = v_cache + (int64_t)table[b] * block_size * kv_row;
         for (int64_t t = 0; t < m; t++)
             for (int64_t c = 0; c < kv_row; c++) {
-                kt[c * seq_len + j0 + t] = kb[t * kv_row + c];
-                vt[c * seq_len + j0 + t] = vb[t * kv_row + c];
+                kt[c * stride + j0 + t] = kb[t * kv_row + c];
+                vt[c * stride + j0 + t] = vb[t * kv_row + c];
             }
     }
+    for (int64_t c = 0; c < kv_row; c++)
+        for (int64_t j = seq_len; j < stride; j++) kt[c * stride + j] = vt[c * stride + j] = 0.0f;
     int64_t first = seq_len - n;
     int parallel = threads > 1 && n > 1 && n * (first + n / 2) * heads * head_dim >= PARALLEL_MIN_WORK;
     (void)parallel;
 #pragma omp parallel for schedule(dynamic, 4) num_threads(threads) if (parallel)
     for (int64_t i = 0; i < n; i++) {
 #ifdef _OPENMP
-        float *s = score_scratch + omp_get_thread_num() * seq_len;
+        float *s = score_scratch + omp_get_thread_num() * stride;
 #else
         float *s = score_scratch;
 #endif
@@ -344,9 +397,9 @@ void paged_prefill_attention(const float *q, int64_t q_stride, int64_t n, int64_
         const float *qi = q + i * q_stride;
         float *oi = out + i * out_stride;
         for (int64_t h = 0; h < heads; h++) {
-            const float *kh = kt + (h / group) * head_dim * seq_len;
-            const float *vh = vt + (h / group) * head_dim * seq_len;
-#define PREFILL(D) prefill_query_head(qi + h * head_dim, kh, vh, len, seq_len, D, scale, s, oi + h * head_dim)
+            const float *kh = kt + (h / group) * head_dim * stride;
+            const float *vh = vt + (h / group) * head_dim * stride;
+#define PREFILL(D) prefill_query_head(qi + h * head_dim, kh, vh, len, stride, D, scale, s, oi + h * head_dim)
             switch (head_dim) {
                 case 8: PREFILL(8); break;
                 case 16: PREFILL(16); break;
