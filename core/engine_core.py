@@ -38,6 +38,7 @@ import msgspec
 
 from core.affinity import pin_engine_threads
 from core.config import EngineConfig
+from core.engine_process import use_one_blas_thread
 from core.heap import freeze_startup_heap
 from core.protocol import (
     ENGINE_CORE_DEAD,
@@ -388,6 +389,9 @@ class EngineCoreProc(EngineCore):
         cpu = pin_engine_threads(config.engine_cpu, self.engine_index)  # the I/O threads started below inherit it
         if cpu is not None:
             logger.info("EngineCore threads on core %d", cpu)
+        if self.model_executor.runner.products_are_small():
+            use_one_blas_thread()
+            logger.info("BLAS on one thread: the model's weights are all small")
         self._input_thread = threading.Thread(target=self._process_input_socket, name="EngineCoreInput", daemon=True)
         self._output_thread = threading.Thread(target=self._process_output_socket, name="EngineCoreOutput", daemon=True)
         self._input_thread.start()

@@ -46,6 +46,15 @@ def set_thread_count(threads: int | None) -> None:
         threadpool_limits(threads, user_api="blas")
 
 
+def use_one_blas_thread() -> None:
+    """OpenBLAS on the calling process's one thread: for a model whose products all have
+    small weights (kernels.linear.all_small), where a second thread gains nothing and
+    its spinning takes a core from the frontend."""
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(1, user_api="blas")
+
+
 def run_engine_process(
     config: EngineConfig, transport_specs: Any, parent_pid: int, load_table: str | None = None
 ) -> None:

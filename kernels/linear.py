@@ -18,8 +18,8 @@ goes without it (numpy for every batch), ``RINGLLM_CPU_BLAS=0`` keeps torch's
 own kernels altogether. Other dtypes and devices keep torch's kernels.
 
 Both libraries release the GIL inside the product, so the engine's I/O
-threads run meanwhile. The forward pass and the CPU decode program
-(core/worker/cpu_decode.py) call the same ``CpuWeight.matmul``, so they give
+threads run meanwhile. The forward pass and the CPU step program
+(core/worker/cpu_program.py) call the same ``CpuWeight.matmul``, so they give
 the same bits for the same batch.
 """
 
@@ -38,6 +38,11 @@ CPU_PREPACK = os.environ.get("RINGLLM_CPU_PREPACK", "1") != "0"
 # that many rows. Larger ones (prefill chunks) stay with numpy: in the served engine they
 # ran faster there, though oneDNN won when timed alone.
 PACKED_MAX_ROWS = 64
+# Weights up to this size stay in a core's caches, and their products gain little from
+# BLAS's second thread (a few microseconds on a 128-row chunk), while that thread, waiting
+# for its next share, spins on the core the frontend and the client need: served, a model
+# made only of such weights runs faster on one BLAS thread (bench/README.md).
+SMALL_WEIGHT_BYTES = 1 << 20
 # The decode batch both paths are timed on when a weight is prepared, and the timed calls of each.
 TUNE_ROWS = 16
 TUNE_CALLS = 5
@@ -110,6 +115,11 @@ class CpuWeight:
             return y.numpy()
         out[...] = y.numpy()
         return out
+
+
+def all_small(weights: list[CpuWeight]) -> bool:
+    """Whether every one of ``weights`` (there being some) is at most SMALL_WEIGHT_BYTES."""
+    return bool(weights) and all(w.weight_t.nbytes <= SMALL_WEIGHT_BYTES for w in weights)
 
 
 def linear(

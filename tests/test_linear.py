@@ -39,3 +39,13 @@ def test_auto_keeps_a_packed_copy_only_of_onednn_and_gives_the_same_products() -
 def test_no_copy_of_a_dropped_weight() -> None:
     """A sleeping model's weights have no storage: nothing to pack or time."""
     assert lin.CpuWeight(torch.empty(0, 0), None, "always").packed is None
+
+
+def test_a_model_is_small_when_every_weight_is() -> None:
+    """The rule behind the engine's one BLAS thread: all weights at most SMALL_WEIGHT_BYTES."""
+    side = int((lin.SMALL_WEIGHT_BYTES // 4) ** 0.5)  # a square float32 weight of exactly the limit
+    at_limit = lin.CpuWeight(torch.zeros(side, side), None, "never")
+    over = lin.CpuWeight(torch.zeros(side + 1, side), None, "never")
+    assert lin.all_small([at_limit, at_limit])
+    assert not lin.all_small([at_limit, over])
+    assert not lin.all_small([])

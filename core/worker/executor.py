@@ -142,10 +142,10 @@ class UniProcExecutor:
         def go() -> None:
             runner = self.runner
             # What was built over the weights and the caches goes first: CUDA
-            # graphs and the CPU decode program hold their addresses, and the
+            # graphs and the CPU step program hold their addresses, and the
             # program's numpy views would keep the old weights resident.
             runner.decode_graphs = None
-            runner.cpu_decode = None
+            runner.cpu_program = None
             runner.kv_caches = []
             assert runner.model is not None
             if level == 1:

@@ -40,7 +40,7 @@ from core.sched.output import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from core.worker.cpu_decode import DecodeProgram
+from core.worker.cpu_program import CpuStepProgram
 from core.worker.async_output import (
     PLACEHOLDER_TOKEN_ID,
     AsyncModelRunnerOutput,
@@ -54,6 +54,7 @@ from core.worker.input_buffers import InputBuffers
 from core.worker.logprobs import PromptLogprobs
 from core.worker.sampler import Sampler, SamplerOutput
 from core.worker.sampling_batch import sampling_metadata
+from kernels.linear import all_small
 from kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger("ringllm.runner")
@@ -154,7 +155,7 @@ class ModelRunner:
         self._copy_stream = torch.cuda.Stream(self.device) if on_gpu else None
         # Set up with the KV cache, which the graphs (and the CPU decode program) read in place.
         self.decode_graphs: DecodeGraphs | None = None
-        self.cpu_decode: DecodeProgram | None = None
+        self.cpu_program: CpuStepProgram | None = None
         fail_after = os.environ.get(FAIL_AFTER_STEPS_ENV)
         self._steps_before_failure = int(fail_after) if fail_after else None
 
@@ -251,7 +252,7 @@ class ModelRunner:
             for _ in range(self.hf_config["num_hidden_layers"])
         ]
         if self.device.type == "cpu" and not self.emulate_gpu_paths:
-            self.cpu_decode = DecodeProgram.build(self.model, self.kv_caches, self.buffers, self.max_model_len)
+            self.cpu_program = CpuStepProgram.build(self.model, self.kv_caches, self.buffers, self.max_model_len)
         capture = self.device.type == "cuda" and not self.config.enforce_eager
         if capture or self.emulate_gpu_paths:
             sizes = decode_batch_sizes(self.config.max_num_seqs, self.config.max_num_batched_tokens)
@@ -319,13 +320,19 @@ class ModelRunner:
             self._steps_before_failure -= 1
         staged = self._stage_inputs(so)
         batch = self.input_batch
-        if self.cpu_decode is not None and staged.plain_decode:
-            # A decode step on a CPU: the prepared kernel sequence, logits included.
+        if self.cpu_program is not None and (staged.plain_decode or self._program_takes_chunk(staged)):
+            # On a CPU, a decode step or a lone prefill chunk: the prepared kernel sequence, logits included.
             batch.num_computed_tokens[staged.rows] = staged.seq_lens
-            logits = self.cpu_decode.run(len(staged.req_ids))
+            if staged.plain_decode:
+                logits = self.cpu_program.run(len(staged.req_ids))
+            else:
+                logits = self.cpu_program.run_chunk(staged.total, sample=staged.sample.size > 0)
+                if logits is None:  # the chunk ends inside the prompt
+                    return ModelRunnerOutput(req_ids=staged.req_ids, req_id_to_index={staged.req_ids[0]: 0},
+                                             sampled_token_ids=[[]])
             if so.grammar_bitmask is not None:
                 self._apply_grammar(so, staged.req_ids, staged.sample, logits)
-            sample_rows = staged.rows
+            sample_rows = staged.rows[staged.sample]
             metadata = batch.sampling.metadata(sample_rows, batch.num_tokens, batch.token_ids)
             return self._sampled_output(staged, sample_rows, self.sampler(logits, metadata))
         step = self._device_inputs(staged)
@@ -352,6 +359,22 @@ class ModelRunner:
         sample_rows = step.rows[step.sample]
         metadata = batch.sampling.metadata(sample_rows, batch.num_tokens, batch.token_ids)
         return self._sampled_output(step, sample_rows, self.sampler(logits, metadata))
+
+    def products_are_small(self) -> bool:
+        """Whether every dense product of the model goes through numpy's BLAS with a
+        small weight (kernels.linear.all_small): the engine then runs BLAS on one thread."""
+        weights = [m.cpu_weight for m in self.model.modules() if getattr(m, "cpu_weight", None) is not None]
+        return all_small(weights)
+
+    def _program_takes_chunk(self, staged: _Staged) -> bool:
+        """A step that is one request's prefill chunk, of plain token ids, that the C
+        kernels attend and whose prompt logprobs nobody asked for (they need every
+        token's hidden state, which only the forward pass keeps)."""
+        return (
+            len(staged.req_ids) == 1 and staged.max_query_len > 1 and not staged.embeds_rows and not self.deferred
+            and not self.input_batch.sampling.num_rows_with["prompt_logprobs"]
+            and CpuStepProgram.takes_chunk(staged.total, int(staged.seq_lens[0]))
+        )
 
     @staticmethod
     def _apply_grammar(so: SchedulerOutput, req_ids: list[str], sample: np.ndarray, logits: torch.Tensor) -> None:

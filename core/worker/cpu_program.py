@@ -1,0 +1,253 @@
+"""Decode steps and single prefill chunks on a CPU as a fixed list of kernel calls.
+
+On a GPU, CUDA graphs remove the per-launch host cost of a decode step
+(core/worker/cuda_graphs.py). On a CPU the same cost is Python's: building
+tensors, module calls, attribute look-ups and argument checks around each
+kernel are most of a small model's step. This is the CPU counterpart: it runs
+the model as ten calls a layer — the C kernels of kernels/cpu through ctypes
+with their pointers worked out in advance, and numpy's BLAS writing into
+fixed output arrays — reading the runner's persistent input buffers in place,
+as a replayed graph does. It takes the steps that are most often alone on
+the critical path: a decode-only step (one token per request, ``run``), and a
+step that is one request's prefill chunk (``run_chunk``: the first token of a
+request that arrived at an idle engine). Its results are those of
+``model.forward`` on the same step: the same kernels in the same order, the
+attention kernel chosen as the dispatcher in kernels/ chooses it
+(tests/test_cpu_program.py checks the logits bit for bit).
+
+It covers the Llama-family layers (biases and Qwen3's per-head q/k norms
+included) with silu, in float32 with the C kernels available;
+``CpuStepProgram.build`` returns None otherwise, and the runner keeps calling
+the model, as it does for every other step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from core.worker.input_buffers import InputBuffers
+from kernels import cpu
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().numpy()
+
+
+class _Layer:
+    """One decoder layer's weights as numpy views and raw pointers."""
+
+    def __init__(self, layer: torch.nn.Module, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.norm1 = layer.input_layernorm.weight.data_ptr()
+        self.norm2 = layer.post_attention_layernorm.weight.data_ptr()
+        # The dense layers, whose ``cpu_weight`` the products use: the forward pass's own
+        # (same products, same bits), looked up at each step since a weight reload replaces it.
+        self.qkv, self.o = attn.qkv_proj, attn.o_proj
+        self.gate_up, self.down = mlp.gate_up_proj, mlp.down_proj
+        self.q_norm = attn.q_norm.weight.data_ptr() if attn.q_norm is not None else None
+        self.k_norm = attn.k_norm.weight.data_ptr() if attn.k_norm is not None else None
+        self.k_cache, self.v_cache = (c.data_ptr() for c in kv_cache)
+
+
+class CpuStepProgram:
+    """``run(n)``: the logits of the n decodes staged in the runner's buffers;
+    ``run_chunk(n, sample)``: those of one request's staged prefill chunk of n tokens."""
+
+    @classmethod
+    def build(
+        cls, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], buffers: InputBuffers,
+        max_model_len: int,
+    ) -> CpuStepProgram | None:
+        cfg = getattr(model, "config", None)
+        weight = model.get_input_embeddings().weight
+        if (
+            cfg is None or not kv_caches or not cpu.usable(weight, kv_caches[0][0]) or cfg.hidden_act != "silu"
+            or getattr(model.lm_head, "cpu_weight", None) is None  # products through torch (RINGLLM_CPU_BLAS=0)
+        ):
+            return None
+        return cls(model, kv_caches, buffers, max_model_len)
+
+    def __init__(
+        self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], buffers: InputBuffers,
+        max_model_len: int,
+    ) -> None:
+        cfg = model.config
+        self.lib = cpu.load()
+        self.buffers = buffers
+        self.hidden_size = cfg.hidden_size
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.intermediate = cfg.intermediate_size
+        self.eps = cfg.rms_norm_eps
+        self.scale = cfg.head_dim**-0.5
+        self.block_size = kv_caches[0][0].shape[1]
+        self.embedding = _np(model.get_input_embeddings().weight)
+        self.lm_head = model.lm_head
+        self.final_norm = model.model.norm.weight.data_ptr()
+        self.cos, self.sin = (t.data_ptr() for t in model.model.rotary.tables(torch.device("cpu"), torch.float32))
+        self._tables = model.model.rotary.tables(torch.device("cpu"), torch.float32)  # keeps them alive
+        self.layers = [_Layer(layer, kv) for layer, kv in zip(model.model.layers, kv_caches, strict=True)]
+        self.qkv_width = (self.heads + 2 * self.kv_heads) * self.head_dim
+        self.logits = np.zeros((buffers.max_num_reqs, model.lm_head.weight.shape[0]), np.float32)
+        self._logits_t: dict[int, torch.Tensor] = {}
+        self.threads = torch.get_num_threads()  # attention of large batches is shared among them
+        # Per thread: a decode's scores for every head, or a chunk's scores for one head (padded keys).
+        self.scratch_stride = max(self.heads * max_model_len, -(-max_model_len // cpu.VECTOR_LANES) * cpu.VECTOR_LANES)
+        self.scratch = np.zeros(self.threads * self.scratch_stride, np.float32)
+        self.seq_lens = np.zeros(buffers.max_num_reqs, np.int64)
+        self._table_stride = buffers.block_tables.np.shape[1]
+        self._chunk_kernel = self.head_dim in cpu.PREFILL_KERNEL_HEAD_DIMS
+        self._kv_scratch = np.zeros(0, np.float32)  # the chunk kernel's transposed keys and values, grown on demand
+        self._rows = 0
+        self._reserve(buffers.max_num_reqs)
+
+    def _reserve(self, rows: int) -> None:
+        """Activation buffers for steps of up to ``rows`` tokens: one row per decode, or
+        per token of a chunk. They grow (and their addresses change) when a chunk is
+        longer than any before, so they are as large as the longest chunk run."""
+        if rows <= self._rows:
+            return
+        self._rows = rows
+        self.hidden = np.zeros((rows, self.hidden_size), np.float32)  # the residual stream
+        self.normed = np.zeros((rows, self.hidden_size), np.float32)
+        self.qkv = np.zeros((rows, self.qkv_width), np.float32)
+        self.attn = np.zeros((rows, self.heads * self.head_dim), np.float32)
+        self.proj = np.zeros((rows, self.hidden_size), np.float32)  # attention / MLP output
+        self.gate_up = np.zeros((rows, 2 * self.intermediate), np.float32)
+        self.act = np.zeros((rows, self.intermediate), np.float32)
+        self.head_norms = np.zeros((rows, self.heads, self.head_dim), np.float32)  # q/k norm outputs
+        self.row_ids = np.arange(rows, dtype=np.int64)  # decode d is row d and block-table row d
+        self.chunk_tables = np.zeros(rows, np.int64)  # every query of a chunk reads block-table row 0
+        self.chunk_lens = np.zeros(rows, np.int64)  # the context each query of a chunk sees
+        # The buffers never move between growths: their addresses, and those of the staged inputs, are fixed.
+        self._ptr = {name: getattr(self, name).ctypes.data for name in (
+            "hidden", "normed", "qkv", "attn", "proj", "gate_up", "act", "scratch", "row_ids", "seq_lens",
+            "head_norms", "chunk_tables", "chunk_lens")}
+        b = self.buffers
+        self._ptr.update(
+            positions=b.positions.np.ctypes.data, slots=b.slot_mapping.np.ctypes.data,
+            tables=b.block_tables.np.ctypes.data,
+        )
+        self._views: dict[int, tuple[np.ndarray, ...]] = {}
+
+    def _views_for(self, n: int) -> tuple[np.ndarray, ...]:
+        views = self._views.get(n)
+        if views is None:
+            views = self._views[n] = tuple(
+                a[:n] for a in (self.hidden, self.normed, self.qkv, self.attn, self.proj, self.gate_up, self.act)
+            )
+        return views
+
+    def _logits(self, n: int) -> torch.Tensor:
+        logits = self._logits_t.get(n)
+        if logits is None:
+            logits = self._logits_t[n] = torch.from_numpy(self.logits[:n])
+        return logits
+
+    def run(self, n: int) -> torch.Tensor:
+        """Logits [n, vocab] (float32) of the n decodes whose inputs the runner staged."""
+        self.seq_lens[:n] = self.buffers.seq_lens.np[:n]
+        p = self._ptr
+        rows_p, lens_p, scratch_p, tables_p = p["row_ids"], p["seq_lens"], p["scratch"], p["tables"]
+        lib, table_stride = self.lib, self._table_stride
+        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
+        qkv_p, attn_p, width = p["qkv"], p["attn"], self.qkv_width
+
+        def attend(layer: _Layer) -> None:
+            lib.paged_decode_attention(
+                qkv_p, width, rows_p, n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache, self.block_size,
+                tables_p, table_stride, rows_p, lens_p, self.scale, attn_p, heads * head_dim, scratch_p,
+                self.scratch_stride, self.threads,
+            )
+
+        normed = self._layers(n, attend)
+        self.lm_head.cpu_weight.matmul(normed, self.logits[:n])
+        return self._logits(n)
+
+    @staticmethod
+    def takes_chunk(query_len: int, seq_len: int) -> bool:
+        """Whether a chunk of ``query_len`` tokens reaching ``seq_len`` is one the C
+        kernels attend (the dispatcher leaves longer ones to torch's SDPA)."""
+        return query_len * seq_len <= cpu.ROW_PAIRS_LIMIT
+
+    def run_chunk(self, n: int, sample: bool) -> torch.Tensor | None:
+        """Logits [1, vocab] of the last token of the one request's chunk of n tokens
+        staged in the runner's buffers (None with ``sample`` false: a chunk that ends
+        inside the prompt samples nothing). Its KV goes to the caches either way."""
+        self._reserve(n)
+        seq_len = int(self.buffers.seq_lens.np[0])
+        p = self._ptr
+        lib, block_size, scale, threads = self.lib, self.block_size, self.scale, self.threads
+        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
+        qkv_p, attn_p, width, out_stride = p["qkv"], p["attn"], self.qkv_width, heads * head_dim
+        if self._chunk_kernel:
+            stride = -(-seq_len // cpu.VECTOR_LANES) * cpu.VECTOR_LANES
+            if self._kv_scratch.size < 2 * kv_heads * head_dim * stride:
+                self._kv_scratch = np.zeros(2 * kv_heads * head_dim * stride, np.float32)
+            kv_p, table_p = self._kv_scratch.ctypes.data, p["tables"]
+
+            def attend(layer: _Layer) -> None:
+                lib.paged_prefill_attention(
+                    qkv_p, width, n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache, block_size, table_p,
+                    seq_len, scale, attn_p, out_stride, kv_p, p["scratch"], threads,
+                )
+        else:  # one query at a time, each over the context up to its own position
+            np.add(self.row_ids[:n], seq_len - n + 1, out=self.chunk_lens[:n])
+            rows_p, tables_p, lens_p = p["row_ids"], p["chunk_tables"], p["chunk_lens"]
+
+            def attend(layer: _Layer) -> None:
+                lib.paged_decode_attention(
+                    qkv_p, width, rows_p, n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache, block_size,
+                    p["tables"], self._table_stride, tables_p, lens_p, scale, attn_p, out_stride, p["scratch"],
+                    self.scratch_stride, threads,
+                )
+
+        normed = self._layers(n, attend)
+        if not sample:
+            return None
+        self.lm_head.cpu_weight.matmul(normed[n - 1 : n], self.logits[:1])
+        return self._logits(1)
+
+    def _layers(self, n: int, attend: Callable[[_Layer], None]) -> np.ndarray:
+        """Every layer over the n staged tokens, then the final norm: the normed rows."""
+        lib, b = self.lib, self.buffers
+        hidden, normed, qkv, attn, proj, gate_up, act = self._views_for(n)
+        size, eps, width = self.hidden_size, self.eps, self.qkv_width
+        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
+        p = self._ptr
+        hidden_p, normed_p, qkv_p, proj_p = p["hidden"], p["normed"], p["qkv"], p["proj"]
+        positions_p, slots_p = p["positions"], p["slots"]
+        gate_up_p, act_p = p["gate_up"], p["act"]
+        np.take(self.embedding, b.input_ids.np[:n], axis=0, out=hidden)
+        k_offset, v_offset = heads * head_dim * 4, (heads + kv_heads) * head_dim * 4
+        for i, layer in enumerate(self.layers):
+            if i == 0:
+                lib.rms_norm(hidden_p, n, size, 1, 0, layer.norm1, normed_p, size, eps)
+            else:  # the residual add of the previous layer's MLP, fused with this norm
+                lib.add_rms_norm(proj_p, hidden_p, layer.norm1, normed_p, n, size, eps)
+            layer.qkv.cpu_weight.matmul(normed, qkv)
+            if layer.q_norm is not None:  # per-head norms of q and of k, written back in place
+                self._head_norm(n, 0, heads, layer.q_norm)
+                self._head_norm(n, heads, kv_heads, layer.k_norm)
+            lib.rotary(qkv_p, n, width, heads + kv_heads, head_dim, self.cos, self.sin, positions_p)
+            lib.write_kv(qkv_p + k_offset, width, qkv_p + v_offset, width, n, kv_heads * head_dim,
+                         layer.k_cache, layer.v_cache, slots_p)
+            attend(layer)
+            layer.o.cpu_weight.matmul(attn, proj)
+            lib.add_rms_norm(proj_p, hidden_p, layer.norm2, normed_p, n, size, eps)
+            layer.gate_up.cpu_weight.matmul(normed, gate_up)
+            lib.silu_mul(gate_up_p, n, self.intermediate, act_p)
+            layer.down.cpu_weight.matmul(act, proj)
+        lib.add_rms_norm(proj_p, hidden_p, self.final_norm, normed_p, n, size, eps)
+        return normed
+
+    def _head_norm(self, n: int, first: int, count: int, weight: int) -> None:
+        """RMSNorm over heads ``first:first+count`` of each row of qkv, written back."""
+        d = self.head_dim
+        self.lib.rms_norm(
+            self._ptr["qkv"] + first * d * 4, n, self.qkv_width, count, d, weight, self._ptr["head_norms"], d, self.eps
+        )
+        out = self.head_norms.reshape(-1)[: n * count * d].reshape(n, count * d)
+        self.qkv[:n, first * d : (first + count) * d] = out

@@ -1,0 +1,116 @@
+"""The CPU step program (core/worker/cpu_program.py) against the model's own forward pass.
+
+The program replaces ``model.forward`` + ``compute_logits`` on plain decode
+steps and on steps that are one request's prefill chunk; it runs the same
+kernels in the same order, so the logits must be identical to the bit: for a
+batch of decodes at different positions, and for chunks with and without a
+cached prefix, attended by the chunk kernel (head sizes 8 and 16) or a query
+at a time (Qwen3's 32). (That the model's forward matches transformers is
+tests/test_engine_equivalence.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.config import EngineConfig
+from core.engine_core import EngineCore
+from core.protocol import EngineCoreRequest, SamplingParams
+from kernels import cpu
+
+pytestmark = pytest.mark.skipif(cpu.load() is None, reason="no C compiler to build kernels/cpu with")
+
+
+@pytest.fixture(scope="module")
+def qwen_dirs(tmp_path_factory) -> dict[str, str]:
+    """Tiny seeded Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms) checkpoints."""
+    import transformers
+
+    from core.models.random_model import write_tokenizer
+    from tests.support.engines import tiny_config
+
+    dirs = {}
+    for arch, cls in (("qwen2", transformers.Qwen2ForCausalLM), ("qwen3", transformers.Qwen3ForCausalLM)):
+        torch.manual_seed(5)
+        path = tmp_path_factory.mktemp(arch)
+        cls(tiny_config(arch)).eval().save_pretrained(path)
+        write_tokenizer(path)
+        dirs[arch] = str(path)
+    return dirs
+
+
+MODELS = ["stories", "llama", "qwen2", "qwen3"]
+
+
+def _engine(model: str, stories_dir: str, llama, qwen_dirs, **config) -> EngineCore:
+    path = {"stories": stories_dir, "llama": llama[1], **qwen_dirs}[model]
+    engine = EngineCore(EngineConfig(model=path, max_model_len=128, max_num_seqs=8, block_size=4, **config))
+    assert engine.model_executor.runner.cpu_program is not None
+    return engine
+
+
+def _forward_logits(runner, staged) -> torch.Tensor:
+    step = runner._device_inputs(staged)
+    hidden = runner.model(step.input_ids, step.positions, runner.kv_caches, step.meta)
+    return runner.model.compute_logits(hidden[step.logits_indices])
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_decode_logits_equal_the_forward_pass(model: str, stories_dir: str, llama, qwen_dirs) -> None:
+    engine = _engine(model, stories_dir, llama, qwen_dirs)
+    runner = engine.model_executor.runner
+    g = torch.Generator().manual_seed(0)
+    for i, length in enumerate((3, 17, 40)):
+        prompt = torch.randint(3, 250, (length,), generator=g).tolist()
+        params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+        request = EngineCoreRequest(request_id=f"r{i}", prompt_token_ids=prompt, sampling_params=params)
+        engine.add_request(engine.preprocess_add_request(request))
+    for _ in range(4):  # prefill, then a few decodes
+        engine.step()
+    with torch.inference_mode():
+        so = engine.scheduler.schedule()
+        runner._update_states(so)
+        staged = runner._stage_inputs(so)
+        assert staged.plain_decode and len(staged.req_ids) == 3
+        program = runner.cpu_program.run(3).clone()
+        forward = _forward_logits(runner, staged)
+    assert torch.equal(program, forward)
+
+
+@pytest.mark.parametrize("case", ["last-of-three-chunks", "after-a-cached-prefix"])
+@pytest.mark.parametrize("model", MODELS)
+def test_prefill_chunk_logits_equal_the_forward_pass(
+    model: str, case: str, stories_dir: str, llama, qwen_dirs
+) -> None:
+    """A lone request's chunk that samples: the last 5 tokens of a 37-token prompt after two
+    16-token chunks (which sample nothing, also through the program), or a whole prompt
+    whose first 12 tokens (three blocks) are cached from an earlier request."""
+    engine = _engine(model, stories_dir, llama, qwen_dirs, max_num_batched_tokens=16, enable_prefix_caching=True)
+    runner = engine.model_executor.runner
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 250, (37,), generator=g).tolist()
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+    def add(request_id: str, prompt: list[int]) -> None:
+        request = EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=params)
+        engine.add_request(engine.preprocess_add_request(request))
+
+    if case == "last-of-three-chunks":
+        add("r0", prompt)
+        engine.step()
+        engine.step()
+    else:
+        add("r0", prompt[:12] + [5, 6, 7])
+        while engine.scheduler.has_requests():
+            engine.step()
+        add("r1", prompt[:12] + torch.randint(3, 250, (4,), generator=g).tolist())
+    with torch.inference_mode():
+        so = engine.scheduler.schedule()
+        runner._update_states(so)
+        staged = runner._stage_inputs(so)
+        assert runner._program_takes_chunk(staged) and staged.sample.size == 1
+        assert staged.computed[0] == (32 if case == "last-of-three-chunks" else 12)
+        program = runner.cpu_program.run_chunk(staged.total, sample=True).clone()
+        forward = _forward_logits(runner, staged)
+    assert torch.equal(program, forward)
