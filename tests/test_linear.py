@@ -25,7 +25,7 @@ def test_products_equal_torch(rows: int, bias: bool, pack: str) -> None:
     want = F.linear(x, weight, b)
     torch.testing.assert_close(lin.linear(x, weight, b, cpu), want, rtol=1e-5, atol=1e-5)
     out = np.full((rows, 96), np.nan, np.float32)
-    assert cpu.matmul(x.numpy(), out) is out  # into the caller's buffer, as the decode program uses it
+    assert cpu.matmul(x.numpy(), out) is out  # into the caller's buffer, as the CPU step program uses it
     torch.testing.assert_close(torch.from_numpy(out), want, rtol=1e-5, atol=1e-5)
 
 

@@ -153,7 +153,7 @@ class ModelRunner:
         self.defer_sampled_tokens = on_gpu or self.emulate_gpu_paths
         self.deferred = DeferredTokens()
         self._copy_stream = torch.cuda.Stream(self.device) if on_gpu else None
-        # Set up with the KV cache, which the graphs (and the CPU decode program) read in place.
+        # Set up with the KV cache, which the graphs (and the CPU step program) read in place.
         self.decode_graphs: DecodeGraphs | None = None
         self.cpu_program: CpuStepProgram | None = None
         fail_after = os.environ.get(FAIL_AFTER_STEPS_ENV)
