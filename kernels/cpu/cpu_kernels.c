@@ -231,6 +231,16 @@ static inline __attribute__((always_inline)) void decode_one(
     }
 }
 
+/* This OpenMP thread's share of a scratch buffer (all of it without OpenMP). */
+static inline float *thread_scratch(float *base, int64_t stride) {
+#ifdef _OPENMP
+    return base + omp_get_thread_num() * stride;
+#else
+    (void)stride;
+    return base;
+#endif
+}
+
 /* Below this many multiply-adds (keys x query heads x head_dim, summed over
  * the decodes) attention runs on the calling thread alone: waking a second
  * thread costs more than it saves. */
@@ -261,11 +271,7 @@ void paged_decode_attention(const float *q, int64_t q_stride, const int64_t *q_r
     (void)parallel;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (parallel)
     for (int64_t d = 0; d < num_decodes; d++) {
-#ifdef _OPENMP
-        float *scr = scratch + omp_get_thread_num() * scratch_stride;
-#else
-        float *scr = scratch;
-#endif
+        float *scr = thread_scratch(scratch, scratch_stride);
         const float *qd = q + q_rows[d] * q_stride;
         float *od = out + q_rows[d] * out_stride;
         const int32_t *table = block_tables + tables[d] * table_stride;
@@ -388,11 +394,7 @@ __attribute__((optimize("fp-contract=fast"))) void paged_prefill_attention(
     (void)parallel;
 #pragma omp parallel for schedule(dynamic, 4) num_threads(threads) if (parallel)
     for (int64_t i = 0; i < n; i++) {
-#ifdef _OPENMP
-        float *s = score_scratch + omp_get_thread_num() * stride;
-#else
-        float *s = score_scratch;
-#endif
+        float *s = thread_scratch(score_scratch, stride);
         int64_t len = first + i + 1;
         const float *qi = q + i * q_stride;
         float *oi = out + i * out_stride;
