@@ -15,6 +15,10 @@ in millionths, then one received count per client index. Its own, so that its
 name can be dropped as soon as that engine has attached (it is READY), and a
 restarted engine gets a fresh one: nothing is left in /dev/shm whichever
 process is killed.
+
+Routing never waits on a row: one that its engine is rewriting at that very
+moment (or was descheduled while rewriting) is taken as it last read well,
+a step old at most; a request is never failed or held for it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ if TYPE_CHECKING:
 
 _FIXED_FIELDS = 3  # waiting, running, kv usage (ppm)
 WAITING_WEIGHT = 4  # vLLM's routing score: 4 x waiting + running
+_NO_READING_YET = (0, 0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,7 @@ class EngineLoadReader:
         self.client_index = client_index
         for table in tables:
             self._check(table)
+        self._last = [EngineLoad(*_NO_READING_YET)] * len(tables)  # the last good read, per engine
 
     def _check(self, table: StatsTable) -> None:
         if _FIXED_FIELDS + self.client_index >= table.width:
@@ -84,11 +90,17 @@ class EngineLoadReader:
         """A new table for that engine; returns the old one (to close)."""
         self._check(table)
         old, self.tables[engine_index] = self.tables[engine_index], table
+        self._last[engine_index] = EngineLoad(*_NO_READING_YET)
         return old
 
     def read(self, engine_index: int) -> EngineLoad:
-        row = self.tables[engine_index].read(0)
-        return EngineLoad(row[0], row[1], row[2] / 1_000_000, row[_FIXED_FIELDS + self.client_index])
+        """The engine's figures; its last good ones while the engine is rewriting them."""
+        row = self.tables[engine_index].try_read(0)
+        if row is None:
+            return self._last[engine_index]
+        load = EngineLoad(row[0], row[1], row[2] / 1_000_000, row[_FIXED_FIELDS + self.client_index])
+        self._last[engine_index] = load
+        return load
 
     def close(self) -> None:
         for table in self.tables:

@@ -7,6 +7,14 @@ again (a seqlock); a reader takes the sequence, the fields, and the sequence
 once more, and tries again if it saw an odd value or a change. A reader
 therefore never returns a torn row, and a writer never waits for anyone.
 
+A writer can be descheduled between its two sequence updates (on a busy
+2-core machine that happens), so a reader that keeps finding the row
+mid-write gives its CPU away rather than spinning against it: a few tries,
+then ``sched_yield``, then short sleeps. ``try_read`` gives up after the
+yields and returns None (a caller with a last good value uses that);
+``read`` waits up to a timeout, beyond which the writer has surely died
+mid-write (the next writer of the row takes it over).
+
 Ordering: as for the rings' counters (``shm.ring``), every word is accessed as
 one item of a memoryview cast to native "q", i.e. one aligned 8-byte move,
 and x86-64 keeps stores in program order and loads in program order, which is
@@ -17,6 +25,8 @@ all a seqlock needs. The segment follows ``shm.segment``'s rules: a random
 from __future__ import annotations
 
 import mmap
+import os
+import time
 
 from shm.segment import attach_segment, create_segment, unlink_segment
 
@@ -24,7 +34,10 @@ PREFIX = "ringllm-table-"
 MAGIC = 0x5242_4C54_4142_4C45  # "RBLTABLE"
 HEADER = 64  # magic, capacity, rows, width
 _LINE_WORDS = 8  # a 64-byte cache line of 8-byte words
-_MAX_READ_TRIES = 10_000
+_SPINS = 8  # tries before a reader starts yielding its CPU to a descheduled writer
+_YIELDS = 32  # tries with a sched_yield before each; then try_read gives up
+_MAX_NAP_S = 1e-3  # read's longest sleep between tries
+READ_TIMEOUT_S = 5.0  # read's patience: far beyond any live writer's pause
 
 
 class StatsTable:
@@ -72,19 +85,36 @@ class StatsTable:
             words[i] = value
         words[base] = seq + 2
 
-    def read(self, row: int) -> list[int]:
-        """The row's fields as last published (all zero before the first write)."""
+    def try_read(self, row: int) -> list[int] | None:
+        """The row's fields as last published (all zero before the first write), or None
+        when the row stayed mid-write through a short wait that yields the CPU."""
         base = self._base(row)
         words = self._words
         end = base + 1 + self.width
-        for _ in range(_MAX_READ_TRIES):
+        for attempt in range(_SPINS + _YIELDS):
             before = words[base]
-            if before & 1:
-                continue
-            values = words[base + 1 : end].tolist()
-            if words[base] == before:
-                return values
-        raise TimeoutError(f"row {row} of stats table {self.name} stayed mid-write")
+            if not before & 1:
+                values = words[base + 1 : end].tolist()
+                if words[base] == before:
+                    return values
+            if attempt >= _SPINS:
+                os.sched_yield()
+        return None
+
+    def read(self, row: int, timeout: float = READ_TIMEOUT_S) -> list[int]:
+        """The row's fields as last published; waits while the row is mid-write, sleeping
+        between tries, and raises TimeoutError once ``timeout`` has passed (a dead writer)."""
+        values = self.try_read(row)
+        if values is not None:
+            return values
+        deadline = time.monotonic() + timeout
+        nap = 1e-5
+        while (values := self.try_read(row)) is None:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"row {row} of stats table {self.name} stayed mid-write for {timeout} s")
+            time.sleep(nap)
+            nap = min(2 * nap, _MAX_NAP_S)
+        return values
 
     def version(self, row: int) -> int:
         """How many times the row has been published."""

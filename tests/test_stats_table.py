@@ -4,6 +4,7 @@ a writer in another process rewrites it as fast as it can."""
 from __future__ import annotations
 
 import multiprocessing
+import threading
 
 import pytest
 
@@ -42,8 +43,9 @@ def test_a_row_left_mid_write_is_taken_over_by_the_next_writer() -> None:
     table = StatsTable.create(rows=1, width=2)
     try:
         table._words[0] = 7  # a writer died between its two sequence updates
+        assert table.try_read(0) is None
         with pytest.raises(TimeoutError):
-            table.read(0)
+            table.read(0, timeout=0.05)
         table.write(0, [3, 4])
         assert table.read(0) == [3, 4]
     finally:
@@ -62,5 +64,21 @@ def test_attach_checks_the_segment() -> None:
         with pytest.raises(IndexError):
             other.read(3)
         other.close()
+    finally:
+        table.close()
+
+
+def test_a_reader_waits_out_a_writer_paused_mid_write() -> None:
+    """A writer descheduled between its sequence updates (as on a loaded machine) delays a
+    reader; it does not fail it."""
+    table = StatsTable.create(rows=1, width=3)
+    try:
+        table.write(0, [1, 2, 3])
+        seq = table._words[0]
+        table._words[0] = seq + 1  # mid-write, as a writer that lost its CPU leaves it
+        resumed = threading.Timer(0.2, lambda: table.write(0, [4, 5, 6]))
+        resumed.start()
+        assert table.read(0) == [4, 5, 6]
+        resumed.join()
     finally:
         table.close()
