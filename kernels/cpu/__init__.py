@@ -8,8 +8,14 @@ cache where it lies, with no gathered copy).
 
 The source is compiled on first use with the machine's C compiler (``cc``,
 or ``$CC``) for this very CPU (``-march=native``) into a per-user cache
-(``$RINGLLM_CACHE`` or ``~/.cache/ringllm``), keyed by a hash of the source
-and flags: about half a second, once. It is built with OpenMP (attention of
+(``$RINGLLM_CACHE`` or ``~/.cache/ringllm``): about half a second, once. A
+cache may be shared by machines of different CPUs (a home directory on NFS,
+an image built elsewhere), and a library built for another CPU may use
+instructions this one lacks (SIGILL). So the cache is keyed by the source,
+the flags and what ``-march=native`` means to the compiler here (the CPU
+model and each extension on or off), and a library is used only if the
+extensions it was built with (``built_isa``) are all in the CPU's flags:
+one that is not is rebuilt. It is built with OpenMP (attention of
 large batches is shared among torch's intra-op thread count; the library
 binds to the OpenMP runtime torch has loaded, so there is one thread pool),
 or serial where the compiler has no OpenMP. Without a compiler ``load()`` returns
@@ -66,6 +72,12 @@ _SIGNATURES = {
     "paged_prefill_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, _F, _P, _I, _P, _P, _I],
 }
 
+# The extensions built_isa() reports, bit k for ISA_FLAGS[k], named as /proc/cpuinfo names them.
+ISA_FLAGS = (
+    "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni",
+    "avx_vnni", "avx512_bf16", "avx512_fp16",
+)
+
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -78,23 +90,86 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _build(compiler: str, flags: list[str]) -> Path:
-    """The compiled library for this source and these flags, compiling it if needed."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_kernels-{digest}.so"
-    if target.exists():
-        return target
+def native_target(compiler: str) -> str:
+    """What ``-march=native`` expands to for this compiler on this CPU (the CPU model,
+    each extension on or off, cache sizes): the part of the cache key that differs
+    between machines. Paths (temporary files) are left out, so it is stable."""
+    probe = subprocess.run(
+        [compiler, "-march=native", "-###", "-x", "c", "-c", os.devnull, "-o", os.devnull],
+        capture_output=True, text=True,
+    )
+    return " ".join(token for token in probe.stderr.split() if "/" not in token)
+
+
+def cpu_flags() -> set[str] | None:
+    """The CPU's feature flags as the kernel reports them; None where /proc/cpuinfo has none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def missing_extensions(lib: ctypes.CDLL) -> list[str]:
+    """The extensions ``lib`` was built to use that this CPU lacks (none where unknown)."""
+    flags = cpu_flags()
+    if flags is None:
+        return []
+    try:
+        report = lib.built_isa
+    except AttributeError:  # not a library of this source
+        return ["extensions it does not report"]
+    report.argtypes, report.restype = [], ctypes.c_uint64
+    built = report()
+    return [name for k, name in enumerate(ISA_FLAGS) if built >> k & 1 and name not in flags]
+
+
+def library_path(compiler: str, flags: list[str], target: str) -> Path:
+    """Where the library for this source, compiler, flags and CPU target is cached."""
+    key = "\0".join([compiler, *flags, target]).encode()
+    digest = hashlib.sha256(SOURCE.read_bytes() + key).hexdigest()[:16]
+    return _cache_dir() / f"cpu_kernels-{digest}.so"
+
+
+def _compile(compiler: str, flags: list[str], target: Path) -> Path:
+    """Compile to a private name next to ``target`` (concurrent first starts never load a
+    half-written file); returns that name, which the caller renames."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Compile to a private name, then rename: concurrent first starts never load a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
         subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True, text=True)
-        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return Path(tmp)
+
+
+def _open(compiler: str, flags: list[str]) -> ctypes.CDLL:
+    """The library for these flags: from the cache if it was built for this CPU, else built now."""
+    target = library_path(compiler, flags, native_target(compiler))
+    if target.exists():
+        lib = ctypes.CDLL(str(target))
+        missing = missing_extensions(lib)
+        if not missing:
+            return lib
+        logger.warning(
+            "the cached CPU kernels %s use %s, which this CPU lacks: rebuilding them", target, ", ".join(missing)
+        )
+    fresh = _compile(compiler, flags, target)
+    try:
+        lib = ctypes.CDLL(str(fresh))  # by its fresh name: the loader would hand back a library of the old one
+        missing = missing_extensions(lib)
+        if missing:
+            raise OSError(f"the compiler built CPU kernels that use {', '.join(missing)}, which this CPU lacks")
+        os.replace(fresh, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+        if fresh.exists():
+            fresh.unlink()
+    return lib
 
 
 def load() -> ctypes.CDLL | None:
@@ -113,7 +188,7 @@ def load() -> ctypes.CDLL | None:
         lib = None
         for variant in OPENMP_VARIANTS:
             try:
-                lib = ctypes.CDLL(str(_build(compiler, [*FLAGS, *variant])))
+                lib = _open(compiler, [*FLAGS, *variant])
                 break
             except (OSError, subprocess.CalledProcessError) as exc:
                 detail = getattr(exc, "stderr", "") or exc

@@ -411,3 +411,48 @@ __attribute__((optimize("fp-contract=fast"))) void paged_prefill_attention(
         }
     }
 }
+
+/* The instruction-set extensions this build may use, bit k for ISA_FLAGS[k] in
+ * kernels/cpu/__init__.py, which refuses a library that needs one the CPU lacks
+ * (a cache shared by machines of different CPUs). It returns a constant, so
+ * calling it runs no vector instruction on any x86-64. */
+uint64_t built_isa(void) {
+    uint64_t bits = 0;
+#ifdef __AVX__
+    bits |= 1ull << 0;
+#endif
+#ifdef __AVX2__
+    bits |= 1ull << 1;
+#endif
+#ifdef __FMA__
+    bits |= 1ull << 2;
+#endif
+#ifdef __F16C__
+    bits |= 1ull << 3;
+#endif
+#ifdef __AVX512F__
+    bits |= 1ull << 4;
+#endif
+#ifdef __AVX512BW__
+    bits |= 1ull << 5;
+#endif
+#ifdef __AVX512DQ__
+    bits |= 1ull << 6;
+#endif
+#ifdef __AVX512VL__
+    bits |= 1ull << 7;
+#endif
+#ifdef __AVX512VNNI__
+    bits |= 1ull << 8;
+#endif
+#ifdef __AVXVNNI__
+    bits |= 1ull << 9;
+#endif
+#ifdef __AVX512BF16__
+    bits |= 1ull << 10;
+#endif
+#ifdef __AVX512FP16__
+    bits |= 1ull << 11;
+#endif
+    return bits;
+}

@@ -1,0 +1,66 @@
+"""The compiled CPU kernels' cache when a home directory is shared by machines of different
+CPUs: a library built for another CPU is never loaded (it could die with SIGILL here)."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kernels import cpu
+
+COMPILER = shutil.which("cc") or shutil.which("gcc")
+# gcc's switch for each extension ISA_FLAGS names.
+GCC_SWITCH = {
+    "avx512_fp16": "-mavx512fp16", "avx512_bf16": "-mavx512bf16", "avx_vnni": "-mavxvnni",
+    "avx512_vnni": "-mavx512vnni", "avx512vl": "-mavx512vl", "avx512dq": "-mavx512dq",
+    "avx512bw": "-mavx512bw", "avx512f": "-mavx512f",
+}
+
+pytestmark = pytest.mark.skipif(COMPILER is None or cpu.cpu_flags() is None, reason="needs cc and /proc/cpuinfo")
+
+
+def _reported(path: Path, tmp_path: Path) -> list[str]:
+    """missing_extensions of the library at ``path``, loaded from a copy (a fresh name:
+    the dynamic loader hands back an already loaded library for a name it knows)."""
+    copy = tmp_path / f"check-{len(list(tmp_path.glob('check-*')))}.so"
+    shutil.copy(path, copy)
+    return cpu.missing_extensions(ctypes.CDLL(str(copy)))
+
+
+def test_the_cache_key_follows_the_cpu() -> None:
+    flags = [*cpu.FLAGS, *cpu.OPENMP_VARIANTS[0]]
+    here = cpu.native_target(COMPILER)
+    assert "march=" in here or "target-cpu" in here  # gcc's or clang's expansion of -march=native
+    assert cpu.native_target(COMPILER) == here  # stable: no temporary names in it
+    assert cpu.library_path(COMPILER, flags, here) != cpu.library_path(COMPILER, flags, here + " -mno-avx2")
+
+
+def test_a_cached_library_that_needs_an_extension_this_cpu_lacks_is_rebuilt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    flags_here = cpu.cpu_flags() or set()
+    lacking = next((f for f in cpu.ISA_FLAGS if f in GCC_SWITCH and f not in flags_here), None)
+    if lacking is None:
+        pytest.skip("this CPU has every extension the forged library could claim")
+    monkeypatch.setenv("RINGLLM_CACHE", str(tmp_path / "cache"))
+    flags = [*cpu.FLAGS, *cpu.OPENMP_VARIANTS[0]]
+    target = cpu.library_path(COMPILER, flags, cpu.native_target(COMPILER))
+    target.parent.mkdir(parents=True)
+    # The forged entry: this very source, built for a CPU with one more extension, stored
+    # where this machine looks for its own build.
+    subprocess.run(
+        [COMPILER, *flags, GCC_SWITCH[lacking], "-o", str(target), str(cpu.SOURCE), "-lm"], check=True
+    )
+    assert _reported(target, tmp_path) == [lacking]
+
+    with caplog.at_level(logging.WARNING, logger="ringllm.kernels"):
+        lib = cpu._open(COMPILER, flags)
+    assert cpu.missing_extensions(lib) == []
+    assert _reported(target, tmp_path) == []  # the entry now holds this CPU's build
+    assert f"use {lacking}, which this CPU lacks: rebuilding" in caplog.text
+    assert [p.name for p in target.parent.iterdir()] == [target.name]  # no temporary left behind
