@@ -13,7 +13,7 @@ import json
 import os
 import re
 
-from core.config import EngineConfig
+from core.config import DEFAULT_JSON_MAX_WHITESPACE, EngineConfig
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -40,6 +40,8 @@ _DTYPE_ALIASES = {
 # "org/name" as the Hugging Face hub spells a repository id.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
+UNBOUNDED_WHITESPACE = -1  # --structured-outputs-max-whitespace none
+
 # EngineConfig fields that map one to one onto an option of the same name.
 _ENGINE_FIELDS = (
     "tokenizer", "dtype", "device", "load_format", "seed", "max_model_len",
@@ -58,6 +60,15 @@ def parse_size(text: str) -> int:
     if match is None or unit not in _SIZE_UNITS:
         raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 536870912, 512MiB, 2G)")
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def _whitespace_bound(text: str) -> int:
+    """A whitespace bound: a count >= 0, or "none" (UNBOUNDED_WHITESPACE)."""
+    if text.lower() == "none":
+        return UNBOUNDED_WHITESPACE
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"not a count of characters or 'none': {text!r}")
+    return int(text)
 
 
 def _dtype(text: str) -> str:
@@ -125,6 +136,12 @@ def make_parser() -> argparse.ArgumentParser:
         "--structured-outputs-backend", choices=["auto", "xgrammar"],
         help="grammar backend for JSON schema, regex, choice and grammar constraints: xgrammar is the "
         "only one implemented (auto picks it; default auto)",
+    )
+    structured.add_argument(
+        "--structured-outputs-max-whitespace", type=_whitespace_bound, metavar="N|none",
+        help="JSON schemas and json_object: the longest run of whitespace between two elements that "
+        "a request without structured_outputs.max_whitespace may write; none lifts the bound "
+        f"(default {DEFAULT_JSON_MAX_WHITESPACE})",
     )
     structured.add_argument(
         "--enable-auto-tool-choice", action="store_true",
@@ -407,6 +424,9 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     given = {name: getattr(args, name) for name in _ENGINE_FIELDS if getattr(args, name, None) is not None}
     if getattr(args, "disable_log_stats", False):
         given["log_stats"] = False
+    if getattr(args, "structured_outputs_max_whitespace", None) is not None:
+        bound = args.structured_outputs_max_whitespace
+        given["structured_outputs_max_whitespace"] = None if bound == UNBOUNDED_WHITESPACE else bound
     model = args.model
     if model is None:
         from core.models.default_model import default_model_dir

@@ -62,6 +62,9 @@ class StructuredOutputs(msgspec.Struct, kw_only=True):
     json_object: bool | None = None
     structural_tag: dict[str, Any] | str | None = None
     disable_any_whitespace: bool = False
+    # ringllm: the longest run of whitespace between JSON elements (default: the server's
+    # --structured-outputs-max-whitespace).
+    max_whitespace: int | None = None
     # vLLM options that change nothing here when left unset, refused otherwise.
     whitespace_pattern: str | None = None
     disable_fallback: bool = False
@@ -84,6 +87,10 @@ def structured_outputs_params(
             raise BadRequestError(
                 "structured_outputs.whitespace_pattern is not supported; use disable_any_whitespace.", param
             )
+        if structured.max_whitespace is not None and structured.max_whitespace < 1:
+            raise BadRequestError(
+                "structured_outputs.max_whitespace must be >= 1 (disable_any_whitespace allows none).", param
+            )
         if structured.disable_additional_properties:
             raise BadRequestError(
                 "structured_outputs.disable_additional_properties is not supported: set "
@@ -97,6 +104,7 @@ def structured_outputs_params(
             json_object=bool(structured.json_object),
             structural_tag=None if structured.structural_tag is None else _json_text(structured.structural_tag),
             disable_any_whitespace=structured.disable_any_whitespace,
+            max_whitespace=structured.max_whitespace,
         )
     if response_format is not None and response_format.type != "text":
         param = "response_format"

@@ -9,6 +9,10 @@ from typing import Any
 import msgspec
 
 DEFAULT_KV_CACHE_MEMORY = 256 * 1024 * 1024  # bytes of CPU memory for the KV cache
+# The longest run of whitespace a JSON grammar allows between two elements, unless a request
+# says otherwise: room for a newline and indentation, not for a model that never stops
+# writing newlines (bench/README.md has the measurements behind it).
+DEFAULT_JSON_MAX_WHITESPACE = 2
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
 
@@ -55,6 +59,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     logprobs_mode: str = "raw_logprobs"  # raw_logprobs | processed_logprobs
     # Grammar backend for structured outputs: "auto" and "xgrammar" are the same (the only one).
     structured_outputs_backend: str = "auto"
+    # JSON grammars: the longest whitespace run between elements when a request does
+    # not set one (None: unbounded, as vLLM has it).
+    structured_outputs_max_whitespace: int | None = DEFAULT_JSON_MAX_WHITESPACE
     # The core of the engine process's Python threads (core/affinity.py): auto | off | a core number.
     engine_cpu: str = "auto"
     # Data parallel: this many EngineCore processes share the host's cores and
@@ -103,6 +110,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(
                 f"structured_outputs_backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
                 f"got {self.structured_outputs_backend!r}"
+            )
+        if self.structured_outputs_max_whitespace is not None and self.structured_outputs_max_whitespace < 0:
+            raise ValueError(
+                f"structured_outputs_max_whitespace must be >= 0, got {self.structured_outputs_max_whitespace}"
             )
         if self.data_parallel_size < 1 or not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(

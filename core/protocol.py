@@ -95,7 +95,10 @@ class StructuredOutputsParams(
     object) and ``structural_tag`` (xgrammar's structural tag, as JSON text)
     is set. Schemas travel as text: the engine keys its cache of compiled
     grammars by it. ``disable_any_whitespace`` makes JSON compact (no
-    whitespace the model could spend its tokens on).
+    whitespace the model could spend its tokens on); otherwise
+    ``max_whitespace`` bounds each run of whitespace between JSON elements
+    (None: the engine's ``structured_outputs_max_whitespace``), so that a
+    model cannot spend its whole budget on newlines inside an object.
     """
 
     json: str | None = None
@@ -105,6 +108,7 @@ class StructuredOutputsParams(
     json_object: bool = False
     structural_tag: str | None = None
     disable_any_whitespace: bool = False
+    max_whitespace: int | None = None
 
     def kind_count(self) -> int:
         return sum(getattr(self, k) not in (None, False) for k in STRUCTURED_OUTPUT_KINDS)

@@ -128,3 +128,15 @@ def test_scale_out_errors_exit_2_before_anything_starts() -> None:
     assert result.returncode == 2 and "needs the shm transport" in result.stderr
     assert scale_out_error(make_parser().parse_args(["-dp", "2", "--api-server-count", "2"])) is None
     assert scale_out_error(make_parser().parse_args([])) is None
+
+
+def test_the_json_whitespace_bound_flag() -> None:
+    from core.config import DEFAULT_JSON_MAX_WHITESPACE
+
+    bound = lambda *flag: build_engine_config(parse_args(list(flag))).structured_outputs_max_whitespace  # noqa: E731
+    assert bound() == DEFAULT_JSON_MAX_WHITESPACE
+    assert bound("--structured-outputs-max-whitespace", "4") == 4
+    assert bound("--structured-outputs-max-whitespace", "none") is None  # unbounded, as vLLM has it
+    for bad in ("-1", "many"):
+        result = run_app("--structured-outputs-max-whitespace", bad)
+        assert result.returncode == 2 and "not a count of characters or 'none'" in result.stderr

@@ -178,7 +178,7 @@ class Scheduler:
             try:
                 error = structured.start()
             except Exception as exc:  # noqa: BLE001 - this request's failure, not the engine's
-                error = f"Invalid structured output ({structured.key[0]}): {exc}"
+                error = f"Invalid structured output ({structured.key.kind}): {exc}"
             if error is None:
                 request.status = RequestStatus.WAITING
                 self.waiting.add_request(request)
@@ -500,6 +500,10 @@ class Scheduler:
             request.stop_reason = f"The grammar rejected token {token_id}: no allowed token could be sampled."
             return True
         if structured.is_terminated():
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if len(request.output_token_ids) >= request.sampling_params.max_tokens and structured.only_end_allowed():
+            # Cut by max_tokens exactly where the grammar can only end: the output is whole.
             request.status = RequestStatus.FINISHED_STOPPED
             return True
         return False

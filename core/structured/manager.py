@@ -5,8 +5,9 @@ compiles), submitted by whoever preprocesses requests: the engine process's
 input thread, never its busy loop. A request waits in WAITING_FOR_FSM, which
 the scheduler skips, until its future is done; ``on_ready`` then wakes
 whoever drives the engine, so an engine with nothing else to do sleeps
-instead of polling. Compiled grammars are cached by (kind, spec, whitespace),
-futures included, so identical requests arriving together compile once.
+instead of polling. Compiled grammars are cached by their ``GrammarKey``
+(kind, spec, whitespace rules), futures included, so identical requests
+arriving together compile once.
 
 xgrammar itself (and its tokenizer info) is loaded on the first structured
 request, on the pool: start-up and the requests without a grammar pay nothing.
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from core.affinity import unpin_current_thread
 from core.config import STRUCTURED_OUTPUTS_BACKENDS, EngineConfig
 from core.protocol import StructuredOutputsParams
-from core.structured.request import StructuredOutputRequest
+from core.structured.request import GrammarKey, StructuredOutputRequest
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +46,7 @@ class StructuredOutputManager:
         self._backend: Any = None
         self._backend_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self._cache: OrderedDict[tuple[str, str, bool], Future] = OrderedDict()
+        self._cache: OrderedDict[GrammarKey, Future] = OrderedDict()
         self._cache_lock = threading.Lock()
         # Called from a pool thread when a grammar is ready (or failed).
         self.on_ready: Callable[[], None] | None = None
@@ -56,7 +57,10 @@ class StructuredOutputManager:
     def new_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
         """The request's grammar state; compilation starts now unless cached (ValueError
         for params that name no single constraint)."""
-        key = (params.kind(), params.spec(), not params.disable_any_whitespace)
+        max_whitespace = params.max_whitespace
+        if max_whitespace is None:
+            max_whitespace = self.config.structured_outputs_max_whitespace
+        key = GrammarKey(params.kind(), params.spec(), not params.disable_any_whitespace, max_whitespace)
         with self._cache_lock:
             future = self._cache.get(key)
             submitted = future is None
@@ -91,11 +95,10 @@ class StructuredOutputManager:
                 logger.info("structured outputs: xgrammar ready (vocabulary of %d)", self._backend.vocab_size)
             return self._backend
 
-    def _compile(self, key: tuple[str, str, bool]) -> Any:
-        kind, spec, any_whitespace = key
-        return self._get_backend().compile(kind, spec, any_whitespace)
+    def _compile(self, key: GrammarKey) -> Any:
+        return self._get_backend().compile(key)
 
-    def _compile_done(self, key: tuple[str, str, bool], future: Future) -> None:
+    def _compile_done(self, key: GrammarKey, future: Future) -> None:
         if future.exception() is not None:
             with self._cache_lock:  # a failure is not worth keeping
                 if self._cache.get(key) is future:

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import re
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NamedTuple
 
 # xgrammar prefixes its errors with "[time] source_file.cc:line: ".
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+class GrammarKey(NamedTuple):
+    """What a compiled grammar depends on: the compiled-grammar cache's key."""
+
+    kind: str  # json, regex, choice, grammar, json_object, structural_tag
+    spec: str
+    any_whitespace: bool  # JSON: free whitespace between elements, else compact
+    max_whitespace: int | None  # JSON with any_whitespace: the longest run (None: unbounded)
 
 
 class StructuredOutputRequest:
@@ -23,7 +32,7 @@ class StructuredOutputRequest:
 
     __slots__ = ("key", "future", "matcher", "_backend")
 
-    def __init__(self, key: tuple[str, str, bool], future: Future, backend_of: Any) -> None:
+    def __init__(self, key: GrammarKey, future: Future, backend_of: Any) -> None:
         self.key = key
         self.future = future
         self.matcher: Any = None
@@ -36,7 +45,7 @@ class StructuredOutputRequest:
         """Build the matcher once the grammar is compiled; the error message if it did not compile."""
         exc = self.future.exception()
         if exc is not None:
-            return f"Invalid structured output ({self.key[0]}): {_SOURCE_PREFIX.sub('', str(exc)).strip()}"
+            return f"Invalid structured output ({self.key.kind}): {_SOURCE_PREFIX.sub('', str(exc)).strip()}"
         self.matcher = self._backend().matcher(self.future.result())
         return None
 
@@ -45,3 +54,8 @@ class StructuredOutputRequest:
 
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
+
+    def only_end_allowed(self) -> bool:
+        """The output is complete: the grammar allows no token but its end (e.g. a JSON
+        object's closing brace); asked only when a limit cuts the request there."""
+        return self._backend().only_end_allowed(self.matcher)

@@ -14,7 +14,9 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-# Kinds of StructuredOutputsParams -> how they compile.
+from core.structured.request import GrammarKey
+
+# json_object: any JSON object.
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
 
 
@@ -78,14 +80,17 @@ class XgrammarBackend:
         # Our own cache keeps compiled grammars by spec; xgrammar's would hold them twice.
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_enabled=False)
 
-    def compile(self, kind: str, spec: str, any_whitespace: bool) -> xgr.CompiledGrammar:
+    def compile(self, key: GrammarKey) -> xgr.CompiledGrammar:
         """Raises (ValueError, RuntimeError...) with xgrammar's message for an invalid spec."""
         c = self.compiler
-        if kind == "json":
-            json.loads(spec)  # a clear message for text that is not JSON at all
-            return c.compile_json_schema(spec, any_whitespace=any_whitespace)
-        if kind == "json_object":
-            return c.compile_json_schema(_JSON_OBJECT_SCHEMA, any_whitespace=any_whitespace)
+        kind, spec = key.kind, key.spec
+        if kind in ("json", "json_object"):
+            if kind == "json":
+                json.loads(spec)  # a clear message for text that is not JSON at all
+            whitespace = {"any_whitespace": key.any_whitespace}
+            if key.any_whitespace:
+                whitespace["max_whitespace_cnt"] = key.max_whitespace
+            return c.compile_json_schema(spec if kind == "json" else _JSON_OBJECT_SCHEMA, **whitespace)
         if kind == "regex":
             return c.compile_regex(spec)
         if kind == "choice":
@@ -108,6 +113,18 @@ class XgrammarBackend:
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
         return xgr.GrammarMatcher(compiled)
+
+    def only_end_allowed(self, matcher: xgr.GrammarMatcher) -> bool:
+        """Whether the grammar allows nothing more than ending (its stop tokens)."""
+        if not matcher.is_completed():
+            return False
+        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(mask, 0)
+        words = mask[0]
+        for token in matcher.stop_token_ids:
+            bit = 1 << token % 32
+            words[token // 32] &= ~(bit - (1 << 32) if bit >= 1 << 31 else bit)  # as int32
+        return not bool(words.any())
 
     def bitmask(self, matchers: list[Any]) -> torch.Tensor:
         """[len(matchers), ceil(vocab / 32)] int32: bit t of row i allows token t to matcher i."""
