@@ -514,7 +514,7 @@ class OpenAIServing:
         calls = []
         content: str | None = out.text
         if req.forced_tool_call:
-            calls = parse_forced(req, out.text) or []
+            calls = parse_forced(req, out.text)
             content = None if calls else out.text
         elif req.tools and req.effective_tool_choice == "auto" and self.tool_call_parser == "hermes":
             content, calls = parse_hermes(out.text)

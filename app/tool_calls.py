@@ -76,21 +76,17 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def parse_forced(req: ChatCompletionRequest, text: str) -> list[ToolCall] | None:
-    """The calls of a forced output; None when it is not one (cut short by max_tokens)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
+def parse_forced(req: ChatCompletionRequest, text: str) -> list[ToolCall]:
+    """The calls of a forced output, as its stream gives them: for a named function, one
+    call with the text as its arguments (cut short if max_tokens cut them, as OpenAI
+    returns them); for "required", every call of the array that was completed, so an
+    output cut by max_tokens keeps the calls written before the cut."""
     choice = req.tool_choice
     if isinstance(choice, NamedToolChoice):
-        return [ToolCall(id=new_tool_call_id(), function=FunctionCall(choice.function.name, text))]
-    if not isinstance(value, list):
-        return None
-    return [
-        ToolCall(id=new_tool_call_id(), function=FunctionCall(item["name"], _dumps(item["parameters"])))
-        for item in value
-    ]
+        return [ToolCall(id=new_tool_call_id(), function=FunctionCall(choice.function.name, text))] if text else []
+    stream = RequiredCallStream()
+    stream.feed(text, finished=True)
+    return stream.calls
 
 
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -160,10 +156,12 @@ class NamedCallStream(ToolCallStream):
 
 
 class RequiredCallStream(ToolCallStream):
-    """tool_choice "required": each call of the array is sent once its object closes."""
+    """tool_choice "required": each call of the array is sent once its object closes
+    (``calls`` keeps them all)."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.calls: list[ToolCall] = []
         self.depth = 0
         self.in_string = self.escaped = False
         self.item: list[str] = []
@@ -197,6 +195,7 @@ class RequiredCallStream(ToolCallStream):
         except ValueError:
             return []
         call = ToolCall(id=new_tool_call_id(), function=FunctionCall(value["name"], _dumps(value["parameters"])))
+        self.calls.append(call)
         self.num_calls += 1
         return [_whole_call_delta(self.num_calls - 1, call)]
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from app.protocol import ChatCompletionRequest
-from app.tool_calls import HermesStream, RequiredCallStream, forced_call_constraint, parse_hermes
+from app.tool_calls import HermesStream, RequiredCallStream, forced_call_constraint, parse_forced, parse_hermes
 from core.models.default_model import DEFAULT_MODEL_DIR
 from tests.support.http import MODEL, assert_openai_error, make_engine, running_server
 
@@ -189,3 +189,38 @@ def test_forced_constraint_schema_accepts_exactly_the_calls() -> None:
         jsonschema.validate([{"name": "get_time", "parameters": {"city": "x", "unit": "c"}}], schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([], schema)
+
+
+async def test_required_calls_cut_by_max_tokens_keep_the_complete_ones(served) -> None:
+    """Parallel calls allowed, the model goes on adding calls until max_tokens: the answer
+    has the calls completed before the cut, finish_reason "length", and no raw JSON,
+    whole and streamed alike."""
+    _, oai = served
+    body = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=90)
+    choice = (await oai.chat.completions.create(**body)).choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    assert calls
+    for name, arguments in calls:
+        _check_call(name, arguments)
+    finish, content, streamed = None, "", []
+    async for chunk in await oai.chat.completions.create(**body, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        streamed += [(part.function.name, part.function.arguments) for part in delta.tool_calls or ()]
+        finish = chunk.choices[0].finish_reason or finish
+    assert (finish, content, streamed) == ("length", "", calls)
+
+
+def test_a_cut_forced_output_keeps_its_complete_calls() -> None:
+    required = msgspec.convert({"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"}, ChatCompletionRequest)
+    text = '[{"name":"get_time","parameters":{"zone":"utc"}},{"name":"get_weather","parameters":{"city":"Pa'
+    calls = parse_forced(required, text)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_time", {"zone": "utc"})]
+    assert parse_forced(required, "[") == []
+    named = msgspec.convert(
+        {"messages": MESSAGES, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+        ChatCompletionRequest,
+    )
+    (call,) = parse_forced(named, '{"zone":"u')  # as far as it got, as OpenAI returns a cut call
+    assert (call.function.name, call.function.arguments) == ("get_time", '{"zone":"u')
