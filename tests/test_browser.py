@@ -16,9 +16,8 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -57,6 +56,8 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.remote.webdriver import WebDriver  # noqa: E402
 
+from tests.support.waiting import wait_for  # noqa: E402
+
 
 @pytest.fixture
 def browser(tmp_path: Path) -> Iterator[WebDriver]:
@@ -70,15 +71,6 @@ def browser(tmp_path: Path) -> Iterator[WebDriver]:
         yield driver
     finally:
         driver.quit()
-
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def engine_stats(base_url: str) -> dict:
@@ -105,7 +97,7 @@ def test_chat_page_streams_and_stop_aborts_in_the_engine(server_factory, browser
     server = server_factory(["--max-model-len", "65536", "--seed", "0"])
     browser.get(server.base_url + "/")
     wait_for(lambda: browser.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "true",
-             30, "the page to load its model list")
+             "the page to load its model list")
     assert browser.title == "ringllm"
     assert browser.find_element(By.ID, "model").get_attribute("value") == "stories260K"
     # Every control has a label (screen readers, and clicking the label focuses it).
@@ -124,8 +116,8 @@ def test_chat_page_streams_and_stop_aborts_in_the_engine(server_factory, browser
         else:
             browser.find_element(By.ID, "send").click()
         wait_for(lambda: len(browser.find_elements(By.CSS_SELECTOR, "#log-chat .msg.assistant")) == i + 1,
-                 10, "the answer to appear")
-        wait_for(lambda: answer_state(browser, "#log-chat .msg.assistant") == "done", 60, "the answer to finish")
+                 "the answer to appear")
+        wait_for(lambda: answer_state(browser, "#log-chat .msg.assistant") == "done", "the answer to finish", 60)
         answer = last(browser, "#log-chat .msg.assistant")
         text = answer.find_element(By.CSS_SELECTOR, ".text").text
         assert len(text.split()) >= 3 and "\ufffd" not in text, text
@@ -148,18 +140,17 @@ def test_chat_page_streams_and_stop_aborts_in_the_engine(server_factory, browser
         article = last(browser, selector)
         return article.find_element(By.CSS_SELECTOR, ".text").text if article is not None else ""
 
-    first = wait_for(lambda: len(streamed_text()) > len("Once upon a time") + 10 and streamed_text(),
-                     30, "streamed text")
-    wait_for(lambda: len(streamed_text()) > len(first), 30, "more streamed text")
+    first = wait_for(lambda: len(streamed_text()) > len("Once upon a time") + 10 and streamed_text(), "streamed text")
+    wait_for(lambda: len(streamed_text()) > len(first), "more streamed text")
     assert answer_state(browser, selector) == "streaming"
     assert engine_stats(server.base_url)["num_running_reqs"] == 1
     browser.find_element(By.ID, "stop").click()
-    wait_for(lambda: answer_state(browser, selector) == "stopped", 10, "the page to show the stop")
+    wait_for(lambda: answer_state(browser, selector) == "stopped", "the page to show the stop")
 
     # The engine dropped the request: nothing runs or waits, and no step runs any more.
     stats = wait_for(
         lambda: (s := engine_stats(server.base_url))["num_running_reqs"] == 0 and s["num_waiting_reqs"] == 0 and s,
-        10, "the engine to abort the request",
+        "the engine to abort the request",
     )
     time.sleep(0.5)
     assert engine_stats(server.base_url)["step_counter"] == stats["step_counter"] < LONG_MAX_TOKENS
@@ -173,16 +164,16 @@ def test_chat_page_asks_for_the_api_key(server_factory, browser: WebDriver) -> N
     server = server_factory(["--api-key", "sekret"])
     browser.get(server.base_url + "/")
     key_row = browser.find_element(By.ID, "api-key-row")
-    wait_for(key_row.is_displayed, 30, "the API key field")
-    wait_for(lambda: "API key" in browser.find_element(By.ID, "status").text, 10, "the page to ask for the key")
+    wait_for(key_row.is_displayed, "the API key field")
+    wait_for(lambda: "API key" in browser.find_element(By.ID, "status").text, "the page to ask for the key")
     key = browser.find_element(By.ID, "api-key")
     key.send_keys("wrong", Keys.TAB)
-    wait_for(lambda: "refused" in browser.find_element(By.ID, "status").text, 10, "the wrong key to be refused")
+    wait_for(lambda: "refused" in browser.find_element(By.ID, "status").text, "the wrong key to be refused")
     key.clear()
     key.send_keys("sekret", Keys.TAB)
     wait_for(lambda: browser.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "true",
-             10, "the model list, with the key")
+             "the model list, with the key")
     prompt = browser.find_element(By.ID, "prompt")
     prompt.send_keys("Hello!", Keys.ENTER)
-    wait_for(lambda: answer_state(browser, "#log-chat .msg.assistant") == "done", 60, "an answer")
+    wait_for(lambda: answer_state(browser, "#log-chat .msg.assistant") == "done", "an answer", 60)
     assert last(browser, "#log-chat .msg.assistant").find_element(By.CSS_SELECTOR, ".text").text

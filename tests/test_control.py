@@ -16,9 +16,11 @@ import openai
 import pytest
 import torch
 
+from app.async_llm import AsyncLLM
 from core.models.loader import kv_cache_bytes_per_block
 from tests.support.http import MODEL, make_engine, running_server
 from tests.support.metrics import parse_metrics, value
+from tests.support.waiting import wait_until
 
 GREEDY = dict(model=MODEL, prompt="Once upon a time", max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
 LABELS = {"model_name": MODEL, "engine": "0"}
@@ -29,16 +31,23 @@ def openai_client(base: str) -> openai.AsyncOpenAI:
 
 
 class Stream:
-    """A streamed completion read by a task: its text so far and its finish reason."""
+    """A streamed completion read by a task: its text and token count so far, and its
+    finish reason."""
 
     def __init__(self, oa: openai.AsyncOpenAI, **args) -> None:
         self.chunks: list[str] = []
+        self.tokens = 0
         self.finish_reason: str | None = None
         self._started = asyncio.Event()
-        self.task = asyncio.create_task(self._read(oa, args))
+        usage = {"include_usage": True, "continuous_usage_stats": True}
+        self.task = asyncio.create_task(self._read(oa, {**args, "stream_options": usage}))
 
     async def _read(self, oa: openai.AsyncOpenAI, args: dict) -> None:
         async for chunk in await oa.completions.create(**args, stream=True):
+            if chunk.usage is not None:
+                self.tokens = chunk.usage.completion_tokens
+            if not chunk.choices:
+                continue
             choice = chunk.choices[0]
             if choice.text:
                 self.chunks.append(choice.text)
@@ -46,6 +55,10 @@ class Stream:
                     self._started.set()
             self.finish_reason = choice.finish_reason or self.finish_reason
         self._started.set()
+
+    async def received(self, tokens: int) -> None:
+        """Every one of ``tokens`` tokens the engine produced for it has arrived."""
+        await wait_until(lambda: self.tokens >= tokens, f"the stream to receive {tokens} tokens")
 
     async def started(self) -> None:
         """Three text chunks have arrived."""
@@ -64,14 +77,24 @@ async def engine_stats(client: httpx.AsyncClient) -> dict:
     return (await client.get("/engine/stats")).json()
 
 
-async def settled_token_count(client: httpx.AsyncClient) -> float:
-    """Tokens generated so far, once outputs already sent have been delivered."""
-    await asyncio.sleep(0.2)
-    return await generated_tokens(client)
+def output_tokens(engine: AsyncLLM) -> int:
+    """Tokens the in-process engine has produced for its one running request."""
+    (request,) = engine.engine_core.engine_core.scheduler.running
+    return len(request.output_token_ids)
+
+
+async def requests_waiting(client: httpx.AsyncClient, count: int) -> None:
+    """Until ``count`` requests wait in the engine (held by a pause)."""
+
+    async def check() -> bool:
+        return (await engine_stats(client))["num_waiting_reqs"] == count
+
+    await wait_until(check, f"{count} requests waiting in the engine")
 
 
 async def test_pause_keep_freezes_requests_and_resume_continues_them_token_exact(stories_dir) -> None:
-    async with running_server(make_engine(stories_dir)) as (client, base):
+    engine = make_engine(stories_dir)
+    async with running_server(engine) as (client, base):
         oa = openai_client(base)
         reference = (await oa.completions.create(**GREEDY)).choices[0].text
         stream = Stream(oa, **GREEDY)
@@ -80,18 +103,17 @@ async def test_pause_keep_freezes_requests_and_resume_continues_them_token_exact
         assert response.status_code == 200 and response.json()["status"] == "paused"
         assert (await client.get("/is_paused")).json() == {"is_paused": True}
 
-        frozen = await settled_token_count(client)
-        text_when_frozen = stream.text
-        await asyncio.sleep(0.5)
+        await stream.received(output_tokens(engine))  # what the engine made before the pause
+        frozen, text_when_frozen = await generated_tokens(client), stream.text
+        await asyncio.sleep(0.5)  # a stretch in which a running engine makes dozens of tokens
         assert await generated_tokens(client) == frozen  # not one token while paused
         assert stream.text == text_when_frozen and not stream.task.done()
         stats = await engine_stats(client)
         assert stats["num_running_reqs"] == 1 and stats["kv_cache_usage"] > 0  # kept, with its KV cache
 
         waiting = asyncio.create_task(oa.completions.create(**{**GREEDY, "max_tokens": 5}))
-        await asyncio.sleep(0.3)
+        await requests_waiting(client, 1)
         assert not waiting.done()  # a new request waits while paused
-        assert (await engine_stats(client))["num_waiting_reqs"] == 1
 
         assert (await client.post("/resume")).json() == {"status": "resumed"}
         await stream.task
@@ -115,7 +137,7 @@ async def test_pause_abort_returns_partial_output_and_holds_new_requests(stories
         assert partial.finish_reason == "abort" and reference.startswith(partial.text)
 
         held = asyncio.create_task(oa.completions.create(**GREEDY))
-        await asyncio.sleep(0.3)
+        await requests_waiting(client, 1)
         assert not held.done()
         await client.post("/resume")
         assert (await held).choices[0].text == reference
@@ -134,8 +156,8 @@ async def test_pause_wait_drains_requests_in_flight_then_holds_new_ones(stories_
         assert (stream.text, stream.finish_reason) == (reference, "length")
 
         held = asyncio.create_task(oa.completions.create(**GREEDY))
-        await asyncio.sleep(0.3)
-        assert not held.done() and (await engine_stats(client))["num_waiting_reqs"] == 1
+        await requests_waiting(client, 1)
+        assert not held.done()
         await client.post("/resume")
         assert (await held).choices[0].text == reference
 
@@ -224,12 +246,25 @@ async def test_pause_keep_and_wait_with_an_engine_process(server_factory) -> Non
     request = {**GREEDY, "model": "stories260K", "max_tokens": 120}
     reference = (await oa.completions.create(**request)).choices[0].text
     async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+        async def made() -> float:  # tokens the frontend has taken from the engine
+            metrics = parse_metrics((await client.get("/metrics")).text)
+            return value(metrics, "vllm:generation_tokens_total", model_name="stories260K", engine="0")
+
+        before = await made()
         stream = Stream(oa, **request)
         await stream.started()
         assert (await client.post("/pause", params={"mode": "keep"})).status_code == 200
-        await asyncio.sleep(0.2)
+        # Outputs sent before the pause may still be on their way: settled once the stream has
+        # every token the frontend took, twice in a row (each read is a trip through its loop).
+        seen: list[float] = []
+
+        async def settled() -> bool:
+            seen.append(await made() - before)
+            return seen[-2:] == [stream.tokens] * 2
+
+        await wait_until(settled, "the stream to receive what the engine made before the pause")
         text_when_frozen = stream.text
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # a stretch in which a running engine makes dozens of tokens
         assert stream.text == text_when_frozen and not stream.task.done()
         await client.post("/resume")
         await stream.task

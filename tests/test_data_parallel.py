@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.support.metrics import parse_metrics, value
-from tests.support.servers import wait_for
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -15,6 +15,8 @@ import openai
 import pytest
 import torch
 
+from tests.support.waiting import wait_for
+
 pytestmark = pytest.mark.slow
 
 SERVER_ARGS = ["--max-model-len", "2048", "--max-num-batched-tokens", "256", "--seed", "0"]
@@ -219,7 +221,11 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def test_idle_server_uses_almost_no_cpu(server) -> None:
-    time.sleep(1.0)  # let the previous test's traffic settle
+    def idle() -> bool:  # the previous tests' requests are all done
+        stats = engine_stats(server)
+        return stats["num_running_reqs"] == stats["num_waiting_reqs"] == 0
+
+    wait_for(idle, "the engine to finish the previous tests' requests")
     pids = [server.proc.pid, server.engine_pid()]
     before = sum(_cpu_seconds(p) for p in pids)
     time.sleep(5.0)

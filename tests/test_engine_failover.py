@@ -18,7 +18,8 @@ import time
 import httpx
 import pytest
 
-from tests.support.servers import segments, wait_for, wait_gone
+from tests.support.servers import segments, wait_gone
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

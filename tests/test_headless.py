@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from app.launcher import REPO, free_port
-from tests.support.servers import segments, wait_for, wait_gone
+from tests.support.servers import segments, wait_gone
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

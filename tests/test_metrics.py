@@ -18,6 +18,7 @@ from app.metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 from app.stats_logger import StatsLogger
 from tests.support.http import MODEL, make_engine, running_server
 from tests.support.metrics import Samples, bucket_bounds, metric_types, parse_metrics, value
+from tests.support.waiting import wait_for
 
 LABELS = {"model_name": MODEL, "engine": "0"}
 # (prompt, max_tokens): finished by length (ignore_eos), so the token counts are known.
@@ -176,9 +177,11 @@ def test_real_server_in_multiprocess_mode(server_factory, tmp_path, monkeypatch)
     server = server_factory(["--enable-log-requests"])
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
     client.completions.create(model="stories260K", prompt="Hello", max_tokens=2)  # the stats task starts here
-    time.sleep(1.5)  # several intervals after that burst's own lines: quiet again
+    # That burst's lines: one with its tokens, then one that says the interval after it had none.
+    wait_for(lambda: "Avg generation throughput: 0.0 tokens/s, Running: 0 reqs" in server.log(),
+             "the line of the interval after the burst")
     quiet_from = len(server.log())
-    time.sleep(1.0)
+    time.sleep(1.0)  # three more intervals of an idle server
     assert "Avg prompt throughput" not in server.log()[quiet_from:]
 
     before = parse_metrics(httpx.get(server.base_url + "/metrics").text)
@@ -206,9 +209,7 @@ def test_real_server_in_multiprocess_mode(server_factory, tmp_path, monkeypatch)
     assert value(after, "ringllm:engine_busy_loop_seconds_total", **labels) > 0
     assert list(multiproc.glob("*.db")), "prometheus_client wrote no multiprocess files"
 
-    deadline = time.monotonic() + 30
-    while "Avg generation throughput" not in server.log()[quiet_from:] and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_for(lambda: "Avg generation throughput" in server.log()[quiet_from:], "the next periodic line")
     log = server.log()
     assert re.search(r"Engine 000: Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput", log[quiet_from:])
     assert "Received request" in log and "Finished request" in log

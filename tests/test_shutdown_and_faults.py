@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from core.worker.faults import FAULT_ENV
-from tests.support.servers import Server, mapped_segments, process_gone
+from tests.support.servers import Server, mapped_segments, process_gone, process_tree, segments
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -98,6 +99,7 @@ async def test_sigterm_lets_streams_in_flight_finish_then_exits_0_leaving_nothin
     server.assert_nothing_left()
     log = server.server.log()
     assert "draining" in log and "Traceback" not in log
+    assert "leaked semaphore" not in log  # nothing of multiprocessing's left for its tracker
 
 
 async def test_the_drain_timeout_ends_the_rest_with_an_error_event_and_a_second_sigint_exits_at_once(
@@ -166,3 +168,21 @@ async def test_a_frontend_killed_under_load_takes_its_engine_along_leaving_nothi
     assert server.wait_exit() == -9
     server.assert_nothing_left()
     await asyncio.gather(*tasks, return_exceptions=True)  # cut off (or done, had they been quick)
+
+
+async def test_kill_9_of_every_server_process_leaves_nothing_in_dev_shm(server_factory) -> None:
+    """SIGKILL to the frontend, the engine and multiprocessing's resource tracker at once (a
+    process group killed by an OOM killer or a container stop): nothing they made in
+    /dev/shm stays (ring segments, tables, a semaphore), since nobody is left to clean up."""
+    before = segments()
+    server = server_factory([])
+    assert server.proc is not None
+    pids = process_tree(server.proc.pid)
+    assert len(pids) >= 2
+    mapped = set().union(*(mapped_segments(pid) for pid in pids))
+    assert mapped
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: all(process_gone(pid) for pid in pids), "every server process to exit")
+    assert [path for path in mapped if os.path.exists(path)] == []
+    assert segments() - before == set()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,6 +37,15 @@ _DTYPES = {
 
 DUMMY_STD = 0.02  # like initializer_range: keeps activations and logits finite
 PROGRESS_MIN_BYTES = 8 * 2**20  # smaller checkpoints load too fast for a progress bar to help
+
+
+class _ProgressBar(tqdm):
+    """tqdm with a thread lock only. tqdm's default write lock adds a multiprocessing
+    lock, a named POSIX semaphore (/dev/shm/sem.mp-*) that the resource tracker warns
+    about at every exit and that a killed engine leaves behind; one loader thread
+    draws this bar, so a thread lock is all it needs."""
+
+    _lock = threading.RLock()
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: dict[str, Any], device: torch.device) -> torch.dtype:
@@ -130,7 +140,7 @@ def iter_safetensors(
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
     total = sum((model_dir / shard).stat().st_size for shard in files)
-    with tqdm(
+    with _ProgressBar(
         total=total, desc="Loading weights", unit="B", unit_scale=True, unit_divisor=1024,
         file=file, disable=not progress or total < PROGRESS_MIN_BYTES, mininterval=0.5,
     ) as bar:

@@ -13,6 +13,7 @@ from hypercorn.config import Config
 from app.async_llm import AsyncLLM
 from app.server import build_app
 from core.config import EngineConfig
+from tests.support.waiting import wait_until
 
 MODEL = "stories"
 MAX_MODEL_LEN = 64
@@ -44,11 +45,13 @@ async def running_server(engine: AsyncLLM, api_key: str | None = None, **app_opt
     base = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-            for _ in range(200):  # until hypercorn listens
+            async def listening() -> bool:
                 with contextlib.suppress(httpx.ConnectError):
                     await client.get("/health")
-                    break
-                await asyncio.sleep(0.01)
+                    return True
+                return False
+
+            await wait_until(listening, "hypercorn to listen")
             yield client, base
     finally:
         stop.set()

@@ -3,20 +3,30 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from app.launcher import ManagedServer
 
 
-def mapped_segments(pid: int) -> set[str]:
-    """The ringllm shared-memory files a process has mapped (their names, deleted or not)."""
+def mapped_segments(pid: int, prefix: str = "/dev/shm/ringllm-") -> set[str]:
+    """The shared-memory files under ``prefix`` a process has mapped (their paths, deleted
+    or not); ``prefix="/dev/shm/"`` for every one (POSIX semaphores too)."""
     paths = set()
     for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
         parts = line.split(maxsplit=5)
-        if len(parts) == 6 and parts[5].startswith("/dev/shm/ringllm-"):
+        if len(parts) == 6 and parts[5].startswith(prefix):
             paths.add(parts[5].removesuffix(" (deleted)"))
     return paths
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants."""
+    tree, i = [pid], 0
+    while i < len(tree):
+        for task in Path(f"/proc/{tree[i]}/task").iterdir():
+            tree += [int(c) for c in (task / "children").read_text().split()]
+        i += 1
+    return tree
 
 
 def process_gone(pid: int) -> bool:
@@ -38,19 +48,9 @@ def wait_gone(pid: int, seconds: float) -> bool:
     return process_gone(pid)
 
 
-def wait_for(predicate: Callable[[], bool], what: str, seconds: float = 30.0) -> None:
-    """Poll ``predicate`` until it holds; AssertionError naming ``what`` after ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def segments() -> set[str]:
-    """The ringllm segments in /dev/shm now."""
-    return {p.name for p in Path("/dev/shm").glob("ringllm-*")}
+    """The ringllm segments and multiprocessing semaphores in /dev/shm now."""
+    return {p.name for pattern in ("ringllm-*", "sem.mp-*") for p in Path("/dev/shm").glob(pattern)}
 
 
 class Server(ManagedServer):
