@@ -29,7 +29,6 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from core.client import spawn_engine
@@ -42,30 +41,6 @@ logger = logging.getLogger("ringllm.supervisor")
 
 EXIT_API_SERVER_DIED = 1
 ENGINE_STOP_GRACE_S = 5.0
-
-Scope = MutableMapping[str, Any]
-ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
-
-
-def tag_responses(app: ASGIApp, client_index: int) -> ASGIApp:
-    """Every HTTP response says which API server process answered (x-ringllm-api-server:
-    "<index> pid=<pid>"): for debugging a deployment, and for tests."""
-    header = (b"x-ringllm-api-server", f"{client_index} pid={os.getpid()}".encode())
-
-    async def tagged(scope: Scope, receive: Callable[[], Awaitable[Any]], send: Callable[[Any], Awaitable[None]]) -> None:
-        if scope["type"] != "http":
-            await app(scope, receive, send)
-            return
-
-        async def send_tagged(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()), header]}
-            await send(message)
-
-        await app(scope, receive, send_tagged)
-
-    return tagged
-
 
 def run_api_server(
     args: argparse.Namespace, config: EngineConfig, chat_template: str | None, sock: socket.socket,

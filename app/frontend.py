@@ -116,7 +116,7 @@ async def serve(
         hypercorn_config.backlog = args.backlog
         routes = {getattr(route, "path", "") for route in app.routes}
         if args.api_server_count > 1:
-            from app.api_servers import tag_responses
+            from app.server import tag_responses
 
             app = tag_responses(app, client_index)
         if client_index == 0:

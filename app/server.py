@@ -20,7 +20,9 @@ from __future__ import annotations
 import hmac
 import importlib.metadata
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+import os
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from typing import Any
 
 import msgspec
 from starlette.applications import Starlette
@@ -57,6 +59,8 @@ from app.ui import ui_routes
 logger = logging.getLogger("ringllm.server")
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+Scope = MutableMapping[str, Any]
+ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
 
 
 def ringllm_version() -> str:
@@ -275,3 +279,23 @@ def build_app(
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, middleware=middleware)
     app.state.admission = admission
     return app
+
+
+def tag_responses(app: ASGIApp, client_index: int) -> ASGIApp:
+    """Every HTTP response says which API server process answered (x-ringllm-api-server:
+    "<index> pid=<pid>"): for debugging a deployment, and for tests."""
+    header = (b"x-ringllm-api-server", f"{client_index} pid={os.getpid()}".encode())
+
+    async def tagged(scope: Scope, receive: Callable[[], Awaitable[Any]], send: Callable[[Any], Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+
+        async def send_tagged(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), header]}
+            await send(message)
+
+        await app(scope, receive, send_tagged)
+
+    return tagged

@@ -38,7 +38,7 @@ import msgspec
 
 from core.affinity import pin_engine_threads
 from core.config import EngineConfig
-from core.engine_process import use_one_blas_thread
+from core.thread_pools import use_one_blas_thread
 from core.heap import freeze_startup_heap
 from core.protocol import (
     ENGINE_CORE_DEAD,

@@ -38,7 +38,7 @@ class _EngineActor:
 
     def run(self, config: EngineConfig, spec: TransportSpec, frontend_pid: int | None, load_table: str | None) -> int:
         """Serve until the engine stops; its exit code."""
-        from core.engine_process import configure_cpu_threads, set_thread_count
+        from core.thread_pools import configure_cpu_threads, set_thread_count
 
         configure_cpu_threads()
         set_thread_count(config.engine_threads)

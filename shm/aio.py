@@ -17,14 +17,33 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from shm.doorbell import Doorbell
 from shm.ring import Frame
-from shm.waiting import PeerWatch, drive_async, wait_steps
+from shm.waiting import PeerWatch, Waiter, drive_async, wait_steps
 
-if TYPE_CHECKING:
-    from shm.channel import Receiver, Sender
+
+class BlockingReceiver(Waiter, Protocol):
+    """What an asyncio receiver needs of the blocking end it wraps (``shm.channel.Receiver``)."""
+
+    data_bell: Doorbell
+    peer: PeerWatch
+    spin_s: float
+
+    def try_recv(self) -> list | None: ...
+
+    def spin_budget(self, spin_s: float) -> float: ...
+
+
+class BlockingSender(Waiter, Protocol):
+    """What an asyncio sender needs of the blocking end it wraps (``shm.channel.Sender``)."""
+
+    space_bell: Doorbell
+    peer: PeerWatch
+    waits_for_space: int
+
+    def try_send(self, frames: Sequence[Frame]) -> bool: ...
 
 
 def _wake(fut: asyncio.Future) -> None:
@@ -99,7 +118,7 @@ class AsyncReceiver:
     starve other tasks.
     """
 
-    def __init__(self, receiver: Receiver, *, max_burst: int = 16) -> None:
+    def __init__(self, receiver: BlockingReceiver, *, max_burst: int = 16) -> None:
         self._receiver = receiver
         self._sleeper = _LoopSleeper(receiver.data_bell, receiver.peer, watch_sentinel=True)
         self.max_burst = max_burst
@@ -126,7 +145,7 @@ class AsyncReceiver:
 class AsyncSender:
     """``await send(frames)`` on the event loop; concurrent callers are served in order."""
 
-    def __init__(self, sender: Sender) -> None:
+    def __init__(self, sender: BlockingSender) -> None:
         self._sender = sender
         self._sleeper = _LoopSleeper(sender.space_bell, sender.peer, watch_sentinel=False)
         self._lock: asyncio.Lock | None = None

@@ -51,7 +51,7 @@ from core.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
 from core.worker.gpu_memory import gpu_kv_cache_budget
 from core.worker.input_batch import InputBatch
 from core.worker.input_buffers import InputBuffers
-from core.worker.logprobs import PromptLogprobs
+from core.worker.prompt_logprobs import PromptLogprobs
 from core.worker.sampler import Sampler, SamplerOutput
 from core.worker.sampling_batch import sampling_metadata
 from kernels.linear import all_small
