@@ -17,7 +17,12 @@ import logging
 import socket
 import sys
 
-from app.cli import build_engine_config, load_chat_template, make_parser, model_dir_error
+from app.cli import (
+    build_engine_args,
+    build_frontend_config,
+    make_parser,
+    model_dir_error,
+)
 from app.scale_out import run_headless_host, scale_out_error, start_engines
 
 logger = logging.getLogger("ringllm")
@@ -48,43 +53,39 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
-    if (problem := scale_out_error(args)) is not None:
-        parser.error(problem)
     if args.model is not None and (problem := model_dir_error(args.model)) is not None:
         parser.exit(2, f"{parser.prog}: error: {problem}\n")  # as argparse's errors, less the long usage
     try:
-        chat_template = load_chat_template(args.chat_template)
-    except (OSError, ValueError) as exc:
+        frontend = build_frontend_config(args)
+    except (OSError, ValueError) as exc:  # a --chat-template that is neither a file nor a template
         parser.error(str(exc))
     try:
-        config = build_engine_config(args)
+        engine_args = build_engine_args(args)
     except FileNotFoundError as exc:  # the embedded model's files are missing
         parser.exit(1, f"{exc}\n")
-    if args.headless:  # engines only: no HTTP, no socket
+    if (problem := scale_out_error(frontend.scale_out, engine_args)) is not None:
+        parser.error(problem)
+    if not frontend.scale_out.headless:  # headless hosts run engines only: no HTTP, no socket
         try:
-            config = config.resolve()
-        except (OSError, ValueError) as exc:
-            parser.exit(2, f"{parser.prog}: error: {exc}\n")
-        sys.exit(run_headless_host(args, config))
+            sock = bind_socket(frontend.host, frontend.port)
+        except OSError as exc:
+            parser.exit(1, f"cannot listen on {frontend.host}:{frontend.port}: {exc}\n")
     try:
-        sock = bind_socket(args.host, args.port)
-    except OSError as exc:
-        parser.exit(1, f"cannot listen on {args.host}:{args.port}: {exc}\n")
-
-    try:
-        config = config.resolve()
+        config = engine_args.resolve()  # once: everything below takes the resolved config
     except (OSError, ValueError) as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    if frontend.scale_out.headless:
+        sys.exit(run_headless_host(frontend.scale_out, config))
 
-    if args.api_server_count > 1:
+    if frontend.scale_out.api_server_count > 1:
         from app.api_servers import run_api_servers
 
-        sys.exit(run_api_servers(args, config, chat_template, sock))
+        sys.exit(run_api_servers(frontend, config, sock))
 
     # Start the engine processes now: they boot (torch, the model) while this one
     # imports and builds everything else.
     try:
-        engine_core = start_engines(args, config)
+        engine_core = start_engines(frontend.scale_out, config)
     except (RuntimeError, ValueError, OSError) as exc:  # Ray missing or unreachable, a taken RPC port
         parser.exit(1, f"{parser.prog}: error: {exc}\n")
     import uvloop
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     from app.frontend import serve
 
     try:
-        code = uvloop.run(serve(config, engine_core, chat_template, sock, args))
+        code = uvloop.run(serve(config, engine_core, frontend, sock))
     finally:
         engine_core.shutdown()
     sys.exit(code)

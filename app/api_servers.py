@@ -19,7 +19,6 @@ when none is left).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -31,6 +30,7 @@ import sys
 import tempfile
 from typing import Any
 
+from app.frontend_config import FrontendConfig
 from core.client import spawn_engine
 from core.config import EngineConfig
 from core.dp_client import EngineGroupSpec, engine_configs
@@ -42,13 +42,10 @@ logger = logging.getLogger("ringllm.supervisor")
 EXIT_API_SERVER_DIED = 1
 ENGINE_STOP_GRACE_S = 5.0
 
-def run_api_server(
-    args: argparse.Namespace, config: EngineConfig, chat_template: str | None, sock: socket.socket,
-    group: EngineGroupSpec,
-) -> None:
+def run_api_server(frontend: FrontendConfig, config: EngineConfig, sock: socket.socket, group: EngineGroupSpec) -> None:
     """Entry point of one API server process (spawned by the supervisor)."""
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=frontend.log_level.upper(),
         format=f"%(asctime)s %(levelname)s %(name)s [api {group.client_index}]: %(message)s",
         stream=sys.stderr,
     )
@@ -58,11 +55,9 @@ def run_api_server(
     from app.frontend import serve
     from core.dp_client import DPAsyncMPClient
 
-    engine_core = DPAsyncMPClient(
-        config, wait=False, group=group, prefix_affinity=args.data_parallel_prefix_affinity
-    )
+    engine_core = DPAsyncMPClient(config, wait=False, group=group, prefix_affinity=frontend.scale_out.prefix_affinity)
     try:
-        code = uvloop.run(serve(config, engine_core, chat_template, sock, args, client_index=group.client_index))
+        code = uvloop.run(serve(config, engine_core, frontend, sock, client_index=group.client_index))
     finally:
         engine_core.shutdown()
     sys.exit(code)
@@ -71,12 +66,9 @@ def run_api_server(
 class Supervisor:
     """Owns the links, the engines and the API server processes (see the module docstring)."""
 
-    def __init__(
-        self, args: argparse.Namespace, config: EngineConfig, chat_template: str | None, sock: socket.socket
-    ) -> None:
-        self.args = args
+    def __init__(self, frontend: FrontendConfig, config: EngineConfig, sock: socket.socket) -> None:
         self.config = config
-        self.num_servers = args.api_server_count
+        self.num_servers = frontend.scale_out.api_server_count
         self.num_engines = config.data_parallel_size
         self.ctx = multiprocessing.get_context("spawn")
         self.metrics_dir = tempfile.mkdtemp(prefix="ringllm-metrics-")
@@ -101,7 +93,7 @@ class Supervisor:
                 i, [t.name for t in self.tables], [(self.links[i][j][1], e.pid) for j, e in enumerate(self.engines)]  # type: ignore[misc]
             )
             server = self.ctx.Process(
-                target=run_api_server, args=(args, config, chat_template, sock, group), name=f"ApiServer_{i}"
+                target=run_api_server, args=(frontend, config, sock, group), name=f"ApiServer_{i}"
             )
             server.start()
             self.servers.append(server)
@@ -164,11 +156,9 @@ class Supervisor:
         shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
 
-def run_api_servers(
-    args: argparse.Namespace, config: EngineConfig, chat_template: str | None, sock: socket.socket
-) -> int:
-    """Serve with ``args.api_server_count`` API server processes; the exit code."""
-    supervisor = Supervisor(args, config, chat_template, sock)
+def run_api_servers(frontend: FrontendConfig, config: EngineConfig, sock: socket.socket) -> int:
+    """Serve with ``--api-server-count`` API server processes; the exit code."""
+    supervisor = Supervisor(frontend, config, sock)
     try:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, supervisor.on_signal)

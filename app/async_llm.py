@@ -9,30 +9,31 @@ request so the engine stops spending compute on it.
 
 The same task feeds the metrics (app/metrics.py) from the engine's step
 timestamps and scheduler snapshots; the control calls (pause, sleep,
-collective_rpc) are utility calls into the EngineCore.
+collective_rpc...) are utility calls into the EngineCore (``call``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncGenerator
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from app.input_processor import InputProcessor
 from app.metrics import FrontendMetrics
 from app.output_processor import OutputProcessor, RequestOutput, RequestOutputCollector
-from app.stats_logger import LOG_STATS_INTERVAL_S, RequestLogger, StatsLogger
+from app.stats_logger import RequestLogger, StatsLogger
 from app.tokenizer import load_tokenizer
 from core.client import AsyncEngineCoreClient, AsyncInprocClient, AsyncMPClient
-from core.dp_client import DPAsyncMPClient
 from core.config import EngineConfig
-from core.protocol import (
-    EngineCoreRequest, EngineDeadError, EngineLostError, MemoryUsage, SchedulerStats, SleepResult,
-)
+from core.dp_client import DPAsyncMPClient
+from core.protocol import EngineCoreRequest, EngineDeadError, EngineLostError
+from core.utilities import IS_SLEEPING, SLEEP, WAKE_UP, Call
 
 logger = logging.getLogger("ringllm.frontend")
+
+R = TypeVar("R")
 
 
 class AsyncLLM:
@@ -48,15 +49,14 @@ class AsyncLLM:
         engine_core: AsyncMPClient | DPAsyncMPClient | None = None,
         log_requests: bool = False,
         max_log_len: int = 0,
-        stats_interval: float = LOG_STATS_INTERVAL_S,
+        stats_interval: float | None = None,
     ) -> None:
         """``engine_core``: an engine process already started (``AsyncMPClient(config,
         wait=False)``), which this waits for. ``log_requests``/``max_log_len``:
         --enable-log-requests and how many prompt characters it may show;
-        ``stats_interval``: seconds between stats lines (unless
+        ``stats_interval``: seconds between stats lines (default from the environment, unless
         ``config.log_stats`` is off)."""
-        self.config = config = config.resolve()
-        assert config.tokenizer is not None and config.served_model_name is not None
+        self.config = config
         # The tokenizer loads on a thread while the engine boots: start-up takes
         # the longer of the two, not the sum.
         with ThreadPoolExecutor(1, thread_name_prefix="TokenizerLoad") as pool:
@@ -90,8 +90,8 @@ class AsyncLLM:
         self.stats_logger = StatsLogger(self.metrics, stats_interval) if config.log_stats else None
         self._stats_task: asyncio.Task | None = None
         self.request_logger = RequestLogger(self.tokenizer, max_log_len) if log_requests else None
-        # Set by sleep() (before the engine is asleep) and cleared by wake_up():
-        # the server answers 503 meanwhile instead of queueing requests.
+        # Set as a sleep starts and cleared by wake_up (``call``): the server
+        # answers 503 meanwhile instead of queueing requests.
         self.sleeping = False
 
     @property
@@ -188,52 +188,29 @@ class AsyncLLM:
         self.output_processor.propagate_error(exc)
         return count
 
-    async def get_scheduler_stats(self) -> SchedulerStats:
-        return await self.engine_core.get_scheduler_stats_async()
+    async def call(self, call: Call[R]) -> R:
+        """A utility call into the engine (core/utilities.py), whatever the number of engines.
 
-    async def scheduler_stats_by_engine(self) -> list[SchedulerStats | None]:
-        """Data parallel: each engine's snapshot, None for one that is down."""
-        return await self.engine_core.scheduler_stats_by_engine_async()
-
-    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        """Empty the engine's prefix cache; False when refused (requests are
-        running and ``reset_running_requests`` was not given)."""
-        return await self.engine_core.reset_prefix_cache_async(reset_running_requests)
-
-    # ---------------------------------------------------------------- control
-
-    async def pause_generation(self, mode: str = "abort", clear_cache: bool = False) -> None:
-        """Returns once the pause is in effect (core.protocol.PAUSE_MODES): with "abort"
-        the aborted requests have had their last output, with "wait" they finished."""
-        await self.engine_core.pause_scheduler_async(mode, clear_cache)
-
-    async def resume_generation(self) -> None:
-        await self.engine_core.resume_scheduler_async()
-
-    async def is_paused(self) -> bool:
-        return await self.engine_core.is_scheduler_paused_async()
-
-    async def sleep(self, level: int = 1, mode: str = "abort") -> SleepResult:
-        was_sleeping, self.sleeping = self.sleeping, True
+        ``sleeping`` follows the engine's state: set as a sleep starts (so new
+        requests get a 503 at once, not a queue slot), cleared by wake_up."""
+        utility = call.utility
+        was_sleeping = self.sleeping
+        if utility is SLEEP:
+            self.sleeping = True
         try:
-            return await self.engine_core.sleep_async(level, mode)
+            result = await self.engine_core.call_async(call)
         except BaseException:
             self.sleeping = was_sleeping
             raise
+        if utility is WAKE_UP:
+            self.sleeping = False
+        elif utility is IS_SLEEPING:
+            self.sleeping = bool(result)
+        return result
 
-    async def wake_up(self) -> MemoryUsage:
-        memory = await self.engine_core.wake_up_async()
-        self.sleeping = False
-        return memory
-
-    async def is_sleeping(self) -> bool:
-        self.sleeping = await self.engine_core.is_sleeping_async()
-        return self.sleeping
-
-    async def collective_rpc(
-        self, method: str, args: list[Any] | None = None, kwargs: dict[str, Any] | None = None
-    ) -> list[Any]:
-        return await self.engine_core.collective_rpc_async(method, args, kwargs)
+    async def call_each(self, call: Call[R]) -> list[R | None]:
+        """Data parallel: the call's result from each engine (None for one that is down)."""
+        return await self.engine_core.call_each_async(call)
 
     def render_metrics(self) -> tuple[bytes, str]:
         """GET /metrics: the text exposition and its content type."""

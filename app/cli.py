@@ -1,6 +1,6 @@
 """Command-line arguments of ``python -m app``, named and grouped as in ``vllm serve``.
 
-Engine options left unset keep EngineConfig's defaults, so the defaults live
+Engine options left unset keep EngineArgs' defaults, so the defaults live
 in one place. The server binds 127.0.0.1 unless --host says otherwise
 (vLLM binds every interface): exposing an unauthenticated model server to the
 network should be a decision, not a default.
@@ -13,20 +13,20 @@ import json
 import os
 import re
 
-from core.config import DEFAULT_JSON_MAX_WHITESPACE, EngineConfig
-
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8000
-DEFAULT_MAX_HEADER_BYTES = 16 << 10
-# app.limits' default, not imported from there: this module is read before the engine
-# is spawned, and app.limits brings asyncio and starlette (tests check the two agree).
-DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
-# hypercorn's default. A client should drop an idle connection before this (httpx's own
-# default expiry is 5 s too, which invites the keep-alive race; bench soak uses half).
-DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
-DEFAULT_BACKLOG = 1024
-DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-DEFAULT_DP_RPC_PORT = 29550
+from app.frontend_config import (
+    DEFAULT_BACKLOG,
+    DEFAULT_DP_RPC_PORT,
+    DEFAULT_HOST,
+    DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_PORT,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    FrontendConfig,
+    ScaleOutConfig,
+)
+from core import envs
+from core.config import DEFAULT_JSON_MAX_WHITESPACE, EngineArgs
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -42,7 +42,7 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 UNBOUNDED_WHITESPACE = -1  # --structured-outputs-max-whitespace none
 
-# EngineConfig fields that map one to one onto an option of the same name.
+# EngineArgs fields that map one to one onto an option of the same name.
 _ENGINE_FIELDS = (
     "tokenizer", "dtype", "device", "load_format", "seed", "max_model_len",
     "block_size", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
@@ -63,11 +63,11 @@ def parse_size(text: str) -> int:
 
 
 def _whitespace_bound(text: str) -> int:
-    """A whitespace bound: a count >= 0, or "none" (UNBOUNDED_WHITESPACE)."""
+    """A whitespace bound: a count >= 1, or "none" (UNBOUNDED_WHITESPACE)."""
     if text.lower() == "none":
         return UNBOUNDED_WHITESPACE
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"not a count of characters or 'none': {text!r}")
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"not a count of characters (at least 1) or 'none': {text!r}")
     return int(text)
 
 
@@ -196,7 +196,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     server.add_argument(
         "--api-key",
-        default=os.environ.get("RINGLLM_API_KEY"),
+        default=envs.RINGLLM_API_KEY,
         help="require 'Authorization: Bearer KEY' on the API (default: $RINGLLM_API_KEY, else no auth)",
     )
     server.add_argument(
@@ -419,8 +419,8 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
     return [args.model]
 
 
-def build_engine_config(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from the parsed options (no --model: the embedded stories260K)."""
+def build_engine_args(args: argparse.Namespace) -> EngineArgs:
+    """EngineArgs from the parsed options (no --model: the embedded stories260K)."""
     given = {name: getattr(args, name) for name in _ENGINE_FIELDS if getattr(args, name, None) is not None}
     if getattr(args, "disable_log_stats", False):
         given["log_stats"] = False
@@ -432,7 +432,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
         from core.models.default_model import default_model_dir
 
         model = default_model_dir()
-    return EngineConfig(model=model, served_model_name=served_model_names(args)[0], **given)
+    return EngineArgs(model=model, served_model_name=served_model_names(args)[0], **given)
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -445,3 +445,43 @@ def load_chat_template(value: str | None) -> str | None:
     if not any(c in value for c in "{}\n"):
         raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template either")
     return value
+
+
+def build_frontend_config(args: argparse.Namespace) -> FrontendConfig:
+    """The frontend's settings from the parsed options (ValueError/OSError for a
+    --chat-template that names neither a file nor a template)."""
+    return FrontendConfig(
+        host=args.host,
+        port=args.port,
+        served_model_names=tuple(served_model_names(args)),
+        api_key=args.api_key,
+        chat_template=load_chat_template(args.chat_template),
+        enable_ui=not args.disable_frontend_ui,
+        allowed_origins=tuple(args.allowed_origins),
+        log_level=args.log_level,
+        enable_log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len,
+        enable_sleep_mode=bool(args.enable_sleep_mode),
+        enable_dev_endpoints=args.enable_dev_endpoints,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        max_num_waiting=args.max_num_waiting,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_header_bytes=args.max_header_bytes,
+        keep_alive_timeout=args.keep_alive_timeout,
+        backlog=args.backlog,
+        stream_stall_timeout=args.stream_stall_timeout,
+        shutdown_timeout=args.shutdown_timeout,
+        keep_alive_on_engine_death=args.keep_alive_on_engine_death,
+        scale_out=ScaleOutConfig(
+            api_server_count=args.api_server_count,
+            data_parallel_backend=args.data_parallel_backend,
+            restart_dead_engines=args.restart_dead_engines,
+            prefix_affinity=args.data_parallel_prefix_affinity,
+            ray_engine_resources=None if args.ray_engine_resources is None else tuple(args.ray_engine_resources),
+            headless=args.headless,
+            data_parallel_start_rank=args.data_parallel_start_rank,
+            data_parallel_address=args.data_parallel_address,
+            data_parallel_rpc_port=args.data_parallel_rpc_port,
+        ),
+    )

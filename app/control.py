@@ -1,4 +1,4 @@
-"""Control routes, named and shaped as vLLM's: pause/resume, sleep/wake_up, collective_rpc.
+"""Control routes, named and shaped as vLLM's, each one a utility call (core/utilities.py).
 
 - ``POST /pause?mode=abort|wait|keep&clear_cache=true``, ``POST /resume``,
   ``GET /is_paused``: always served. /pause returns once the pause is in
@@ -6,6 +6,8 @@
   what was generated, with finish_reason "abort"), "wait" has let them
   finish, "keep" has frozen them with their KV cache. Requests that arrive
   while paused wait and run after /resume.
+- ``POST /reset_prefix_cache?reset_running_requests=true``: empty the prefix
+  cache; 409 while requests run unless they may be preempted.
 - ``POST /sleep?level=1|2&mode=abort|wait|keep``, ``POST /wake_up``,
   ``GET /is_sleeping``: only with ``--enable-sleep-mode``. Completions
   asked for while asleep get a 503.
@@ -13,13 +15,18 @@
   only with ``--enable-dev-endpoints``, for the executor methods of
   ``core.worker.executor.COLLECTIVE_RPC_METHODS``.
 
-The server wraps every one of them in its API-key check.
+A route's arguments are its utility's: read from the query string (or the
+JSON body) into the utility's argument Struct, so a bad value is a 400 that
+names the parameter, and the engine receives them typed. The server wraps
+every route in its API-key check.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
@@ -28,11 +35,24 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from app.errors import BadRequestError
+from app.errors import BadRequestError, ConflictError
 from app.serving import EngineClient, json_response
-from core.protocol import PAUSE_MODES, MemoryUsage, SleepResult
+from core.utilities import (
+    COLLECTIVE_RPC,
+    IS_SCHEDULER_PAUSED,
+    IS_SLEEPING,
+    PAUSE_SCHEDULER,
+    RESET_PREFIX_CACHE,
+    RESUME_SCHEDULER,
+    SLEEP,
+    WAKE_UP,
+    Call,
+    Utility,
+    UtilityArgs,
+)
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+Reply = Callable[[Any, Any, float], dict[str, Any]]  # (arguments, result, elapsed ms) -> JSON body
 
 
 class ControlClient(EngineClient, Protocol):
@@ -40,58 +60,65 @@ class ControlClient(EngineClient, Protocol):
 
     sleeping: bool
 
-    async def pause_generation(self, mode: str = "abort", clear_cache: bool = False) -> None: ...
-
-    async def resume_generation(self) -> None: ...
-
-    async def is_paused(self) -> bool: ...
-
-    async def sleep(self, level: int = 1, mode: str = "abort") -> SleepResult: ...
-
-    async def wake_up(self) -> MemoryUsage: ...
-
-    async def is_sleeping(self) -> bool: ...
-
-    async def collective_rpc(
-        self, method: str, args: list[Any] | None = None, kwargs: dict[str, Any] | None = None
-    ) -> list[Any]: ...
+    async def call(self, call: Call[Any]) -> Any: ...
 
     def render_metrics(self) -> tuple[bytes, str]: ...
 
 
-class CollectiveRpcBody(msgspec.Struct, forbid_unknown_fields=True):
-    method: str
-    args: list[Any] = []
-    kwargs: dict[str, Any] = {}
-    timeout: float | None = None  # vLLM's field; accepted, not used (the call waits for its result)
+@dataclass(frozen=True)
+class ControlRoute:
+    path: str
+    method: str  # GET | POST
+    utility: Utility[Any]
+    reply: Reply
+    gate: str | None = None  # "sleep" (--enable-sleep-mode), "dev" (--enable-dev-endpoints), or always
+    from_body: bool = False  # arguments in a JSON body rather than the query string
 
 
-def _mode(request: Request) -> str:
-    mode = request.query_params.get("mode", "abort")
-    if mode not in PAUSE_MODES:
-        raise BadRequestError(f"mode must be one of {', '.join(PAUSE_MODES)}, not {mode!r}.", "mode")
-    return mode
+def _reset_reply(args: Any, reset: bool, elapsed_ms: float) -> dict[str, Any]:
+    if not reset:
+        raise ConflictError(
+            "The prefix cache was not reset because requests are running; retry when the "
+            "engine is idle, or pass reset_running_requests=true to preempt them."
+        )
+    return {"status": "reset", "elapsed_ms": elapsed_ms}
 
 
-def _flag(request: Request, name: str, default: bool) -> bool:
-    value = request.query_params.get(name)
-    if value is None:
-        return default
-    if value.lower() not in ("true", "false", "1", "0"):
-        raise BadRequestError(f"{name} must be true or false.", name)
-    return value.lower() in ("true", "1")
+def _sleep_reply(args: Any, result: Any, elapsed_ms: float) -> dict[str, Any]:
+    return {
+        "status": "sleeping", "level": args.level, "elapsed_ms": elapsed_ms,
+        "memory": {"before": asdict(result.before), "after": asdict(result.after)},
+    }
 
 
-async def _engine_call(call: Awaitable[Any]) -> Any:
-    """An engine utility that refused (wrong state, unknown method) is the caller's error."""
+CONTROL_ROUTES = (
+    ControlRoute("/pause", "POST", PAUSE_SCHEDULER,
+                 lambda args, _, ms: {"status": "paused", "mode": args.mode, "elapsed_ms": ms}),
+    ControlRoute("/resume", "POST", RESUME_SCHEDULER, lambda *_: {"status": "resumed"}),
+    ControlRoute("/is_paused", "GET", IS_SCHEDULER_PAUSED, lambda _, paused, __: {"is_paused": paused}),
+    ControlRoute("/reset_prefix_cache", "POST", RESET_PREFIX_CACHE, _reset_reply),
+    ControlRoute("/sleep", "POST", SLEEP, _sleep_reply, gate="sleep"),
+    ControlRoute("/wake_up", "POST", WAKE_UP,
+                 lambda _, memory, ms: {"status": "awake", "elapsed_ms": ms, "memory": asdict(memory)}, gate="sleep"),
+    ControlRoute("/is_sleeping", "GET", IS_SLEEPING, lambda _, asleep, __: {"is_sleeping": asleep}, gate="sleep"),
+    ControlRoute("/collective_rpc", "POST", COLLECTIVE_RPC, lambda _, results, __: {"results": results},
+                 gate="dev", from_body=True),
+)
+
+_FIELD = re.compile(r" - at `\$\.(\w+)`")
+
+
+async def read_args(request: Request, route: ControlRoute) -> UtilityArgs:
+    """The route's arguments, typed; a 400 naming the parameter when one is wrong."""
     try:
-        return await call
-    except RuntimeError as exc:
-        raise BadRequestError(str(exc)) from None
-
-
-def _elapsed_ms(start: float) -> float:
-    return round((time.perf_counter() - start) * 1000, 2)
+        if route.from_body:
+            return msgspec.json.decode(await request.body(), type=route.utility.args)
+        return msgspec.convert(dict(request.query_params), type=route.utility.args, strict=False)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        match = _FIELD.search(str(exc))
+        param = match.group(1) if match else None
+        detail = _FIELD.sub("", str(exc))
+        raise BadRequestError(f"Invalid {param}: {detail}." if param else f"Invalid request: {detail}.", param) from None
 
 
 def control_routes(
@@ -102,63 +129,23 @@ def control_routes(
     enable_dev_endpoints: bool = False,
 ) -> list[Route]:
     """The control routes this configuration serves, each wrapped by ``wrap`` (auth, errors)."""
+    gates = {None: True, "sleep": enable_sleep_mode, "dev": enable_dev_endpoints}
 
-    async def pause(request: Request) -> Response:
-        mode = _mode(request)
-        start = time.perf_counter()
-        await _engine_call(engine.pause_generation(mode, _flag(request, "clear_cache", True)))
-        return json_response({"status": "paused", "mode": mode, "elapsed_ms": _elapsed_ms(start)})
+    def endpoint(route: ControlRoute) -> Endpoint:
+        async def handle(request: Request) -> Response:
+            args = await read_args(request, route)
+            start = time.perf_counter()
+            try:
+                result = await engine.call(Call(route.utility, args))
+            except RuntimeError as exc:  # the engine refused (wrong state, a disallowed method)
+                raise BadRequestError(str(exc)) from None
+            elapsed_ms = round((time.perf_counter() - start) * 1000, 2)
+            return json_response(route.reply(args, result, elapsed_ms))
 
-    async def resume(request: Request) -> Response:
-        await _engine_call(engine.resume_generation())
-        return json_response({"status": "resumed"})
+        return handle
 
-    async def is_paused(request: Request) -> Response:
-        return json_response({"is_paused": await engine.is_paused()})
-
-    async def sleep(request: Request) -> Response:
-        try:
-            level = int(request.query_params.get("level", "1"))
-        except ValueError:
-            level = 0
-        if level not in (1, 2):
-            raise BadRequestError("level must be 1 or 2.", "level")
-        start = time.perf_counter()
-        result: SleepResult = await _engine_call(engine.sleep(level, _mode(request)))
-        return json_response({
-            "status": "sleeping",
-            "level": level,
-            "elapsed_ms": _elapsed_ms(start),
-            "memory": {"before": asdict(result.before), "after": asdict(result.after)},
-        })
-
-    async def wake_up(request: Request) -> Response:
-        start = time.perf_counter()
-        memory = await _engine_call(engine.wake_up())
-        return json_response({"status": "awake", "elapsed_ms": _elapsed_ms(start), "memory": asdict(memory)})
-
-    async def is_sleeping(request: Request) -> Response:
-        return json_response({"is_sleeping": await engine.is_sleeping()})
-
-    async def collective_rpc(request: Request) -> Response:
-        try:
-            body = msgspec.json.decode(await request.body(), type=CollectiveRpcBody)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise BadRequestError(f"Invalid request: {exc}") from None
-        results = await _engine_call(engine.collective_rpc(body.method, body.args, body.kwargs))
-        return json_response({"results": results})
-
-    routes = [
-        Route("/pause", wrap(pause), methods=["POST"]),
-        Route("/resume", wrap(resume), methods=["POST"]),
-        Route("/is_paused", wrap(is_paused), methods=["GET"]),
+    return [
+        Route(route.path, wrap(endpoint(route)), methods=[route.method])
+        for route in CONTROL_ROUTES
+        if gates[route.gate]
     ]
-    if enable_sleep_mode:
-        routes += [
-            Route("/sleep", wrap(sleep), methods=["POST"]),
-            Route("/wake_up", wrap(wake_up), methods=["POST"]),
-            Route("/is_sleeping", wrap(is_sleeping), methods=["GET"]),
-        ]
-    if enable_dev_endpoints:
-        routes.append(Route("/collective_rpc", wrap(collective_rpc), methods=["POST"]))
-    return routes

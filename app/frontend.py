@@ -8,7 +8,6 @@ or the engines' death, and returns the process's exit code.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import logging
@@ -16,7 +15,7 @@ import socket
 from functools import partial
 from typing import TYPE_CHECKING
 
-from app.cli import served_model_names
+from app.frontend_config import FrontendConfig
 from core.config import EngineConfig
 from core.heap import freeze_startup_heap
 
@@ -53,9 +52,8 @@ async def _until_started(
 async def serve(
     config: EngineConfig,
     engine_core: AsyncMPClient | DPAsyncMPClient,
-    chat_template: str | None,
+    frontend: FrontendConfig,
     sock: socket.socket,
-    args: argparse.Namespace,
     client_index: int = 0,
 ) -> int:
     """Serve until a signal or the engine's death; the process's exit code.
@@ -64,7 +62,7 @@ async def serve(
     from app.lifecycle import CLOSE_GRACE_S, Lifecycle
 
     loop = asyncio.get_running_loop()
-    lifecycle = Lifecycle(engine_core, args.shutdown_timeout, args.keep_alive_on_engine_death)
+    lifecycle = Lifecycle(engine_core, frontend.shutdown_timeout, frontend.keep_alive_on_engine_death)
     lifecycle.install_signal_handlers()
 
     # The engine process starts first and boots (torch, the model) while this
@@ -72,8 +70,8 @@ async def serve(
     starting = loop.run_in_executor(
         None,
         partial(
-            AsyncLLM, config, chat_template, engine_core=engine_core,
-            log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+            AsyncLLM, config, frontend.chat_template, engine_core=engine_core,
+            log_requests=frontend.enable_log_requests, max_log_len=frontend.max_log_len,
         ),
     )
     from hypercorn.asyncio import serve as hypercorn_serve
@@ -87,20 +85,20 @@ async def serve(
     if engine is None:
         logger.info("stopped before the engines were ready")
         return lifecycle.exit_code
-    model_aliases = served_model_names(args)[1:]
+    model_aliases = frontend.served_model_names[1:]
     limits = ServerLimits(
-        max_request_body_bytes=args.max_request_body_bytes,
-        max_num_waiting=args.max_num_waiting,
-        stream_stall_timeout=args.stream_stall_timeout,
+        max_request_body_bytes=frontend.max_request_body_bytes,
+        max_num_waiting=frontend.max_num_waiting,
+        stream_stall_timeout=frontend.stream_stall_timeout,
     )
     admission = Admission(engine.config.max_num_seqs, limits.max_num_waiting, limits.retry_after_s)
     try:
         app = build_app(
-            engine, engine.served_model_name, engine.max_model_len, args.api_key, chat_template,
-            model_aliases=model_aliases, enable_ui=not args.disable_frontend_ui,
-            enable_sleep_mode=bool(args.enable_sleep_mode), enable_dev_endpoints=args.enable_dev_endpoints,
-            enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-            limits=limits, admission=admission, allowed_origins=args.allowed_origins,
+            engine, engine.served_model_name, engine.max_model_len, frontend.api_key, frontend.chat_template,
+            model_aliases=model_aliases, enable_ui=frontend.enable_ui,
+            enable_sleep_mode=frontend.enable_sleep_mode, enable_dev_endpoints=frontend.enable_dev_endpoints,
+            enable_auto_tool_choice=frontend.enable_auto_tool_choice, tool_call_parser=frontend.tool_call_parser,
+            limits=limits, admission=admission, allowed_origins=frontend.allowed_origins,
         )
         freeze_startup_heap()
         host, port = sock.getsockname()[:2]
@@ -109,13 +107,13 @@ async def serve(
         hypercorn_config.accesslog = None
         hypercorn_config.errorlog = logging.getLogger("hypercorn.error")  # through our handlers only
         # The drain is ours (app/lifecycle.py); hypercorn waits for its connections meanwhile.
-        hypercorn_config.graceful_timeout = args.shutdown_timeout + CLOSE_GRACE_S
-        hypercorn_config.h11_max_incomplete_size = args.max_header_bytes
-        hypercorn_config.h2_max_header_list_size = args.max_header_bytes
-        hypercorn_config.keep_alive_timeout = args.keep_alive_timeout
-        hypercorn_config.backlog = args.backlog
+        hypercorn_config.graceful_timeout = frontend.shutdown_timeout + CLOSE_GRACE_S
+        hypercorn_config.h11_max_incomplete_size = frontend.max_header_bytes
+        hypercorn_config.h2_max_header_list_size = frontend.max_header_bytes
+        hypercorn_config.keep_alive_timeout = frontend.keep_alive_timeout
+        hypercorn_config.backlog = frontend.backlog
         routes = {getattr(route, "path", "") for route in app.routes}
-        if args.api_server_count > 1:
+        if frontend.scale_out.api_server_count > 1:
             from app.server import tag_responses
 
             app = tag_responses(app, client_index)
@@ -131,7 +129,7 @@ async def serve(
                     port=port,
                     routes=routes,
                     engines=engine.data_parallel_size,
-                    api_servers=args.api_server_count,
+                    api_servers=frontend.scale_out.api_server_count,
                 ),
             )
         lifecycle.serving(engine, admission)

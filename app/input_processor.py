@@ -80,9 +80,7 @@ class InputProcessor:
 
     @classmethod
     def from_config(cls, config: EngineConfig, tokenizer: Any | None = None) -> InputProcessor:
-        """The processor for a (resolved) engine config; loads its tokenizer unless given."""
-        config = config.resolve()
-        assert config.tokenizer is not None
+        """The processor for an engine config; loads its tokenizer unless given."""
         return cls(tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer), ModelLimits.from_config(config))
 
     # ------------------------------------------------------------- prompts

@@ -13,8 +13,9 @@ from app.input_processor import InputProcessor
 from app.logprobs import Logprobs
 from app.output_processor import OutputProcessor, RequestOutputCollector
 from core.client import InprocClient
-from core.config import EngineConfig
+from core.config import EngineArgs
 from core.protocol import SamplingParams
+from core.utilities import RESET_PREFIX_CACHE
 
 
 @dataclass
@@ -35,7 +36,7 @@ class LLM:
             from core.models.default_model import default_model_dir
 
             model = default_model_dir()
-        self.config = EngineConfig(model=model, **engine_args).resolve()
+        self.config = EngineArgs(model=model, **engine_args).resolve()
         self.engine = InprocClient(self.config)
         self.input_processor = InputProcessor.from_config(self.config)
         self.tokenizer = self.input_processor.tokenizer
@@ -89,7 +90,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (between generate() calls nothing runs, so it succeeds)."""
-        return self.engine.reset_prefix_cache()
+        return self.engine.call(RESET_PREFIX_CACHE())
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -16,7 +16,12 @@ from typing import Any
 
 from app.detokenizer import IncrementalDetokenizer
 from app.logprobs import Logprobs, StepLogprobs
-from core.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsArrays
+from core.protocol import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    LogprobsArrays,
+)
 
 
 @dataclass(slots=True)

@@ -3,9 +3,8 @@
 Routes: GET /health, GET /v1/models, POST /v1/completions,
 POST /v1/chat/completions, vLLM's POST /tokenize, POST /detokenize and
 GET /version, GET /metrics (Prometheus, app/metrics.py),
-GET /engine/stats (scheduler counters, for operators and tests), POST
-/reset_prefix_cache (as in vLLM; 409 while requests run, unless
-``?reset_running_requests=true``), the control routes of app/control.py, and
+GET /engine/stats (scheduler counters, for operators and tests), the control
+routes of app/control.py (pause, sleep, /reset_prefix_cache...), and
 the chat page (app/ui.py) unless it is disabled, and GET /openapi.json
 (app/openapi.py). Every error, including unknown routes, has OpenAI's
 ``{"error": {...}}`` body. With an API key, every route but /health and the
@@ -36,8 +35,6 @@ from starlette.routing import Route
 from app.control import ControlClient, control_routes
 from app.errors import (
     AuthenticationError,
-    BadRequestError,
-    ConflictError,
     MethodNotAllowedError,
     NotFoundError,
     OpenAIError,
@@ -46,6 +43,7 @@ from app.errors import (
 )
 from app.limits import Admission, LimitsMiddleware, ServerLimits, ticket_of
 from app.openapi import openapi_document
+from app.protocol import VersionResponse
 from app.serving import (
     EventStreamResponse,
     OpenAIServing,
@@ -53,8 +51,8 @@ from app.serving import (
     json_response,
     until_disconnect,
 )
-from app.protocol import VersionResponse
 from app.ui import ui_routes
+from core.utilities import GET_SCHEDULER_STATS
 
 logger = logging.getLogger("ringllm.server")
 
@@ -215,31 +213,17 @@ def build_app(
     async def engine_stats(request: Request) -> Response:
         """The scheduler's snapshot; with data parallel, the engines' combined and each one's."""
         if engine.data_parallel_size == 1:
-            return json_response(msgspec.structs.asdict(await engine.get_scheduler_stats()))
-        per_engine = await engine.scheduler_stats_by_engine()
+            return json_response(msgspec.structs.asdict(await engine.call(GET_SCHEDULER_STATS())))
+        per_engine = await engine.call_each(GET_SCHEDULER_STATS())
         serving = [s for s in per_engine if s is not None]
         if not serving:
             raise ServiceUnavailableError("No engine is serving.")
-        body = msgspec.structs.asdict(serving[0])
-        for name in body:
-            body[name] = sum(getattr(s, name) for s in serving)
-        body["kv_cache_usage"] = sum(s.kv_cache_usage for s in serving) / len(serving)
+        body = msgspec.structs.asdict(GET_SCHEDULER_STATS.combine(serving))
         body["engines"] = [
             {"index": j, "status": "down"} if s is None else {"index": j, "status": "serving", **msgspec.structs.asdict(s)}
             for j, s in enumerate(per_engine)
         ]
         return json_response(body)
-
-    async def reset_prefix_cache(request: Request) -> Response:
-        flag = request.query_params.get("reset_running_requests", "false").lower()
-        if flag not in ("true", "false", "1", "0"):
-            raise BadRequestError("reset_running_requests must be true or false.", "reset_running_requests")
-        if not await engine.reset_prefix_cache(flag in ("true", "1")):
-            raise ConflictError(
-                "The prefix cache was not reset because requests are running; retry when the "
-                "engine is idle, or pass reset_running_requests=true to preempt them."
-            )
-        return Response(status_code=200)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -263,7 +247,6 @@ def build_app(
         Route("/openapi.json", openai_route(openapi_json), methods=["GET"]),
         Route("/metrics", openai_route(metrics), methods=["GET"]),
         Route("/engine/stats", openai_route(engine_stats), methods=["GET"]),
-        Route("/reset_prefix_cache", openai_route(reset_prefix_cache), methods=["POST"]),
     ]
     routes += control_routes(
         engine, openai_route, enable_sleep_mode=enable_sleep_mode, enable_dev_endpoints=enable_dev_endpoints

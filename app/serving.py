@@ -29,12 +29,22 @@ from starlette.types import Receive, Scope, Send
 
 from app.choices import Choice, collect_all, merged
 from app.errors import (
-    BadRequestError, InternalServerError, NotFoundError, OpenAIError, ServiceUnavailableError, StreamTimeoutError,
+    BadRequestError,
+    InternalServerError,
+    NotFoundError,
+    OpenAIError,
+    ServiceUnavailableError,
+    StreamTimeoutError,
 )
 from app.input_processor import InputProcessor
-from app.logprobs import Logprobs, TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs
+from app.logprobs import (
+    Logprobs,
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs,
+)
 from app.output_processor import RequestOutput
-from app.tool_calls import forced_call_constraint, parse_forced, parse_hermes, tool_call_stream
 from app.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     AssistantMessage,
@@ -59,20 +69,27 @@ from app.protocol import (
     now,
     random_id,
 )
+from app.tool_calls import (
+    forced_call_constraint,
+    parse_forced,
+    parse_hermes,
+    tool_call_stream,
+)
 from core.protocol import (
     EngineCoreRequest,
     EngineDeadError,
     EngineUnavailableError,
     SamplingParams,
-    SchedulerStats,
     StructuredOutputsParams,
 )
+from core.utilities import Call
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger("ringllm.serving")
 T = TypeVar("T")
+R = TypeVar("R")
 Admit = Callable[[int], None]  # takes n engine requests from admission, or raises a 503
 
 _encoder = msgspec.json.Encoder()
@@ -93,11 +110,9 @@ class EngineClient(Protocol):
 
     def generate(self, request: EngineCoreRequest) -> AsyncGenerator[RequestOutput, None]: ...
 
-    async def get_scheduler_stats(self) -> SchedulerStats: ...
+    async def call(self, call: Call[R]) -> R: ...
 
-    async def scheduler_stats_by_engine(self) -> list[SchedulerStats | None]: ...
-
-    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool: ...
+    async def call_each(self, call: Call[R]) -> list[R | None]: ...
 
 
 def json_response(body: Any, status: int = 200) -> Response:

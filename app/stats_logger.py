@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass
 
 from app.metrics import FrontendMetrics
+from core import envs
 from core.protocol import EngineCoreRequest
 
 logger = logging.getLogger("ringllm.stats")
 request_logger = logging.getLogger("ringllm.requests")
 
-LOG_STATS_INTERVAL_S = float(os.environ.get("RINGLLM_LOG_STATS_INTERVAL", "10"))
 
 
 @dataclass
@@ -42,9 +41,10 @@ class _Mark:
 class StatsLogger:
     """vLLM's LoggingStatLogger line, from the frontend's metrics."""
 
-    def __init__(self, metrics: FrontendMetrics, interval: float = LOG_STATS_INTERVAL_S) -> None:
+    def __init__(self, metrics: FrontendMetrics, interval: float | None = None) -> None:
+        """``interval``: seconds between lines (default ``RINGLLM_LOG_STATS_INTERVAL``)."""
         self.metrics = metrics
-        self.interval = interval
+        self.interval = envs.RINGLLM_LOG_STATS_INTERVAL if interval is None else interval
         self._marks: dict[int, _Mark] = {}
 
     async def run(self) -> None:

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from core.config import EngineConfig
+from core.config import EngineArgs, EngineConfig
 from core.protocol import EngineCoreRequest, SamplingParams
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -94,13 +94,13 @@ def write_model_dir(path: Path, shape: str, max_model_len: int, dtype: str) -> s
 
 
 def engine_config(model_dir: str, args: BenchArgs, enforce_eager: bool) -> EngineConfig:
-    return EngineConfig(
+    return EngineArgs(
         model=model_dir, load_format="dummy", device=args.device, dtype=args.dtype,
         enforce_eager=enforce_eager, max_num_seqs=max(args.batch_sizes),
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, async_scheduling=args.async_scheduling,
         enable_prefix_caching=False,  # repeated runs must compute, not hit the cache
-    )
+    ).resolve()
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:

@@ -28,10 +28,10 @@ import statistics
 import time
 from collections.abc import Callable
 
-from core.config import EngineConfig
+from core.config import EngineArgs
 from core.protocol import SamplingParams
-from core.sched.output import ModelRunnerOutput
 from core.request import Request
+from core.sched.output import ModelRunnerOutput
 from core.sched.scheduler import Scheduler
 
 TTFT_PROMPT_LEN = 1900
@@ -101,14 +101,14 @@ def _decode_scheduler(
     num_running: int, num_waiting: int = 0, num_blocks: int = 16384, prefix_caching: bool = True
 ) -> Scheduler:
     """A scheduler with ``num_running`` requests past their prefill, decoding."""
-    config = EngineConfig(
+    config = EngineArgs(
         model="unused",
         max_model_len=4096,
         max_num_seqs=num_running,
         max_num_batched_tokens=8192,
         block_size=16,
         enable_prefix_caching=prefix_caching,
-    )
+    ).resolve()
     scheduler = Scheduler(config, num_blocks)
     params = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
     for i in range(num_running + num_waiting):

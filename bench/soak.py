@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def server_keep_alive_timeout(server_args: list[str]) -> float:
     """The ``--keep-alive-timeout`` among the server's flags, else the server's default."""
-    from app.cli import DEFAULT_KEEP_ALIVE_TIMEOUT_S
+    from app.frontend_config import DEFAULT_KEEP_ALIVE_TIMEOUT_S
 
     timeout = DEFAULT_KEEP_ALIVE_TIMEOUT_S
     for i, arg in enumerate(server_args):

@@ -26,10 +26,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from app.launcher import ManagedServer, ServerStartError
 from bench.compare import process_cpu_s, process_tree_cpu_s
 from bench.report import percentile_key, save_result
 from bench.serve import BACKENDS, add_workload_arguments, run_benchmark
-from app.launcher import ManagedServer, ServerStartError
 
 HELP = "start our server once per configuration and compare the same workload across them"
 DEFAULT_CONFIGS = ["shm=--transport shm", "zmq=--transport zmq"]

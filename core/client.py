@@ -1,12 +1,12 @@
 """Engine clients: how the frontend reaches an EngineCore.
 
 Two interfaces, as in vLLM V1: ``EngineCoreClient`` (blocking) and
-``AsyncEngineCoreClient`` (asyncio), each with the utility calls declared as
-typed methods. Implementations:
+``AsyncEngineCoreClient`` (asyncio), whose utility calls (``call``,
+``call_async``) take the declarations of core/utilities.py. Implementations:
 
-- ``InprocClient``: the EngineCore lives in this process; ``get_output`` steps it
-  (the offline ``LLM`` class).
-- ``AsyncInprocClient``: the EngineCore in this process, stepped by a task on
+- ``InprocClient``: the EngineCore lives in this process; ``get_output`` drives
+  it (the offline ``LLM`` class).
+- ``AsyncInprocClient``: the EngineCore in this process, driven by a task on
   the event loop (tests of the HTTP layer against the real engine, no IPC).
 - ``SyncMPClient``: spawned EngineCore process; a reader thread collects outputs.
 - ``AsyncMPClient``: spawned EngineCore process; outputs are read on the event
@@ -19,6 +19,7 @@ ENGINE_CORE_DEAD message turns into ``EngineDeadError`` for every waiter.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -29,7 +30,7 @@ import select
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -37,26 +38,26 @@ from core.config import EngineConfig
 from core.engine_process import run_engine_process
 from core.protocol import (
     ENGINE_CORE_DEAD,
-    UTILITY_RESULT_TYPES,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
     EngineDeadError,
     FinishReason,
     HandshakeReady,
-    MemoryUsage,
-    SchedulerStats,
-    SleepResult,
     TransportStats,
     UtilityOutput,
     finished_outputs,
 )
 from core.transport import ClientTransport, PeerDeadError, TransportSpec
+from core.utilities import Call, Utility, UtilityCall, encode_call
 from shm.serial import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger("ringllm.client")
 
 STARTUP_TIMEOUT_S = 300.0
+GRAMMAR_POLL_S = 0.05  # an offline driver's longest wait for a compiling grammar
+
+R = TypeVar("R")
 
 
 def spawn_engine(
@@ -82,27 +83,8 @@ class EngineCoreClient(Protocol):
 
     def get_output(self) -> EngineCoreOutputs: ...
 
-    def call_utility(self, method: str, *args: Any) -> Any: ...
-
-    def get_scheduler_stats(self) -> SchedulerStats: ...
-
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool: ...
-
-    def pause_scheduler(self, mode: str = "abort", clear_cache: bool = False) -> bool: ...
-
-    def resume_scheduler(self) -> bool: ...
-
-    def is_scheduler_paused(self) -> bool: ...
-
-    def sleep(self, level: int = 1, mode: str = "abort") -> SleepResult: ...
-
-    def wake_up(self) -> MemoryUsage: ...
-
-    def is_sleeping(self) -> bool: ...
-
-    def collective_rpc(
-        self, method: str, args: list[Any] | None = None, kwargs: dict[str, Any] | None = None
-    ) -> list[Any]: ...
+    def call(self, call: Call[R]) -> R:
+        """A utility call (core/utilities.py); RuntimeError when the engine refused it."""
 
     def shutdown(self) -> None: ...
 
@@ -120,29 +102,11 @@ class AsyncEngineCoreClient(Protocol):
 
     async def get_output_async(self) -> EngineCoreOutputs: ...
 
-    async def call_utility_async(self, method: str, *args: Any) -> Any: ...
+    async def call_async(self, call: Call[R]) -> R:
+        """A utility call (core/utilities.py); with several engines, their results combined."""
 
-    async def get_scheduler_stats_async(self) -> SchedulerStats: ...
-
-    async def scheduler_stats_by_engine_async(self) -> list[SchedulerStats | None]: ...
-
-    async def reset_prefix_cache_async(self, reset_running_requests: bool = False) -> bool: ...
-
-    async def pause_scheduler_async(self, mode: str = "abort", clear_cache: bool = False) -> bool: ...
-
-    async def resume_scheduler_async(self) -> bool: ...
-
-    async def is_scheduler_paused_async(self) -> bool: ...
-
-    async def sleep_async(self, level: int = 1, mode: str = "abort") -> SleepResult: ...
-
-    async def wake_up_async(self) -> MemoryUsage: ...
-
-    async def is_sleeping_async(self) -> bool: ...
-
-    async def collective_rpc_async(
-        self, method: str, args: list[Any] | None = None, kwargs: dict[str, Any] | None = None
-    ) -> list[Any]: ...
+    async def call_each_async(self, call: Call[R]) -> list[R | None]:
+        """The call's result from each engine index (None for an engine that is down)."""
 
     def transport_stats(self) -> TransportStats | None:
         """This side's transport counters; None when the engine is in this process."""
@@ -153,93 +117,18 @@ class AsyncEngineCoreClient(Protocol):
     def shutdown(self) -> None: ...
 
 
-class _Utilities:
-    """The typed utility calls of ``EngineCoreClient``, over ``call_utility``."""
-
-    def call_utility(self, method: str, *args: Any) -> Any:
-        raise NotImplementedError
-
-    def get_scheduler_stats(self) -> SchedulerStats:
-        return self.call_utility("get_scheduler_stats")
-
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        return self.call_utility("reset_prefix_cache", reset_running_requests)
-
-    def pause_scheduler(self, mode: str = "abort", clear_cache: bool = False) -> bool:
-        return self.call_utility("pause_scheduler", mode, clear_cache)
-
-    def resume_scheduler(self) -> bool:
-        return self.call_utility("resume_scheduler")
-
-    def is_scheduler_paused(self) -> bool:
-        return self.call_utility("is_scheduler_paused")
-
-    def sleep(self, level: int = 1, mode: str = "abort") -> SleepResult:
-        return self.call_utility("sleep", level, mode)
-
-    def wake_up(self) -> MemoryUsage:
-        return self.call_utility("wake_up")
-
-    def is_sleeping(self) -> bool:
-        return self.call_utility("is_sleeping")
-
-    def collective_rpc(
-        self, method: str, args: list[Any] | None = None, kwargs: dict[str, Any] | None = None
-    ) -> list[Any]:
-        return self.call_utility("collective_rpc", method, args, kwargs)
-
-
-class _AsyncUtilities:
-    """The typed utility calls of ``AsyncEngineCoreClient``, over ``call_utility_async``."""
-
-    async def call_utility_async(self, method: str, *args: Any) -> Any:
-        raise NotImplementedError
-
-    async def get_scheduler_stats_async(self) -> SchedulerStats:
-        return await self.call_utility_async("get_scheduler_stats")
-
-    async def scheduler_stats_by_engine_async(self) -> list[SchedulerStats | None]:
-        """One snapshot per engine index (None for an engine that is down)."""
-        return [await self.get_scheduler_stats_async()]
-
-    async def reset_prefix_cache_async(self, reset_running_requests: bool = False) -> bool:
-        return await self.call_utility_async("reset_prefix_cache", reset_running_requests)
-
-    async def pause_scheduler_async(self, mode: str = "abort", clear_cache: bool = False) -> bool:
-        return await self.call_utility_async("pause_scheduler", mode, clear_cache)
-
-    async def resume_scheduler_async(self) -> bool:
-        return await self.call_utility_async("resume_scheduler")
-
-    async def is_scheduler_paused_async(self) -> bool:
-        return await self.call_utility_async("is_scheduler_paused")
-
-    async def sleep_async(self, level: int = 1, mode: str = "abort") -> SleepResult:
-        return await self.call_utility_async("sleep", level, mode)
-
-    async def wake_up_async(self) -> MemoryUsage:
-        return await self.call_utility_async("wake_up")
-
-    async def is_sleeping_async(self) -> bool:
-        return await self.call_utility_async("is_sleeping")
-
-    async def collective_rpc_async(
-        self, method: str, args: list[Any] | None = None, kwargs: dict[str, Any] | None = None
-    ) -> list[Any]:
-        return await self.call_utility_async("collective_rpc", method, args, kwargs)
-
-
 @contextlib.contextmanager
-def _as_utility_failure(method: str) -> Iterator[None]:
+def _as_utility_failure(utility: Utility[Any]) -> Iterator[None]:
     """In-process utility errors, raised as an engine process's reply raises them."""
     try:
         yield
     except Exception as exc:
-        raise RuntimeError(f"utility {method!r} failed: {exc}") from exc
+        raise RuntimeError(f"utility {utility.name!r} failed: {exc}") from exc
 
 
-class InprocClient(_Utilities):
-    """No IPC: for tests and the offline ``LLM`` class."""
+class InprocClient:
+    """No IPC: for tests and the offline ``LLM`` class. ``get_output`` drives the
+    engine one turn at a time (``EngineCore.run_once``)."""
 
     def __init__(self, config: EngineConfig) -> None:
         from core.engine_core import EngineCore  # the engine itself: torch, the model
@@ -247,49 +136,50 @@ class InprocClient(_Utilities):
         self.engine_core = EngineCore(config)
         self.max_model_len = self.engine_core.config.max_model_len
         self.num_gpu_blocks = self.engine_core.num_gpu_blocks
+        self._ready: collections.deque[EngineCoreOutputs] = collections.deque()
+        self._grammar_ready = threading.Event()
+        self.engine_core.set_waker(self._grammar_ready.set)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.engine_core.add_request(self.engine_core.preprocess_add_request(request))
 
-    def get_output(self) -> EngineCoreOutputs:
+    def _turn(self) -> None:
         engine = self.engine_core
-        if engine.side_outputs:
-            return engine.side_outputs.pop(0)[1]
-        if not engine.has_work() and engine.scheduler.waiting_for_fsm:
-            engine.structured_output_manager.wait_for_compilation(0.05)
-        outputs, _ = engine.step_fn()
-        return outputs.get(0) or EngineCoreOutputs()
+        if engine.is_idle() and engine.has_compiling_grammars():
+            self._grammar_ready.wait(GRAMMAR_POLL_S)
+            self._grammar_ready.clear()
+        self._ready.extend(outputs for _, outputs in engine.run_once())
+
+    def get_output(self) -> EngineCoreOutputs:
+        """The next outputs; empty ones when a turn of the engine made none."""
+        if not self._ready:
+            self._turn()
+        return self._ready.popleft() if self._ready else EngineCoreOutputs()
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.engine_core.abort_requests(request_ids)
 
-    def call_utility(self, method: str, *args: Any) -> Any:
-        """A call that waits for the engine to be idle (pause "wait") steps it until
-        then; the outputs of those steps are kept for ``get_output``. Failures are
+    def call(self, call: Call[R]) -> R:
+        """A call that waits for the engine to be idle (pause "wait") drives it until
+        then; the outputs of those turns are kept for ``get_output``. Failures are
         RuntimeErrors, as from an engine process."""
-        engine = self.engine_core
-        with _as_utility_failure(method):
-            result = engine.call_utility(method, list(args))
+        with _as_utility_failure(call.utility):
+            result = self.engine_core.call_utility(call.utility, call.args)
             if not isinstance(result, Future):
                 return result
             while not result.done():
-                if engine.has_work():
-                    outputs, _ = engine.step_fn()
-                    if 0 in outputs:
-                        engine.side_outputs.append((0, outputs[0]))
-                else:
-                    engine.notify_idle()
+                self._turn()
             return result.result()
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
 
 
-class AsyncInprocClient(_AsyncUtilities):
-    """The EngineCore in this process, stepped by a task on the running event loop.
+class AsyncInprocClient:
+    """The EngineCore in this process, driven by a task on the running event loop.
 
-    Each step runs on the loop itself (it blocks the loop for the step's
-    duration) and the task yields between steps, so requests, aborts and
+    Each turn runs on the loop itself (it blocks the loop for the step's
+    duration) and the task yields between turns, so requests, aborts and
     consumers interleave with the engine exactly at step boundaries, where
     the input thread of a real engine process would hand them over. A step
     that raises kills the engine, as in a separate process: every waiter gets
@@ -305,20 +195,20 @@ class AsyncInprocClient(_AsyncUtilities):
         self.engine_dead: EngineDeadError | None = None
         self._outputs: asyncio.Queue[EngineCoreOutputs | Exception] | None = None
         self._has_work: asyncio.Event | None = None
-        self._stepper: asyncio.Task | None = None
+        self._driver: asyncio.Task | None = None
 
     def _start(self) -> tuple[asyncio.Queue, asyncio.Event]:
-        if self._stepper is None:
+        if self._driver is None:
             self._outputs = asyncio.Queue()
             self._has_work = has_work = asyncio.Event()
             loop = asyncio.get_running_loop()
-            self._stepper = loop.create_task(self._run())
-            # A grammar compiled on the pool: wake the stepper.
-            def wake() -> None:
+            self._driver = loop.create_task(self._run())
+
+            def wake() -> None:  # from a grammar-compiling thread
                 with contextlib.suppress(RuntimeError):  # the loop is gone: nobody to wake
                     loop.call_soon_threadsafe(has_work.set)
 
-            self.engine_core.structured_output_manager.on_ready = wake
+            self.engine_core.set_waker(wake)
         assert self._outputs is not None and self._has_work is not None
         return self._outputs, self._has_work
 
@@ -326,31 +216,21 @@ class AsyncInprocClient(_AsyncUtilities):
         outputs, has_work = self._start()
         engine = self.engine_core
         while True:
-            if not engine.has_work():
-                engine.notify_idle()  # completes a pause or sleep that waited for this
-                self._flush_side_outputs()
-                if not engine.has_work():
-                    has_work.clear()
-                    await has_work.wait()
-                    continue
+            if engine.is_idle():
+                has_work.clear()
+                await has_work.wait()
+                continue
             try:
-                step_outputs, _ = engine.step_fn()
+                ready = engine.run_once()
             except Exception as exc:  # noqa: BLE001 - the engine is dead, as a crashed process would be
                 logger.error("in-process EngineCore failed", exc_info=exc)
                 self.engine_dead = EngineDeadError(f"EngineCore hit a fatal error: {exc!r}")
                 outputs.put_nowait(self.engine_dead)
                 return
-            out = step_outputs.get(0)
-            if out is not None and (out.outputs or out.scheduler_stats is not None):
-                outputs.put_nowait(out)
+            for _, out in ready:
+                if out.outputs or out.scheduler_stats is not None:
+                    outputs.put_nowait(out)
             await asyncio.sleep(0)
-
-    def _flush_side_outputs(self) -> None:
-        """Outputs the engine made outside a step (requests a pause aborted)."""
-        outputs, _ = self._start()
-        side = self.engine_core.side_outputs
-        while side:
-            outputs.put_nowait(side.pop(0)[1])
 
     def _check_alive(self) -> None:
         if self.engine_dead is not None:
@@ -379,18 +259,20 @@ class AsyncInprocClient(_AsyncUtilities):
             raise item
         return item
 
-    async def call_utility_async(self, method: str, *args: Any) -> Any:
+    async def call_async(self, call: Call[R]) -> R:
         self._check_alive()
         _, has_work = self._start()
-        with _as_utility_failure(method):
-            result = self.engine_core.call_utility(method, list(args))
-            self._flush_side_outputs()
-            # The call may have made work (resume) or wait for idleness, which the
-            # stepper notices (and completes) only once woken.
+        with _as_utility_failure(call.utility):
+            result = self.engine_core.call_utility(call.utility, call.args)
+            # The call may have made work (resume), outputs (a pause's aborts) or wait
+            # for idleness: the driver sees to all of them once woken.
             has_work.set()
             if isinstance(result, Future):
                 return await asyncio.wrap_future(result)
             return result
+
+    async def call_each_async(self, call: Call[R]) -> list[R | None]:
+        return [await self.call_async(call)]
 
     def transport_stats(self) -> TransportStats | None:
         return None
@@ -399,8 +281,8 @@ class AsyncInprocClient(_AsyncUtilities):
         return [self.engine_dead is None]
 
     def shutdown(self) -> None:
-        if self._stepper is not None:
-            self._stepper.cancel()
+        if self._driver is not None:
+            self._driver.cancel()
         self.engine_core.shutdown()
 
 
@@ -474,7 +356,7 @@ class MPClient:
         transport it created for us: nothing is spawned. ``launcher``: start the engine
         through it (Ray) instead of as a child; one on another host is reached over TCP
         and gets no load table (shared memory does not reach it)."""
-        self.config = config.resolve()
+        self.config = config
         if adopt is not None:
             spec, pid = adopt
             self.transport = ClientTransport.adopt(spec)
@@ -555,13 +437,11 @@ class MPClient:
             raise EngineDeadError(f"EngineCore died: {detail}".rstrip(": "))
         return self.decoder.decode(frames)
 
-    def _utility_call(self, method: str, args: tuple, future: Future | asyncio.Future) -> tuple:
+    def _utility_call(self, call: Call[Any], future: Future | asyncio.Future) -> UtilityCall:
         """Register ``future`` for the reply; the UTILITY payload to send."""
-        if method not in UTILITY_RESULT_TYPES:
-            raise ValueError(f"unknown utility method {method!r}")
         call_id = next(self._call_ids)
-        self._pending_utilities[call_id] = (future, UTILITY_RESULT_TYPES[method])
-        return (0, call_id, method, list(args))
+        self._pending_utilities[call_id] = (future, call.utility.result)
+        return encode_call(call, call_id)
 
     def _utility_done(self, out: UtilityOutput) -> None:
         pending = self._pending_utilities.pop(out.call_id, None)
@@ -658,7 +538,7 @@ class MPClient:
         return self.transport.stats()
 
 
-class SyncMPClient(MPClient, _Utilities):
+class SyncMPClient(MPClient):
     """Blocking client: a reader thread feeds outputs and utility replies."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -705,13 +585,13 @@ class SyncMPClient(MPClient, _Utilities):
             raise item
         return item
 
-    def call_utility(self, method: str, *args: Any) -> Any:
+    def call(self, call: Call[R]) -> R:
         future: Future = Future()
-        self._send(EngineCoreRequestType.UTILITY, self._utility_call(method, args, future))
+        self._send(EngineCoreRequestType.UTILITY, self._utility_call(call, future))
         return future.result()
 
 
-class AsyncMPClient(MPClient, _AsyncUtilities):
+class AsyncMPClient(MPClient):
     """asyncio client: outputs are read on the loop, without a thread. The queue,
     the reader task and the send lock are made on the loop, at first use."""
 
@@ -766,10 +646,13 @@ class AsyncMPClient(MPClient, _AsyncUtilities):
             raise item
         return item
 
-    async def call_utility_async(self, method: str, *args: Any) -> Any:
+    async def call_async(self, call: Call[R]) -> R:
         future = asyncio.get_running_loop().create_future()
-        await self._send(EngineCoreRequestType.UTILITY, self._utility_call(method, args, future))
+        await self._send(EngineCoreRequestType.UTILITY, self._utility_call(call, future))
         return await future
+
+    async def call_each_async(self, call: Call[R]) -> list[R | None]:
+        return [await self.call_async(call)]
 
     def shutdown(self) -> None:
         if self._reader_task is not None:

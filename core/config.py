@@ -1,12 +1,20 @@
-"""Engine configuration: one msgspec struct so it crosses the process boundary typed."""
+"""Engine configuration: what a user asks for (EngineArgs), and that resolved once (EngineConfig).
+
+``EngineArgs`` holds the settings as given (the command line builds it in
+app/cli.py; tests and the offline ``LLM`` build it directly); fields left at
+``None`` depend on the checkpoint. ``EngineArgs.resolve()`` reads the
+checkpoint's architecture (core/model_config.py), fills those fields in,
+checks the limits fit together, and returns an ``EngineConfig``: the same
+settings, frozen, with nothing left open. Everything below the entry points
+takes an EngineConfig and never resolves again. Both are msgspec Structs, so
+they cross to the engine process typed.
+"""
 
 from __future__ import annotations
 
-import json
-import os
-from typing import Any
-
 import msgspec
+
+from core.model_config import ModelConfig
 
 DEFAULT_KV_CACHE_MEMORY = 256 * 1024 * 1024  # bytes of CPU memory for the KV cache
 # The longest run of whitespace a JSON grammar allows between two elements, unless a request
@@ -17,14 +25,9 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
 
 
-class EngineConfig(msgspec.Struct, kw_only=True):
-    """Everything the EngineCore needs to build its model, KV cache and scheduler.
-
-    ``model`` is a local Hugging Face directory. Fields left at ``None`` are
-    resolved from the checkpoint by :meth:`resolve` (e.g. ``max_model_len``),
-    which also keeps the parsed ``config.json`` as ``hf_config``. Entry points
-    resolve once; the pieces they build take the resolved config as it is.
-    """
+class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
+    """Everything the EngineCore needs to build its model, KV cache and scheduler,
+    as asked for. ``model`` is a local Hugging Face directory."""
 
     model: str
     served_model_name: str | None = None
@@ -78,26 +81,20 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     @property
     def engines_on_this_host(self) -> int:
         return self.data_parallel_size_local or self.data_parallel_size
-    hf_config: dict[str, Any] | None = None  # the checkpoint's config.json, set by resolve()
-
-    @property
-    def resolved(self) -> bool:
-        return self.hf_config is not None
 
     def resolve(self) -> EngineConfig:
-        """Fill in what depends on the checkpoint and check the limits fit together.
-
-        A resolved config is returned unchanged, so a component that may be
-        built from either (tests build engines directly) can always call it.
-        """
-        if self.hf_config is not None:
-            return self
-        with open(os.path.join(self.model, "config.json")) as f:
-            hf = json.load(f)
-        limit = hf.get("max_position_embeddings", 2048)
-        max_model_len = self.max_model_len or limit
+        """Read the checkpoint's architecture, fill in what depends on it, check that
+        the limits fit together (ValueError, OSError for an unreadable checkpoint)."""
+        model_config = ModelConfig.from_dir(self.model)
+        max_model_len = self.max_model_len or model_config.max_position_embeddings
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        window = model_config.sliding_window
+        if window is not None and window < max_model_len:  # our attention sees the whole context
+            raise ValueError(
+                f"this checkpoint uses sliding-window attention (window {window}), which is not "
+                f"supported; serve it with max_model_len <= {window}"
+            )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 "max_num_batched_tokens must be >= max_model_len without chunked prefill"
@@ -111,9 +108,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 f"structured_outputs_backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
                 f"got {self.structured_outputs_backend!r}"
             )
-        if self.structured_outputs_max_whitespace is not None and self.structured_outputs_max_whitespace < 0:
+        if self.structured_outputs_max_whitespace is not None and self.structured_outputs_max_whitespace < 1:
             raise ValueError(
-                f"structured_outputs_max_whitespace must be >= 0, got {self.structured_outputs_max_whitespace}"
+                f"structured_outputs_max_whitespace must be >= 1, got {self.structured_outputs_max_whitespace}"
             )
         if self.data_parallel_size < 1 or not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(
@@ -123,10 +120,22 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"engine_threads must be >= 1, got {self.engine_threads}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        return msgspec.structs.replace(
-            self,
-            hf_config=hf,
-            max_model_len=max_model_len,
-            served_model_name=self.served_model_name or self.model,
-            tokenizer=self.tokenizer or self.model,
+        return EngineConfig(
+            **{
+                **msgspec.structs.asdict(self),
+                "max_model_len": max_model_len,
+                "served_model_name": self.served_model_name or self.model,
+                "tokenizer": self.tokenizer or self.model,
+            },
+            model_config=model_config,
         )
+
+
+class EngineConfig(EngineArgs, kw_only=True, frozen=True):
+    """EngineArgs resolved against the checkpoint (``EngineArgs.resolve``): its typed
+    architecture, and no field left to be worked out."""
+
+    served_model_name: str
+    tokenizer: str
+    max_model_len: int
+    model_config: ModelConfig

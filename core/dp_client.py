@@ -10,8 +10,9 @@ like one ``AsyncEngineCoreClient`` to the frontend:
   each step, plus what this client sent it that the figures do not count yet.
   Ties go round robin, so an idle group fills evenly;
 - aborts go to the engine that owns the request; utility calls go to every
-  serving engine and their results are combined (counts summed, yes/no
-  questions answered by all, lists concatenated);
+  serving engine and their results are combined as each utility's
+  declaration says (core/utilities.py: counts summed, yes/no questions
+  answered by all, lists concatenated);
 - failure: an engine that dies fails only its own requests (each ends with
   finish_reason "error" and the reason) and leaves routing; the client is dead
   (``engine_dead``) only when no engine is left. With ``restart_dead_engines``
@@ -28,16 +29,14 @@ import asyncio
 import dataclasses
 import logging
 import os
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
-from core.client import AsyncMPClient, EngineLauncher, MPClient, _AsyncUtilities
+from core.client import AsyncMPClient, EngineLauncher, MPClient
 from core.config import EngineConfig
 from core.load import WAITING_WEIGHT, EngineLoadReader, create_load_table
 from core.prefix_affinity import PrefixAffinity
-from core.transport import TransportSpec
-from shm.stats_table import StatsTable
 from core.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -45,12 +44,15 @@ from core.protocol import (
     EngineLostError,
     EngineUnavailableError,
     HandshakeReady,
-    SchedulerStats,
-    SleepResult,
     TransportStats,
 )
+from core.transport import TransportSpec
+from core.utilities import Call, sum_structs
+from shm.stats_table import StatsTable
 
 logger = logging.getLogger("ringllm.dp")
+
+R = TypeVar("R")
 
 # Prefix affinity: a request follows its prefix to an engine with up to this much
 # more load than the least loaded one (four more waiting requests).
@@ -94,36 +96,6 @@ class _DPEngine(AsyncMPClient):
             self.group._put(item)
 
 
-def _sum_structs(items: list[Any]) -> Any:
-    """Field-wise sum of msgspec structs of one type (ints and floats)."""
-    first = items[0]
-    values = {}
-    for field in first.__struct_fields__:
-        column = [getattr(item, field) for item in items]
-        values[field] = sum(column) if all(isinstance(v, (int, float)) for v in column) else column[0]
-    return type(first)(**values)
-
-
-def _combine(method: str, results: list[Any]) -> Any:
-    """One answer from every engine's answer to the same utility call."""
-    if method in ("get_scheduler_stats", "wake_up", "get_num_unfinished_requests"):
-        if method == "get_num_unfinished_requests":
-            return sum(results)
-        combined = _sum_structs(results)
-        if method == "get_scheduler_stats":  # a usage is a fraction of each engine's cache: average it
-            combined.kv_cache_usage = sum(r.kv_cache_usage for r in results) / len(results)
-        return combined
-    if method == "sleep":
-        return SleepResult(
-            level=results[0].level,
-            before=_sum_structs([r.before for r in results]),
-            after=_sum_structs([r.after for r in results]),
-        )
-    if method == "collective_rpc":
-        return [item for result in results for item in result]
-    return all(results)  # reset_prefix_cache, pause/resume, is_paused, is_sleeping
-
-
 @dataclasses.dataclass(frozen=True)
 class EngineGroupSpec:
     """Engines started by another process (the API servers' supervisor), for one client:
@@ -141,7 +113,7 @@ def engine_configs(config: EngineConfig) -> list[EngineConfig]:
     return [msgspec.structs.replace(config, data_parallel_rank=j, engine_threads=threads) for j in range(size)]
 
 
-class DPAsyncMPClient(_AsyncUtilities):
+class DPAsyncMPClient:
     """N engine processes, one asyncio client (see the module docstring).
 
     It spawns the engines, or with ``group`` adopts engines another process
@@ -159,7 +131,6 @@ class DPAsyncMPClient(_AsyncUtilities):
     ) -> None:
         """``prefix_affinity``: let a request follow its longest prefix already routed to
         an engine that is not much busier than the least loaded (``core.prefix_affinity``)."""
-        config = config.resolve()
         self.config = config
         self.size = config.data_parallel_size
         if group is not None and restart_dead_engines:
@@ -384,20 +355,21 @@ class DPAsyncMPClient(_AsyncUtilities):
                 except EngineDeadError:
                     pass  # its requests are failed with it
 
-    async def call_utility_async(self, method: str, *args: Any) -> Any:
+    async def call_async(self, call: Call[R]) -> R:
+        """Every serving engine's result, combined as the utility declares."""
         self._ensure_queue()
         serving = [e for j, e in enumerate(self.engines) if self._routable[j]]
         if not serving:
             raise self.engine_dead or EngineUnavailableError("no engine is serving")
-        results = await asyncio.gather(*(e.call_utility_async(method, *args) for e in serving))
-        return _combine(method, list(results))
+        results = await asyncio.gather(*(e.call_async(call) for e in serving))
+        return call.utility.combine(list(results))
 
-    async def scheduler_stats_by_engine_async(self) -> list[SchedulerStats | None]:
-        async def one(j: int) -> SchedulerStats | None:
+    async def call_each_async(self, call: Call[R]) -> list[R | None]:
+        async def one(j: int) -> R | None:
             if not self._routable[j]:
                 return None
             try:
-                return await self.engines[j].get_scheduler_stats_async()
+                return await self.engines[j].call_async(call)
             except EngineDeadError:
                 return None
 
@@ -418,7 +390,7 @@ class DPAsyncMPClient(_AsyncUtilities):
 
     def transport_stats(self) -> TransportStats | None:
         """This side's counters, summed over the engines' transports."""
-        return _sum_structs([e.transport.stats() for e in self.engines]) if self.engines else None
+        return sum_structs([e.transport.stats() for e in self.engines]) if self.engines else None
 
     def kill_now(self) -> None:
         self._closing = True

@@ -13,11 +13,13 @@ state machine.
 scheduling, ``step_with_batch_queue``, which schedules and dispatches batch
 N+1 before it waits for batch N.
 
-Control utilities (pause, sleep) that must wait for the engine to be idle
-return a ``Future``: whoever drives the engine calls ``notify_idle`` when it
-has no work, which completes them, and the process replies to the client
-only then. Outputs they produce outside a step (requests a pause aborted) go
-through ``emit_output``.
+Whoever drives the engine calls ``run_once`` in a loop: a step when there is
+work, otherwise the completion of the control calls that wait for the engine
+to be idle (pause, sleep: their ``Future`` is completed then, and the process
+replies to the client only then); it returns everything ready for the
+clients, outputs made outside a step (requests a pause aborted) included.
+The in-process clients and the process's busy loop are such drivers.
+Utilities (core/utilities.py) arrive with typed arguments (``call_utility``).
 """
 
 from __future__ import annotations
@@ -38,12 +40,11 @@ import msgspec
 
 from core.affinity import pin_engine_threads
 from core.config import EngineConfig
-from core.thread_pools import use_one_blas_thread
 from core.heap import freeze_startup_heap
+from core.load import EngineLoadWriter
 from core.protocol import (
     ENGINE_CORE_DEAD,
     PAUSE_MODES,
-    UTILITY_RESULT_TYPES,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
@@ -56,27 +57,28 @@ from core.protocol import (
     UtilityOutput,
     finished_outputs,
 )
-from core.sched.output import ModelRunnerOutput, SchedulerOutput
 from core.request import Request, RequestStatus
+from core.sched.output import ModelRunnerOutput, SchedulerOutput
 from core.sched.scheduler import Scheduler
 from core.structured.manager import StructuredOutputManager
-from core.load import EngineLoadWriter
+from core.thread_pools import use_one_blas_thread
 from core.transport import ChannelClosed, EngineInbox, EngineTransport, PeerDeadError
+from core.utilities import UTILITIES, Utility, UtilityArgs, UtilityCall
 from core.validation import ModelLimits, validate_request
 from core.worker.executor import UniProcExecutor
 from shm.serial import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger("ringllm.engine")
 
-UtilityCall = tuple[int, int, str, list[Any]]  # client_index, call_id, method, args
 T = TypeVar("T")
+Outputs = list[tuple[int, EngineCoreOutputs]]  # (client index, outputs), in the order made
 
 
 class EngineCore:
     """Owns the scheduler and executor; ``step()`` is one engine iteration."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config.resolve()
+        self.config = config
         self.limits = ModelLimits.from_config(self.config)
         self.model_executor = UniProcExecutor(self.config)
         self.num_gpu_blocks = self.model_executor.determine_num_blocks()
@@ -94,9 +96,9 @@ class EngineCore:
             self.batch_queue = deque(maxlen=self.batch_queue_size)
         self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
         # Control calls waiting for the engine to be idle, and outputs made
-        # outside a step that an in-process client collects (emit_output).
+        # outside a step, which run_once hands to an in-process driver (emit_output).
         self._idle_waiters: list[tuple[Future, Callable[[], Any]]] = []
-        self.side_outputs: list[tuple[int, EngineCoreOutputs]] = []
+        self._side_outputs: Outputs = []
         logger.info(
             "EngineCore %d (pid %d) ready: %d KV blocks of %d tokens, max_model_len %d",
             self.config.data_parallel_rank, os.getpid(), self.num_gpu_blocks, self.config.block_size,
@@ -204,11 +206,39 @@ class EngineCore:
         """A step is due: requests to schedule, or batches whose outputs are owed."""
         return self.scheduler.has_requests() or self.has_batches_in_flight()
 
+    def has_compiling_grammars(self) -> bool:
+        """Requests wait for nothing but their grammars (the waker is called when one is ready)."""
+        return bool(self.scheduler.waiting_for_fsm)
+
+    def set_waker(self, wake: Callable[[], None]) -> None:
+        """``wake()`` is called, from another thread, when work appears that no request
+        brought (a grammar compiled): a driver that sleeps for lack of work wakes up."""
+        self.structured_output_manager.on_ready = wake
+
+    def run_once(self) -> Outputs:
+        """One turn of a driver: a step if there is work, else the completion of the
+        control calls waiting for the engine to be idle. Returns what is ready for the
+        clients: outputs made outside a step first (they were made before it)."""
+        ready, self._side_outputs = self._side_outputs, []
+        if self.has_work():
+            outputs, _ = self.step_fn()
+            ready.extend(outputs.items())
+        else:
+            self.notify_idle()
+        if self._side_outputs:  # made by a control call completed just now
+            ready.extend(self._side_outputs)
+            self._side_outputs = []
+        return ready
+
+    def is_idle(self) -> bool:
+        """Nothing to run and nothing owed: a driver may sleep until a request or a waker."""
+        return not self.has_work() and not self._idle_waiters and not self._side_outputs
+
     # ---------------------------------------------------------------- control
 
     def emit_output(self, client_index: int, outputs: EngineCoreOutputs) -> None:
-        """Deliver outputs made outside a step; in-process clients collect ``side_outputs``."""
-        self.side_outputs.append((client_index, outputs))
+        """Deliver outputs made outside a step (``run_once`` returns them)."""
+        self._side_outputs.append((client_index, outputs))
 
     def when_idle(self, fn: Callable[[], T]) -> Future[T]:
         """A Future of ``fn()``, run the next time the engine has no work (``notify_idle``)."""
@@ -241,7 +271,7 @@ class EngineCore:
         if mode not in PAUSE_MODES:
             raise ValueError(f"unknown pause mode {mode!r}; use one of {', '.join(PAUSE_MODES)}")
 
-    def pause_scheduler(self, mode: str = "abort", clear_cache: bool = False) -> Future[bool]:
+    def pause_scheduler(self, mode: str = "abort", clear_cache: bool = True) -> Future[bool]:
         """Stop starting requests (``core.protocol.PAUSE_MODES``). Completes once the
         engine is idle: the aborted requests reported ("abort"), the ones in flight
         finished ("wait"), no batch in flight; then, with ``clear_cache`` (not with
@@ -318,12 +348,10 @@ class EngineCore:
         unless ``reset_running_requests`` preempts them first."""
         return self.scheduler.reset_prefix_cache(reset_running_requests)
 
-    def call_utility(self, method: str, args: list[Any]) -> Any:
-        """Run one of the methods a client may call (``UTILITY_RESULT_TYPES``);
-        a Future when the result waits for the engine to be idle."""
-        if method not in UTILITY_RESULT_TYPES:
-            raise ValueError(f"unknown utility method {method!r}")
-        return getattr(self, method)(*args)
+    def call_utility(self, utility: Utility[Any], args: UtilityArgs) -> Any:
+        """Run one of the methods a client may call (core/utilities.py) with its typed
+        arguments; a Future when the result waits for the engine to be idle."""
+        return getattr(self, utility.name)(**msgspec.structs.asdict(args))
 
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()
@@ -370,9 +398,7 @@ class EngineCoreProc(EngineCore):
         self._loop_started = time.monotonic()
         super().__init__(config)
         # A grammar compiled: wake the busy loop if it sleeps on the input queue.
-        self.structured_output_manager.on_ready = lambda: self.input_queue.put_nowait(
-            (EngineCoreRequestType.WAKEUP, None)
-        )
+        self.set_waker(lambda: self.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None)))
         # READY goes out before the I/O threads start, so the output thread is
         # the only user of the sending side from then on.
         ready = HandshakeReady(
@@ -440,7 +466,7 @@ class EngineCoreProc(EngineCore):
                     self._reject_request(payload, f"{type(exc).__name__}: {exc}")
                     continue
             elif req_type == EngineCoreRequestType.UTILITY:
-                item = (req_type, (client_index, *payload[1:]))
+                payload.client_index = client_index  # the link it came by
             elif req_type == EngineCoreRequestType.ABORT:
                 self.aborts_queue.put_nowait(payload)
             self.input_queue.put_nowait(item)
@@ -504,9 +530,7 @@ class EngineCoreProc(EngineCore):
 
     def _process_input_queue(self) -> None:
         """Block while idle; then drain everything queued so ADDs batch together."""
-        while not self.has_work() and self.is_running():
-            if self.notify_idle():
-                continue  # a pause or sleep completed, perhaps leaving work behind
+        while self.is_idle() and self.is_running():
             if self.input_queue.empty():
                 with self.aborts_queue.mutex:
                     self.aborts_queue.queue.clear()
@@ -524,15 +548,13 @@ class EngineCoreProc(EngineCore):
             received = [a + r for a, r in zip(self.num_received, self.num_rejected)]
             self.load_writer.publish(self.scheduler, received)
 
-    def _process_engine_step(self) -> bool:
-        outputs, model_executed = self.step_fn()
+    def _process_engine_step(self) -> None:
+        ready = self.run_once()
         self.publish_load()
-        first = outputs.get(0)
-        if first is not None and first.scheduler_stats is not None:
-            first.engine_stats = self._engine_stats()
-        for item in outputs.items():
-            self.output_queue.put_nowait(item)
-        return model_executed
+        for client_index, outputs in ready:
+            if client_index == 0 and outputs.scheduler_stats is not None:
+                outputs.engine_stats = self._engine_stats()
+            self.output_queue.put_nowait((client_index, outputs))
 
     def _engine_stats(self) -> EngineStats:
         now = time.monotonic()
@@ -557,9 +579,12 @@ class EngineCoreProc(EngineCore):
         elif req_type == EngineCoreRequestType.ABORT:
             self.abort_requests(payload)
         elif req_type == EngineCoreRequestType.UTILITY:
-            client_index, call_id, method, args = payload
+            client_index, call_id, method = payload.client_index, payload.call_id, payload.method
             try:
-                result = self.call_utility(method, args)
+                utility = UTILITIES.get(method)
+                if utility is None:
+                    raise ValueError(f"unknown utility method {method!r}")
+                result = self.call_utility(utility, utility.decode_args(payload.args))
             except Exception as exc:  # noqa: BLE001 - reported to the caller
                 self._reply_utility(client_index, call_id, method, exc=exc)
                 return

@@ -333,7 +333,7 @@ class EngineCoreOutput(
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Reply to a UTILITY call: its result encoded on its own, which the caller
-    decodes as the type the method declares (``UTILITY_RESULT_TYPES``); or
+    decodes as the type the utility declares (core/utilities.py); or
     ``failure_message`` when it raised."""
 
     call_id: int
@@ -441,22 +441,6 @@ class SleepResult(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     level: int
     before: MemoryUsage
     after: MemoryUsage
-
-
-# The utility methods a client may call, and the type each one's result is
-# decoded as on the client's side.
-UTILITY_RESULT_TYPES: dict[str, Any] = {
-    "get_scheduler_stats": SchedulerStats,
-    "get_num_unfinished_requests": int,
-    "reset_prefix_cache": bool,
-    "pause_scheduler": bool,
-    "resume_scheduler": bool,
-    "is_scheduler_paused": bool,
-    "sleep": SleepResult,
-    "wake_up": MemoryUsage,
-    "is_sleeping": bool,
-    "collective_rpc": list[Any],
-}
 
 
 def finished_outputs(

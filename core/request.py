@@ -14,7 +14,6 @@ from typing import Protocol
 
 import torch
 
-from core.structured.request import StructuredOutputRequest
 from core.protocol import (
     EngineCoreEvent,
     EngineCoreEventType,
@@ -22,7 +21,7 @@ from core.protocol import (
     FinishReason,
     SamplingParams,
 )
-
+from core.structured.request import StructuredOutputRequest
 
 
 class BlockHasher(Protocol):

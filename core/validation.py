@@ -9,7 +9,6 @@ messages (written for API users: they end up in OpenAI error bodies).
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 from core.config import EngineConfig
@@ -38,12 +37,10 @@ class ModelLimits:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> ModelLimits:
-        config = config.resolve()
-        assert config.hf_config is not None and config.max_model_len is not None
         return cls(
             max_model_len=config.max_model_len,
-            vocab_size=config.hf_config["vocab_size"],
-            hidden_size=config.hf_config["hidden_size"],
+            vocab_size=config.model_config.vocab_size,
+            hidden_size=config.model_config.hidden_size,
             enable_prompt_embeds=config.enable_prompt_embeds,
         )
 

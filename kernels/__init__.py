@@ -7,22 +7,23 @@
   attention reads the paged cache in place, prefill chunks use torch's SDPA.
 - anything else, or where the C kernels cannot be built: torch
   (kernels/torch_ref.py), which is also the reference the others are tested
-  against. ``RINGLLM_ATTENTION_BACKEND=torch`` forces it for attention on every
-  device (to bisect a GPU mismatch); ``RINGLLM_CPU_KERNELS=0`` keeps the C
-  kernels off.
+  against. ``settings.attention_backend = "torch"`` forces it for attention on
+  every device (to bisect a GPU mismatch); ``settings.cpu_kernels = False`` keeps
+  the C kernels off (kernels/settings.py; an engine sets them from
+  ``RINGLLM_ATTENTION_BACKEND`` and ``RINGLLM_CPU_KERNELS``).
 
 Dense products are in kernels/linear.py.
 """
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import torch
 
 from kernels import cpu, torch_ref
 from kernels.metadata import AttentionMetadata
+from kernels.settings import settings
 
 __all__ = [
     "AttentionMetadata", "add_rms_norm", "paged_attention", "rms_norm", "rotary", "silu_mul", "write_kv_cache",
@@ -33,7 +34,7 @@ _triton: ModuleType | None = None
 
 def _attention_backend(tensor: torch.Tensor) -> ModuleType:
     global _triton
-    if not tensor.is_cuda or os.environ.get("RINGLLM_ATTENTION_BACKEND") == "torch":
+    if not tensor.is_cuda or settings.attention_backend == "torch":
         return torch_ref
     if _triton is None:
         from kernels import triton_attention
@@ -107,7 +108,7 @@ def paged_attention(
     if backend is not torch_ref or not (cpu.usable(query, k_cache) and _heads_contiguous(query)):
         return backend.paged_attention(query, k_cache, v_cache, meta, scale, out)
     whole_chunks = query.shape[2] in cpu.PREFILL_KERNEL_HEAD_DIMS
-    step = torch_ref.plan(meta, k_cache.shape[1], query.device, cpu.ROW_PAIRS_LIMIT, whole_chunks)
+    step = torch_ref.plan(meta, k_cache.shape[1], query.device, settings.prefill_pairs, whole_chunks)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype)
     if step.query_rows is not None:

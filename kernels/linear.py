@@ -13,9 +13,10 @@ go through. Which path wins depends on the shape, the caches and the thread
 pools (oneDNN's fixed cost per call outweighs the repacking of a small
 matrix), so each weight times both on a decode-sized batch when it is
 prepared, in the process that serves, and keeps the packed copy only if it
-was faster. The copy costs the weight's memory again: ``RINGLLM_CPU_PREPACK=0``
-goes without it (numpy for every batch), ``RINGLLM_CPU_BLAS=0`` keeps torch's
-own kernels altogether. Other dtypes and devices keep torch's kernels.
+was faster. The copy costs the weight's memory again: ``settings.cpu_prepack``
+off (``RINGLLM_CPU_PREPACK=0``) goes without it (numpy for every batch),
+``settings.cpu_blas`` off (``RINGLLM_CPU_BLAS=0``) keeps torch's own kernels
+altogether. Other dtypes and devices keep torch's kernels.
 
 Both libraries release the GIL inside the product, so the engine's I/O
 threads run meanwhile. The forward pass and the CPU step program
@@ -25,15 +26,14 @@ the same bits for the same batch.
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-CPU_BLAS = os.environ.get("RINGLLM_CPU_BLAS", "1") != "0"
-CPU_PREPACK = os.environ.get("RINGLLM_CPU_PREPACK", "1") != "0"
+from kernels.settings import settings
+
 # Batches of 2 to PACKED_MAX_ROWS rows (decode batches) use the packed copy, laid out for
 # that many rows. Larger ones (prefill chunks) stay with numpy: in the served engine they
 # ran faster there, though oneDNN won when timed alone.
@@ -94,14 +94,14 @@ class CpuWeight:
         self.weight_t = weight.numpy().T  # [in, out], a transposed view: BLAS reads it as is
         self.bias_tensor = None if bias is None else bias.detach()
         self.bias = None if bias is None else self.bias_tensor.numpy()
-        packed = None if pack == "never" or not CPU_PREPACK and pack == "auto" else _prepack(weight)
+        packed = None if pack == "never" or not settings.cpu_prepack and pack == "auto" else _prepack(weight)
         if packed is not None and pack == "auto" and not _packed_is_faster(self.weight_t, packed):
             packed = None
         self.packed = packed
 
     @staticmethod
     def usable(weight: torch.Tensor) -> bool:
-        return CPU_BLAS and weight.device.type == "cpu" and weight.dtype == torch.float32
+        return settings.cpu_blas and weight.device.type == "cpu" and weight.dtype == torch.float32
 
     def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """``x [N, in] @ Wᵀ + b``, into ``out`` [N, out] when given (``x`` C-contiguous)."""

@@ -39,7 +39,13 @@ from shm.aio import AsyncReceiver, AsyncSender
 from shm.doorbell import Doorbell
 from shm.ring import Frame, ShmRing
 from shm.waiting import (
-    ChannelClosed, PeerDeadError, PeerWatch, deadline_after, drive_blocking, send_blocking, wait_steps,
+    ChannelClosed,
+    PeerDeadError,
+    PeerWatch,
+    deadline_after,
+    drive_blocking,
+    send_blocking,
+    wait_steps,
 )
 
 __all__ = [

@@ -40,7 +40,14 @@ import zmq.asyncio
 from shm.channel import DEFAULT_POLL_INTERVAL_S
 from shm.ring import Frame
 from shm.waiting import (
-    ChannelClosed, PeerDeadError, PeerWatch, deadline_after, drive_async, drive_blocking, send_blocking, wait_steps,
+    ChannelClosed,
+    PeerDeadError,
+    PeerWatch,
+    deadline_after,
+    drive_async,
+    drive_blocking,
+    send_blocking,
+    wait_steps,
 )
 
 ENGINE_IDENTITY = (0).to_bytes(2, "little")  # engine index 0, as vLLM encodes it

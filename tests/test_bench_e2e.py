@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.__main__ import main as bench_main
 from app.launcher import REPO
+from bench.__main__ import main as bench_main
 
 pytestmark = pytest.mark.slow
 

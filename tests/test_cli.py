@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 
 import pytest
 
 from app.banner import display_host, format_banner
-from app.cli import build_engine_config, make_parser, model_dir_error, parse_args, served_model_names
+from app.cli import (
+    build_engine_args,
+    build_frontend_config,
+    make_parser,
+    model_dir_error,
+    parse_args,
+    served_model_names,
+)
 from app.launcher import REPO
 from app.scale_out import scale_out_error
 from core.models.default_model import DEFAULT_MODEL_DIR
@@ -69,11 +75,11 @@ def test_missing_or_unusable_model_paths_exit_2(tmp_path) -> None:
 
 def test_default_model_and_served_names() -> None:
     args = parse_args([])
-    config = build_engine_config(args)
+    config = build_engine_args(args)
     assert config.model == str(DEFAULT_MODEL_DIR) and config.served_model_name == "stories260K"
     assert served_model_names(args) == ["stories260K", "ringllm-default"]
     args = parse_args(["--model", "/models/m", "--served-model-name", "main", "alias"])
-    assert build_engine_config(args).served_model_name == "main"
+    assert build_engine_args(args).served_model_name == "main"
     assert served_model_names(args) == ["main", "alias"]
     assert served_model_names(parse_args(["--model", "/models/m"])) == ["/models/m"]
     assert parse_args(["--disable-frontend-ui"]).disable_frontend_ui
@@ -99,10 +105,11 @@ def test_banner() -> None:
     assert display_host("localhost") == "localhost" and display_host("::1") == "[::1]"
 
 
-def test_parse_size_errors_are_argparse_errors() -> None:
-    with pytest.raises(SystemExit):
+def test_parse_size_errors_are_argparse_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
         make_parser().parse_args(["--kv-cache-memory", "lots"])
-    assert isinstance(make_parser(), argparse.ArgumentParser)
+    assert exited.value.code == 2
+    assert "--kv-cache-memory: not a size in bytes: 'lots'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -119,24 +126,50 @@ def test_parse_size_errors_are_argparse_errors() -> None:
     ],
 )
 def test_scale_out_flag_combinations_that_cannot_work_are_refused(flags: list[str], needle: str) -> None:
-    problem = scale_out_error(make_parser().parse_args(flags))
+    problem = _scale_out_error(flags)
     assert problem is not None and needle in problem
+
+
+def _scale_out_error(flags: list[str]) -> str | None:
+    args = parse_args(flags)
+    return scale_out_error(build_frontend_config(args).scale_out, build_engine_args(args))
 
 
 def test_scale_out_errors_exit_2_before_anything_starts() -> None:
     result = run_app("--api-server-count", "2", "--transport", "zmq")
     assert result.returncode == 2 and "needs the shm transport" in result.stderr
-    assert scale_out_error(make_parser().parse_args(["-dp", "2", "--api-server-count", "2"])) is None
-    assert scale_out_error(make_parser().parse_args([])) is None
+    assert _scale_out_error(["-dp", "2", "--api-server-count", "2"]) is None
+    assert _scale_out_error([]) is None
+
+
+def test_the_frontend_config_holds_every_frontend_flag(tmp_path) -> None:
+    """Nothing below the command line reads the argparse Namespace: what the frontend
+    needs is in its FrontendConfig, the rest in EngineArgs."""
+    from app.frontend_config import FrontendConfig, ScaleOutConfig
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ messages }}")
+    args = parse_args([
+        "--port", "9001", "--api-key", "k", "--chat-template", str(template), "--disable-frontend-ui",
+        "--max-num-waiting", "3", "--shutdown-timeout", "2", "--enable-sleep-mode", "-dp", "2",
+        "--api-server-count", "2", "--data-parallel-prefix-affinity", "--served-model-name", "a", "b",
+    ])
+    frontend = build_frontend_config(args)
+    assert isinstance(frontend, FrontendConfig) and frontend.served_model_names == ("a", "b")
+    assert (frontend.port, frontend.api_key, frontend.chat_template, frontend.enable_ui) == (9001, "k", "{{ messages }}", False)
+    assert (frontend.max_num_waiting, frontend.shutdown_timeout, frontend.enable_sleep_mode) == (3, 2.0, True)
+    assert frontend.scale_out == ScaleOutConfig(api_server_count=2, prefix_affinity=True)
+    engine = build_engine_args(args)
+    assert (engine.data_parallel_size, engine.enable_sleep_mode, engine.served_model_name) == (2, True, "a")
 
 
 def test_the_json_whitespace_bound_flag() -> None:
     from core.config import DEFAULT_JSON_MAX_WHITESPACE
 
-    bound = lambda *flag: build_engine_config(parse_args(list(flag))).structured_outputs_max_whitespace  # noqa: E731
+    bound = lambda *flag: build_engine_args(parse_args(list(flag))).structured_outputs_max_whitespace  # noqa: E731
     assert bound() == DEFAULT_JSON_MAX_WHITESPACE
     assert bound("--structured-outputs-max-whitespace", "4") == 4
     assert bound("--structured-outputs-max-whitespace", "none") is None  # unbounded, as vLLM has it
-    for bad in ("-1", "many"):
+    for bad in ("0", "-1", "many"):
         result = run_app("--structured-outputs-max-whitespace", bad)
-        assert result.returncode == 2 and "not a count of characters or 'none'" in result.stderr
+        assert result.returncode == 2 and "not a count of characters (at least 1) or 'none'" in result.stderr

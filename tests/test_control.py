@@ -8,16 +8,16 @@ server process, whose engine's resident memory is read from /proc.
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import httpx
+import msgspec
 import openai
 import pytest
 import torch
 
 from app.async_llm import AsyncLLM
-from core.models.loader import kv_cache_bytes_per_block
+from core.model_config import ModelConfig
 from tests.support.http import MODEL, make_engine, running_server
 from tests.support.metrics import parse_metrics, value
 from tests.support.waiting import wait_until
@@ -215,8 +215,8 @@ def test_sleep_frees_the_kv_cache_and_wake_up_serves_the_same_output(server_fact
         dict(labels) for (name, labels) in parse_metrics(httpx.get(base + "/metrics").text)
         if name == "vllm:cache_config_info"
     )
-    hf_config = json.loads((Path(stories_dir) / "config.json").read_text())
-    kv_bytes = int(info["num_gpu_blocks"]) * kv_cache_bytes_per_block(hf_config, int(info["block_size"]), torch.float32)
+    per_block = ModelConfig.from_dir(stories_dir).kv_bytes_per_block(int(info["block_size"]), torch.float32.itemsize)
+    kv_bytes = int(info["num_gpu_blocks"]) * per_block
     pid = server.engine_pid()
 
     for level in (1, 2):
@@ -282,35 +282,49 @@ async def test_pause_keep_and_wait_with_an_engine_process(server_factory) -> Non
 
 def test_offline_client_pause_wait_steps_the_engine_until_drained(stories_dir) -> None:
     from core.client import InprocClient
-    from core.config import EngineConfig
+    from core.config import EngineArgs
     from core.protocol import EngineCoreRequest, SamplingParams
+    from core.utilities import (
+        IS_SCHEDULER_PAUSED,
+        PAUSE_SCHEDULER,
+        RESUME_SCHEDULER,
+        Call,
+    )
 
-    client = InprocClient(EngineConfig(model=stories_dir, max_model_len=64, max_num_seqs=4))
+    client = InprocClient(EngineArgs(model=stories_dir, max_model_len=64, max_num_seqs=4).resolve())
     try:
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
         client.add_request(EngineCoreRequest(request_id="a", prompt_token_ids=[1, 400, 500], sampling_params=params))
         first = client.get_output()
-        assert client.pause_scheduler("wait") is True  # steps "a" to its end
+        assert client.call(PAUSE_SCHEDULER(mode="wait")) is True  # steps "a" to its end
+        assert not client.engine_core.has_work()
         client.add_request(EngineCoreRequest(request_id="b", prompt_token_ids=[1, 400, 500], sampling_params=params))
         tokens = {"a": [t for o in first.outputs for t in o.new_token_ids], "b": []}
-        while client.engine_core.side_outputs:
+        while len(tokens["a"]) < 8:  # the outputs of the steps the pause drove were kept
             for out in client.get_output().outputs:
                 tokens[out.request_id] += out.new_token_ids
-        assert len(tokens["a"]) == 8 and not client.engine_core.has_work()  # "b" is held
-        assert client.is_scheduler_paused() and client.resume_scheduler()
+        assert tokens["b"] == [] and not client.engine_core.has_work()  # "b" is held
+        assert client.call(IS_SCHEDULER_PAUSED()) and client.call(RESUME_SCHEDULER())
         while len(tokens["b"]) < 8:
             for out in client.get_output().outputs:
                 tokens[out.request_id] += out.new_token_ids
         assert tokens["b"] == tokens["a"]
-        with pytest.raises(RuntimeError, match="unknown pause mode"):
-            client.pause_scheduler("later")
+        with pytest.raises(ValueError, match="Invalid enum value 'later'"):
+            PAUSE_SCHEDULER(mode="later")  # refused before it is sent
+        with pytest.raises(RuntimeError, match="unknown pause mode"):  # and by the engine
+            client.call(Call(PAUSE_SCHEDULER, msgspec.structs.replace(PAUSE_SCHEDULER().args, mode="later")))
     finally:
         client.shutdown()
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_scheduler_pause_modes_hold_new_requests_and_keep_outputs_exact(pipelined: bool) -> None:
-    from tests.support.scheduler_harness import Harness, expected_outputs, make_config, make_request
+    from tests.support.scheduler_harness import (
+        Harness,
+        expected_outputs,
+        make_config,
+        make_request,
+    )
 
     h = Harness(make_config(), num_blocks=40)
     run = h.run_pipelined if pipelined else h.run

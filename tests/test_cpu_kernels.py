@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import kernels
 from kernels import cpu, torch_ref
+from kernels.settings import settings as kernel_settings
 from tests.support.attention import run_case
 
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason="no C compiler to build kernels/cpu with")
@@ -136,7 +137,7 @@ def test_dispatch_picks_c_for_float32_cpu_and_torch_otherwise(monkeypatch) -> No
     kernels.rms_norm(x32, torch.ones(8), 1e-5)
     kernels.rms_norm(x64, torch.ones(8, dtype=torch.float64), 1e-5)
     kernels.silu_mul(x32)
-    monkeypatch.setattr(cpu, "enabled", False)
+    monkeypatch.setattr(kernel_settings, "cpu_kernels", False)
     kernels.silu_mul(x32)
     assert calls == [
         "kernels.cpu.rms_norm", "kernels.torch_ref.rms_norm", "kernels.cpu.silu_mul", "kernels.torch_ref.silu_mul",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.config import EngineConfig
+from core.config import EngineArgs
 from core.engine_core import EngineCore
 from core.protocol import EngineCoreRequest, SamplingParams
 from kernels import cpu
@@ -45,7 +45,7 @@ MODELS = ["stories", "llama", "qwen2", "qwen3"]
 
 def _engine(model: str, stories_dir: str, llama, qwen_dirs, **config) -> EngineCore:
     path = {"stories": stories_dir, "llama": llama[1], **qwen_dirs}[model]
-    engine = EngineCore(EngineConfig(model=path, max_model_len=128, max_num_seqs=8, block_size=4, **config))
+    engine = EngineCore(EngineArgs(model=path, max_model_len=128, max_num_seqs=8, block_size=4, **config).resolve())
     assert engine.model_executor.runner.cpu_program is not None
     return engine
 

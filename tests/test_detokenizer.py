@@ -16,6 +16,7 @@ from app.detokenizer import IncrementalDetokenizer
 from core.models.default_model import DEFAULT_MODEL_DIR as STORIES_DIR
 from tests.support.tokenizers import CORPUS, build_byte_level_tokenizer
 
+
 @pytest.fixture(scope="module")
 def byte_level():
     return build_byte_level_tokenizer()

@@ -11,9 +11,10 @@ import pytest
 
 from app.llm import LLM
 from core.client import InprocClient
-from core.config import EngineConfig
+from core.config import EngineArgs
 from core.protocol import EngineCoreRequest, FinishReason, SamplingParams
 from tests.support.engines import BASE, CHUNKED, MAX_NEW, generate, greedy, tokens
+
 
 def test_prefix_caching_on_and_off_give_identical_greedy_outputs(llama, reference) -> None:
     _, path = llama
@@ -101,7 +102,7 @@ def test_async_scheduling_gives_the_same_outputs_as_sync(llama, reference, cachi
 def test_async_engine_aborts_with_a_batch_in_flight_and_drains(llama, reference) -> None:
     _, path = llama
     prompts, expected = reference
-    client = InprocClient(EngineConfig(model=path, async_scheduling=True, **BASE, **CHUNKED))
+    client = InprocClient(EngineArgs(model=path, async_scheduling=True, **BASE, **CHUNKED).resolve())
     engine = client.engine_core
     try:
         assert engine.batch_queue_size == 2
@@ -136,13 +137,13 @@ def test_async_engine_aborts_with_a_batch_in_flight_and_drains(llama, reference)
 
 
 def test_cli_flags_reach_the_engine_config() -> None:
-    from app.cli import build_engine_config, parse_args
+    from app.cli import build_engine_args, parse_args
 
-    defaults = build_engine_config(parse_args(["--model", "/m"]))
+    defaults = build_engine_args(parse_args(["--model", "/m"]))
     assert (defaults.enable_prefix_caching, defaults.async_scheduling, defaults.scheduling_policy) == (
         True, False, "fcfs"
     )
-    config = build_engine_config(
+    config = build_engine_args(
         parse_args(
             ["--model", "/m", "--async-scheduling", "--scheduling-policy", "priority", "--no-enable-prefix-caching"]
         )

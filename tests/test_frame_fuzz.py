@@ -19,8 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from core.client import SyncMPClient
-from core.config import EngineConfig
-from core.protocol import UTILITY_RESULT_TYPES, EngineCoreRequest, EngineCoreRequestType, SamplingParams
+from core.config import EngineArgs
+from core.protocol import EngineCoreRequest, EngineCoreRequestType, SamplingParams
+from core.utilities import GET_NUM_UNFINISHED_REQUESTS, UTILITIES, UtilityCall
 
 ADD, ABORT, UTILITY, WAKEUP = (t.value for t in EngineCoreRequestType)
 PROMPT = [5, 6, 7, 8]
@@ -37,7 +38,10 @@ TEMPLATES = {
         msgspec.msgpack.encode(_request("fuzz-b", [9] * 20, stop=["x"], logprobs=2, seed=3)),
     ],
     ABORT: [msgspec.msgpack.encode(["fuzz-a", "nobody"])],
-    UTILITY: [msgspec.msgpack.encode([0, 10**6, "no_such_method", []])],
+    UTILITY: [
+        msgspec.msgpack.encode([0, 10**6, "no_such_method", {}]),
+        msgspec.msgpack.encode([0, 10**6 + 1, "pause_scheduler", {"mode": "sometimes"}]),  # a bad argument
+    ],
 }
 
 msgpack_values = st.recursive(
@@ -89,10 +93,11 @@ def _is_control_call(message: list[bytes]) -> bool:
     if len(message) != 2 or message[0] != UTILITY:
         return False
     try:
-        _, _, method, _ = msgspec.msgpack.decode(message[1], type=tuple[int, int, str, list])
-    except (msgspec.DecodeError, ValueError, RecursionError):  # invalid UTF-8 is a ValueError
+        call = msgspec.msgpack.decode(message[1], type=UtilityCall)
+        UTILITIES[call.method].decode_args(call.args)
+    except (msgspec.DecodeError, ValueError, RecursionError, KeyError):  # invalid UTF-8 is a ValueError
         return False
-    return method in UTILITY_RESULT_TYPES
+    return True
 
 
 def _surely_malformed(message: list[bytes]) -> bool:
@@ -118,7 +123,7 @@ def engine(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory):
     with open(log_path, "wb") as log:
         os.dup2(log.fileno(), 2)  # the spawned engine inherits this fd 2
         try:
-            client = SyncMPClient(EngineConfig(model=tiny_llama_dir, transport="shm", max_model_len=128))
+            client = SyncMPClient(EngineArgs(model=tiny_llama_dir, transport="shm", max_model_len=128).resolve())
         finally:
             os.dup2(saved, 2)
             os.close(saved)
@@ -165,9 +170,9 @@ def test_fuzzed_frames_never_crash_the_engine_nor_touch_a_valid_request(
 def test_the_fuzzed_engine_logged_every_malformed_frame_and_is_idle(engine: SyncMPClient) -> None:
     """Runs after the fuzzer (same module, same engine)."""
     deadline = time.monotonic() + 30
-    while engine.call_utility("get_num_unfinished_requests") and time.monotonic() < deadline:
+    while engine.call(GET_NUM_UNFINISHED_REQUESTS()) and time.monotonic() < deadline:
         time.sleep(0.05)  # fuzz frames that ran as requests finish on their own
-    assert engine.call_utility("get_num_unfinished_requests") == 0
+    assert engine.call(GET_NUM_UNFINISHED_REQUESTS()) == 0
     log = Path(engine.engine_log).read_text(errors="replace")
     assert log.count("rejected a malformed message") >= engine.sent_malformed > 0
     assert "fatal error" not in log

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from core.client import SyncMPClient
-from core.config import EngineConfig
+from core.config import EngineArgs
 from core.protocol import EngineCoreRequest, SamplingParams
 from core.worker.cuda_graphs import DecodeGraphs
 from tests.support.engines import BASE, CHUNKED, generate, greedy, tokens
@@ -78,7 +78,7 @@ def test_kv_cache_fills_the_memory_utilization_share(llama):  # noqa: F811
     from core.client import InprocClient
 
     total = torch.cuda.mem_get_info()[1]
-    client = InprocClient(EngineConfig(model=path, device="cuda", dtype="float32", gpu_memory_utilization=0.3))
+    client = InprocClient(EngineArgs(model=path, device="cuda", dtype="float32", gpu_memory_utilization=0.3).resolve())
     try:
         runner = client.engine_core.model_executor.runner
         cache_bytes = sum(k.nbytes + v.nbytes for k, v in runner.kv_caches)
@@ -90,9 +90,9 @@ def test_kv_cache_fills_the_memory_utilization_share(llama):  # noqa: F811
 
 
 def test_cuda_prompt_embeds_reach_the_engine_by_ipc(tiny_llama_dir: str):
-    config = EngineConfig(
+    config = EngineArgs(
         model=tiny_llama_dir, device="cuda", dtype="float32", max_model_len=256, enable_prompt_embeds=True
-    )
+    ).resolve()
     client = SyncMPClient(config)
     try:
         embeds = torch.randn(20, 64, generator=torch.Generator().manual_seed(0))

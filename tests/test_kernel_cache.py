@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kernels import cpu
+from kernels.settings import settings
 
 COMPILER = shutil.which("cc") or shutil.which("gcc")
 # gcc's switch for each extension ISA_FLAGS names.
@@ -47,7 +48,7 @@ def test_a_cached_library_that_needs_an_extension_this_cpu_lacks_is_rebuilt(
     lacking = next((f for f in cpu.ISA_FLAGS if f in GCC_SWITCH and f not in flags_here), None)
     if lacking is None:
         pytest.skip("this CPU has every extension the forged library could claim")
-    monkeypatch.setenv("RINGLLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(settings, "cache_dir", tmp_path / "cache")
     flags = [*cpu.FLAGS, *cpu.OPENMP_VARIANTS[0]]
     target = cpu.library_path(COMPILER, flags, cpu.native_target(COMPILER))
     target.parent.mkdir(parents=True)

@@ -7,14 +7,14 @@ after a cached prefix) are compared with attention over its dense K/V.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
-from kernels import cpu, torch_ref
+from kernels import torch_ref
+from kernels.settings import settings as kernel_settings
 from tests.support.attention import run_case
 
 
@@ -47,7 +47,7 @@ def test_paged_attention_matches_dense_random_batches(reqs, kv_heads, group, blo
 
 def test_dispatch_uses_torch_path_on_cpu_without_the_c_kernels(monkeypatch):
     """With the C kernels off, CPU tensors go to the torch kernels (and give their results), never to Triton."""
-    monkeypatch.setattr(cpu, "enabled", False)
+    monkeypatch.setattr(kernel_settings, "cpu_kernels", False)
     calls = []
     torch_attention = torch_ref.paged_attention
 

@@ -16,9 +16,11 @@ LONG = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 48, "tempera
 
 
 def test_the_cli_default_body_limit_is_the_servers() -> None:
-    from app import cli, limits
+    from app import frontend_config, limits
 
-    assert cli.DEFAULT_MAX_REQUEST_BODY_BYTES == limits.DEFAULT_MAX_REQUEST_BODY_BYTES == ServerLimits().max_request_body_bytes
+    default = frontend_config.DEFAULT_MAX_REQUEST_BODY_BYTES
+    assert default == limits.DEFAULT_MAX_REQUEST_BODY_BYTES == ServerLimits().max_request_body_bytes
+    assert frontend_config.FrontendConfig().max_request_body_bytes == default
 
 
 async def test_a_body_over_the_limit_is_a_413_whether_declared_or_chunked(stories_dir) -> None:

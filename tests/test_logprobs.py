@@ -19,7 +19,12 @@ import pytest
 import torch
 
 from app.llm import LLM
-from core.protocol import EngineCoreOutput, EngineCoreOutputs, LogprobsArrays, SamplingParams
+from core.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    LogprobsArrays,
+    SamplingParams,
+)
 from core.worker.logprobs import _gather_on_device, _gather_on_host
 from shm.serial import EXT_RAW_TENSOR, EXT_SHM_TENSOR, MsgpackDecoder, MsgpackEncoder
 from tests.support.oracle import check_logprobs, hf_logprobs, load_hf

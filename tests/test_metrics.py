@@ -17,7 +17,13 @@ import openai
 from app.metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 from app.stats_logger import StatsLogger
 from tests.support.http import MODEL, make_engine, running_server
-from tests.support.metrics import Samples, bucket_bounds, metric_types, parse_metrics, value
+from tests.support.metrics import (
+    Samples,
+    bucket_bounds,
+    metric_types,
+    parse_metrics,
+    value,
+)
 from tests.support.waiting import wait_for
 
 LABELS = {"model_name": MODEL, "engine": "0"}

@@ -18,12 +18,12 @@ import pytest
 import torch
 import transformers
 
-from core.config import EngineConfig
+from core.config import EngineArgs
+from core.model_config import ModelConfig
 from core.models.default_model import DEFAULT_MODEL_DIR as STORIES_DIR
 from core.models.default_model import SERVED_NAMES, default_model_dir
 from core.models.layers import rope_inv_freq
-from core.models.llama import DecoderConfig
-from core.models.loader import PROGRESS_MIN_BYTES, iter_safetensors, kv_cache_bytes_per_block, load_model
+from core.models.loader import PROGRESS_MIN_BYTES, iter_safetensors, load_model
 from core.models.random_model import CHAT_TEMPLATE, ensure_random_model
 from kernels.metadata import AttentionMetadata
 
@@ -142,7 +142,7 @@ def _save_hf(hf_config: transformers.PretrainedConfig, model_cls: type, path: Pa
 
 
 def _ours(path: Path, **kw) -> torch.nn.Module:
-    return load_model(EngineConfig(model=str(path), **kw), "cpu", torch.float32)
+    return load_model(EngineArgs(model=str(path), **kw).resolve(), "cpu", torch.float32)
 
 
 def _hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
@@ -260,12 +260,12 @@ def test_inputs_embeds_replace_token_lookup(checkpoint):
 
 def test_config_reading_from_dict_and_pretrained_config_agree():
     hf = transformers.Qwen3Config(**TINY, head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 123.0})
-    from_obj = DecoderConfig.from_hf(hf, qk_norm=True)
-    from_dict = DecoderConfig.from_hf(json.loads(hf.to_json_string()), qk_norm=True)
+    from_obj = ModelConfig.from_hf(hf, architecture="Qwen3ForCausalLM")
+    from_dict = ModelConfig.from_hf(json.loads(hf.to_json_string()), architecture="Qwen3ForCausalLM")
     assert from_obj == from_dict
     assert from_dict.head_dim == 32 and from_dict.rope_theta == 123.0 and from_dict.sliding_window is None
     legacy = {**TINY, "rope_theta": 77.0, "rope_scaling": {"type": "linear", "factor": 4.0}}
-    cfg = DecoderConfig.from_hf(legacy)
+    cfg = ModelConfig.from_hf(legacy, architecture="LlamaForCausalLM")
     assert cfg.rope_theta == 77.0 and cfg.rope_scaling["rope_type"] == "linear"
 
 
@@ -328,8 +328,9 @@ def test_dummy_weights_are_seeded_and_finite(tmp_path):
 
 def test_kv_cache_bytes_per_block():
     hf = {**TINY, "num_key_value_heads": 2, "num_attention_heads": 4, "hidden_size": 64}
+    cfg = ModelConfig.from_hf(hf, architecture="LlamaForCausalLM")
     # 2 (K and V) * 2 layers * 16 tokens * 2 kv heads * 16 head_dim * 2 bytes
-    assert kv_cache_bytes_per_block(hf, 16, torch.bfloat16) == 2 * 2 * 16 * 2 * 16 * 2
+    assert cfg.kv_bytes_per_block(16, torch.bfloat16.itemsize) == 2 * 2 * 16 * 2 * 16 * 2
 
 
 # ---------------------------------------------------------------- real checkpoint

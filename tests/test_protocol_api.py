@@ -22,10 +22,18 @@ import pytest
 import torch
 
 from app.async_llm import AsyncLLM
-from app.cli import build_engine_config, load_chat_template, parse_args, parse_size
+from app.cli import build_engine_args, load_chat_template, parse_args, parse_size
 from app.output_processor import RequestOutput
-from core.worker.model_runner import FAIL_AFTER_STEPS_ENV
-from tests.support.http import CHAT_TEMPLATE, MAX_MODEL_LEN, MODEL, assert_openai_error, make_engine, running_server
+from core.worker.faults import FAULT_ENV
+from tests.support.http import (
+    CHAT_TEMPLATE,
+    MAX_MODEL_LEN,
+    MODEL,
+    assert_openai_error,
+    make_engine,
+    running_server,
+)
+
 
 @pytest.fixture(scope="module")
 def oracle(stories_dir):
@@ -317,7 +325,7 @@ async def test_engine_stats_route(server) -> None:
 
 @pytest.mark.parametrize("route", ["completions", "chat"])
 async def test_engine_death_mid_stream_raises_api_error(stories_dir, monkeypatch, route) -> None:
-    monkeypatch.setenv(FAIL_AFTER_STEPS_ENV, "4")  # the real engine's 5th forward step raises
+    monkeypatch.setenv(FAULT_ENV, "step:5")  # the real engine's 5th forward step raises
     async with running_server(make_engine(stories_dir)) as (client, base):
         oai = openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
         if route == "completions":
@@ -341,10 +349,10 @@ async def test_engine_death_mid_stream_raises_api_error(stories_dir, monkeypatch
 
 
 async def test_engine_death_in_non_stream_request_is_500(stories_dir, monkeypatch) -> None:
-    monkeypatch.setenv(FAIL_AFTER_STEPS_ENV, "2")
+    monkeypatch.setenv(FAULT_ENV, "step:3")
     async with running_server(make_engine(stories_dir)) as (client, _):
         r = await client.post("/v1/completions", json=completion(max_tokens=10, ignore_eos=True))
-        assert_openai_error(r, 500, "InternalServerError", f"fault injected by {FAIL_AFTER_STEPS_ENV}")
+        assert_openai_error(r, 500, "InternalServerError", f"fault injected at model step 3 ({FAULT_ENV})")
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -382,7 +390,7 @@ def test_cli_builds_engine_config(tmp_path) -> None:
             "--no-enable-prefix-caching", "--dtype", "half", "--transport", "zmq", "--port", "0",
         ]
     )
-    config = build_engine_config(args)
+    config = build_engine_args(args)
     assert (config.model, config.max_model_len, config.kv_cache_memory) == ("/models/m", 1024, 512 * 2**20)
     assert (config.enable_prefix_caching, config.dtype, config.transport) == (False, "float16", "zmq")
     assert config.block_size == 16 and config.max_num_seqs == 64  # unset: EngineConfig's defaults

@@ -13,8 +13,9 @@ import time
 import pytest
 
 from core.client import SyncMPClient
-from core.config import EngineConfig
+from core.config import EngineArgs
 from core.protocol import EngineCoreRequest, SamplingParams
+from core.utilities import GET_NUM_UNFINISHED_REQUESTS
 
 BURST = 400
 TOKENS = 6
@@ -25,7 +26,7 @@ def test_a_burst_through_full_rings_loses_nothing(tiny_llama_dir: str, monkeypat
     monkeypatch.setattr("core.transport.RING_CAPACITY", 1 << 16)
     monkeypatch.setattr("core.transport.POOL_TO_ENGINE_BYTES", 1 << 16)
     monkeypatch.setattr("core.transport.POOL_TO_CLIENT_BYTES", 1 << 16)
-    client = SyncMPClient(EngineConfig(model=tiny_llama_dir, transport="shm", max_model_len=256, max_num_seqs=128))
+    client = SyncMPClient(EngineArgs(model=tiny_llama_dir, transport="shm", max_model_len=256, max_num_seqs=128).resolve())
     try:
         def burst() -> None:
             for i in range(BURST):
@@ -68,6 +69,6 @@ def test_a_burst_through_full_rings_loses_nothing(tiny_llama_dir: str, monkeypat
         assert tokens == {f"r{i}": TOKENS for i in range(BURST)}
         assert client.transport.stats().ring_full_waits > 0  # the request ring was full
         assert engine_waits > 0  # and the output ring (3 MB of logprobs through 64 KiB)
-        assert client.call_utility("get_num_unfinished_requests") == 0
+        assert client.call(GET_NUM_UNFINISHED_REQUESTS()) == 0
     finally:
         client.shutdown()

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from core.client import InprocClient
-from core.config import EngineConfig
+from core.config import EngineArgs
 from core.sched.output import ModelRunnerOutput
 from core.worker.async_output import (
     AsyncModelRunnerOutput,
@@ -160,7 +160,7 @@ def test_profile_run_writes_nothing_into_the_kv_cache(llama):  # noqa: F811
     the largest step's shapes go through the model, sampler included, and
     every slot is -1."""
     _, path = llama
-    client = InprocClient(EngineConfig(model=path, **BASE, max_num_batched_tokens=64))
+    client = InprocClient(EngineArgs(model=path, **BASE, max_num_batched_tokens=64).resolve())
     try:
         runner = client.engine_core.model_executor.runner
         runner.profile_run()

@@ -12,7 +12,12 @@ from core.sched.request_queue import (
     PriorityRequestQueue,
     create_request_queue,
 )
-from tests.support.scheduler_harness import Harness, default_token, expected_outputs, make_config
+from tests.support.scheduler_harness import (
+    Harness,
+    default_token,
+    expected_outputs,
+    make_config,
+)
 
 
 def req(req_id: str, n: int, priority: int = 0, arrival: float = 0.0, eos: int | None = None, **params) -> Request:

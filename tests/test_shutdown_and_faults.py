@@ -20,7 +20,13 @@ import httpx
 import pytest
 
 from core.worker.faults import FAULT_ENV
-from tests.support.servers import Server, mapped_segments, process_gone, process_tree, segments
+from tests.support.servers import (
+    Server,
+    mapped_segments,
+    process_gone,
+    process_tree,
+    segments,
+)
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,13 @@ import openai
 import pytest
 
 from app.protocol import ChatCompletionRequest
-from app.tool_calls import HermesStream, RequiredCallStream, forced_call_constraint, parse_forced, parse_hermes
+from app.tool_calls import (
+    HermesStream,
+    RequiredCallStream,
+    forced_call_constraint,
+    parse_forced,
+    parse_hermes,
+)
 from core.models.default_model import DEFAULT_MODEL_DIR
 from tests.support.http import MODEL, assert_openai_error, make_engine, running_server
 

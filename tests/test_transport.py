@@ -14,18 +14,26 @@ import pytest
 import torch
 
 from core.client import SyncMPClient
-from core.config import EngineConfig
+from core.config import EngineArgs, EngineConfig
 from core.protocol import EngineCoreRequest, EngineCoreRequestType, SamplingParams
+from core.utilities import (
+    GET_NUM_UNFINISHED_REQUESTS,
+    IS_SCHEDULER_PAUSED,
+    PAUSE_SCHEDULER,
+    Call,
+    NoArgs,
+    Utility,
+)
 from tests.support.servers import mapped_segments, start_server, stop_server, wait_gone
 
 TRANSPORTS = ["shm", "zmq"]
 
 
 def _config(model_dir: str, transport: str, **overrides) -> EngineConfig:
-    return EngineConfig(
+    return EngineArgs(
         model=model_dir, transport=transport, max_model_len=256, max_num_batched_tokens=64,
         enable_prompt_embeds=True, **overrides,
-    )
+    ).resolve()
 
 
 def _request(request_id: str, prompt: list[int] | None = None, embeds: torch.Tensor | None = None) -> EngineCoreRequest:
@@ -92,9 +100,21 @@ def test_malformed_frames_are_rejected_and_the_engine_keeps_serving(client: Sync
         _send_raw(client, frames)
     client.add_request(_request("good", [5, 6, 7]))
     assert len(_run_to_completion(client, {"good"})["good"]) == 4
-    assert client.call_utility("get_num_unfinished_requests") == 0  # still answering
+    assert client.call(GET_NUM_UNFINISHED_REQUESTS()) == 0  # still answering
     log = client.engine_log.read_text()
     assert log.count("rejected a malformed message") == len(bad_messages), log
+
+
+def test_utility_arguments_are_decoded_typed_by_the_engine(client: SyncMPClient) -> None:
+    """A call whose arguments are not the utility's (sent by hand: the client's binding
+    refuses them first) is answered with the engine's message, not run or dropped."""
+    bad = msgspec.structs.replace(PAUSE_SCHEDULER().args, mode="sometimes")
+    with pytest.raises(RuntimeError, match=r"utility 'pause_scheduler' failed: .*Invalid enum value 'sometimes'"):
+        client.call(Call(PAUSE_SCHEDULER, bad))
+    with pytest.raises(RuntimeError, match="unknown utility method 'no_such_method'"):
+        client.call(Call(Utility("no_such_method", NoArgs, bool, all), NoArgs()))
+    assert client.call(IS_SCHEDULER_PAUSED()) is False  # nothing was paused
+    assert client.call(GET_NUM_UNFINISHED_REQUESTS()) == 0
 
 
 def test_requests_the_engine_cannot_run_finish_with_an_error(client: SyncMPClient) -> None:

@@ -16,14 +16,13 @@ few calls per step (core/models/layers.py says why).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from core.model_config import ModelConfig
 from core.models.layers import Linear, Module, RMSNorm, RotaryEmbedding
 from kernels.metadata import AttentionMetadata
 
@@ -37,95 +36,8 @@ _ACTIVATIONS = {
 }
 
 
-@dataclass(frozen=True)
-class DecoderConfig:
-    """The architecture switches, normalised from a Hugging Face config."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-    tie_word_embeddings: bool
-    hidden_act: str
-    sliding_window: int | None
-
-    @classmethod
-    def from_hf(cls, hf: Any, *, qwen2_biases: bool = False, qk_norm: bool = False) -> DecoderConfig:
-        """Read a config.json dict or a transformers ``PretrainedConfig``.
-
-        ``qwen2_biases``: q/k/v always carry biases and o_proj never does,
-        whatever ``attention_bias`` says (Qwen2's fixed layout).
-        """
-        cfg: dict[str, Any] = hf if isinstance(hf, dict) else hf.to_dict()
-        heads = cfg["num_attention_heads"]
-        attention_bias = bool(cfg.get("attention_bias", False))
-        act = cfg.get("hidden_act", "silu")
-        if act not in _ACTIVATIONS:
-            raise ValueError(f"unsupported hidden_act {act!r}; supported: {sorted(_ACTIVATIONS)}")
-        theta, scaling = _rope_settings(cfg)
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            qkv_bias=qwen2_biases or attention_bias,
-            o_bias=attention_bias and not qwen2_biases,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=qk_norm,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            hidden_act=act,
-            sliding_window=_sliding_window(cfg),
-        )
-
-
-def _rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling dict or None) from transformers-4 or -5 style keys."""
-    params = cfg.get("rope_parameters") or {}
-    legacy = cfg.get("rope_scaling") or {}
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    scaling = {**legacy, **params}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return float(theta), None
-    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported")
-    scaling = {**scaling, "rope_type": rope_type}
-    if rope_type == "llama3":
-        scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
-    return float(theta), scaling
-
-
-def _sliding_window(cfg: dict[str, Any]) -> int | None:
-    """The attention window when the checkpoint actually uses one.
-
-    Qwen configs always carry ``sliding_window`` but only use it with
-    ``use_sliding_window``; Mistral uses it whenever it is set.
-    """
-    if "use_sliding_window" in cfg and not cfg["use_sliding_window"]:
-        return None
-    return cfg.get("sliding_window")
-
-
 class Attention(Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
@@ -157,7 +69,7 @@ class Attention(Module):
 
 
 class MLP(Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
@@ -173,7 +85,7 @@ class MLP(Module):
 
 
 class DecoderLayer(Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
@@ -204,7 +116,7 @@ class DecoderLayer(Module):
 class DecoderModel(nn.Module):
     """The ``model.`` prefix of Hugging Face checkpoints: embeddings, layers, final norm."""
 
-    def __init__(self, cfg: DecoderConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         # Given its tensor, nn.Embedding skips its random init, which on the meta
         # device would import torch's compiler stack (seconds of start-up).
@@ -225,20 +137,13 @@ _FUSED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama-architecture causal LM over a paged KV cache.
+    """Llama-family causal LM over a paged KV cache (the architectures' differences
+    are switches of its ModelConfig)."""
 
-    Subclasses only flip the architecture switches that their Hugging Face
-    config does not spell out.
-    """
-
-    QWEN2_BIASES = False
-    QK_NORM = False
-
-    def __init__(self, hf_config: Any, max_positions: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         """``max_positions``: the longest context the model will see (the rotary
         table's size); the checkpoint's ``max_position_embeddings`` by default."""
         super().__init__()
-        cfg = DecoderConfig.from_hf(hf_config, qwen2_biases=self.QWEN2_BIASES, qk_norm=self.QK_NORM)
         self.config = cfg
         self.model = DecoderModel(cfg, max_positions or cfg.max_position_embeddings)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -359,15 +264,3 @@ class LlamaForCausalLM(nn.Module):
         if tensor.shape[0] != rows:
             raise ValueError(f"{target}: checkpoint shard has {tensor.shape[0]} rows, expected {rows}")
         return tensor
-
-
-class MistralForCausalLM(LlamaForCausalLM):
-    pass
-
-
-class Qwen2ForCausalLM(LlamaForCausalLM):
-    QWEN2_BIASES = True
-
-
-class Qwen3ForCausalLM(LlamaForCausalLM):
-    QK_NORM = True

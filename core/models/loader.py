@@ -17,7 +17,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import torch
 from safetensors import safe_open
@@ -25,7 +25,8 @@ from torch import nn
 from tqdm import tqdm
 
 from core.config import EngineConfig
-from core.models.registry import resolve_model_class
+from core.model_config import ModelConfig
+from core.models.registry import model_class
 
 _DTYPES = {
     "float32": torch.float32,
@@ -48,7 +49,7 @@ class _ProgressBar(tqdm):
     _lock = threading.RLock()
 
 
-def resolve_dtype(dtype: str | torch.dtype, hf_config: dict[str, Any], device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, model_config: ModelConfig, device: torch.device) -> torch.dtype:
     """The compute dtype; ``"auto"`` is float32 on CPU, the checkpoint's half dtype on a GPU.
 
     CPUs have no fast half-precision matmuls (bf16/fp16 run slower there and
@@ -65,7 +66,7 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: dict[str, Any], device: t
             raise ValueError(f"unknown dtype {dtype!r}; use auto, {', '.join(_DTYPES)}") from None
     if device.type == "cpu":
         return torch.float32
-    ckpt = hf_config.get("dtype") or hf_config.get("torch_dtype") or "bfloat16"
+    ckpt = model_config.dtype or "bfloat16"
     return _DTYPES[ckpt] if ckpt in ("float16", "bfloat16") else torch.bfloat16
 
 
@@ -88,14 +89,9 @@ def load_model(
     (seeded by ``config.seed``) instead of reading safetensors files.
     """
     device = torch.device(device)
-    hf_config = config.resolve().hf_config
-    assert hf_config is not None
-    dtype = resolve_dtype(dtype, hf_config, device)
-    model_cls = resolve_model_class(hf_config)
-
+    dtype = resolve_dtype(dtype, config.model_config, device)
     with torch.device(device), _default_dtype(dtype):
-        model = model_cls(hf_config, config.max_model_len)
-    _check_sliding_window(model, config, hf_config)
+        model = model_class(config.model_config)(config.model_config, config.max_model_len)
 
     if config.load_format == "dummy":
         fill_dummy_weights(model, config.seed)
@@ -109,17 +105,6 @@ def load_model(
         raise ValueError(f"unknown load_format {config.load_format!r}; use auto, safetensors or dummy")
     model.prepare_for_inference()
     return model.eval()
-
-
-def _check_sliding_window(model: nn.Module, config: EngineConfig, hf_config: dict[str, Any]) -> None:
-    """Refuse lengths our full-context attention would get wrong."""
-    window = model.config.sliding_window
-    max_len = config.max_model_len or hf_config.get("max_position_embeddings", 2048)
-    if window is not None and window < max_len:
-        raise ValueError(
-            f"this checkpoint uses sliding-window attention (window {window}), which is not "
-            f"supported; serve it with max_model_len <= {window}"
-        )
 
 
 def iter_safetensors(
@@ -167,18 +152,3 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
         else:
             values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, DUMMY_STD, generator=gen)
             param.copy_(values)
-
-
-def kv_block_shape(hf_config: dict[str, Any], block_size: int) -> tuple[int, int, int]:
-    """(block_size, kv_heads, head_dim): one KV-cache block of one layer, K or V."""
-    heads = hf_config["num_attention_heads"]
-    kv_heads = hf_config.get("num_key_value_heads") or heads
-    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
-    return block_size, kv_heads, head_dim
-
-
-def kv_cache_bytes_per_block(hf_config: dict[str, Any], block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV-cache block takes over all layers (K and V)."""
-    block, kv_heads, head_dim = kv_block_shape(hf_config, block_size)
-    elem = torch.empty(0, dtype=dtype).element_size()
-    return 2 * hf_config["num_hidden_layers"] * block * kv_heads * head_dim * elem

@@ -26,6 +26,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from core import envs
+
 RECIPE_VERSION = 1
 SEED = 0
 INIT_STD = 0.02
@@ -73,7 +75,7 @@ CHAT_TEMPLATE = (
 
 
 def default_cache_root() -> Path:
-    return Path(os.environ.get("RINGLLM_CACHE") or Path.home() / ".cache" / "ringllm")
+    return envs.RINGLLM_CACHE
 
 
 def ensure_random_model(cache_dir: str | None = None) -> str:

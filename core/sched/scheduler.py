@@ -45,13 +45,13 @@ from core.protocol import (
     EngineCoreOutputs,
     SchedulerStats,
 )
+from core.request import Request, RequestStatus
 from core.sched.output import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
-from core.request import Request, RequestStatus
 from core.sched.request_queue import create_request_queue
 from core.structured.manager import StructuredOutputManager
 from core.utils import cdiv
@@ -99,8 +99,6 @@ class Scheduler:
         num_gpu_blocks: int,
         structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
-        if config.max_model_len is None:
-            raise ValueError("EngineConfig.resolve() must run before building the scheduler")
         self.max_model_len = config.max_model_len
         self.max_num_running_reqs = config.max_num_seqs
         self.max_num_scheduled_tokens = config.max_num_batched_tokens

@@ -42,7 +42,7 @@ COMPILE_THREADS = 2
 class StructuredOutputManager:
     def __init__(self, config: EngineConfig) -> None:
         assert config.structured_outputs_backend in STRUCTURED_OUTPUTS_BACKENDS
-        self.config = config  # resolved when xgrammar is first needed
+        self.config = config
         self._backend: Any = None
         self._backend_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -89,9 +89,8 @@ class StructuredOutputManager:
             if self._backend is None:
                 from core.structured.xgrammar_backend import XgrammarBackend
 
-                cfg = self.config.resolve()
-                assert cfg.hf_config is not None and cfg.tokenizer is not None
-                self._backend = XgrammarBackend(cfg.tokenizer, cfg.model, cfg.hf_config)
+                cfg = self.config
+                self._backend = XgrammarBackend(cfg.tokenizer, cfg.model_config)
                 logger.info("structured outputs: xgrammar ready (vocabulary of %d)", self._backend.vocab_size)
             return self._backend
 

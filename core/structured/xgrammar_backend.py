@@ -14,24 +14,11 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from core.model_config import ModelConfig
 from core.structured.request import GrammarKey
 
 # json_object: any JSON object.
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
-
-
-def _stop_token_ids(model_dir: str, hf_config: dict[str, Any]) -> list[int]:
-    """The model's end-of-sequence ids: generation_config.json, else config.json."""
-    eos = None
-    path = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-    if eos is None:
-        eos = hf_config.get("eos_token_id")
-    if eos is None:
-        return []
-    return [eos] if isinstance(eos, int) else [int(i) for i in eos]
 
 
 def tokenizer_info(tokenizer_dir: str, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
@@ -74,9 +61,9 @@ def _choice_grammar(choices: list[str]) -> str:
 class XgrammarBackend:
     """Compiles StructuredOutputsParams specs and makes matchers and bitmasks."""
 
-    def __init__(self, tokenizer_dir: str, model_dir: str, hf_config: dict[str, Any], max_threads: int = 1) -> None:
-        self.vocab_size = int(hf_config["vocab_size"])
-        self.info = tokenizer_info(tokenizer_dir, self.vocab_size, _stop_token_ids(model_dir, hf_config))
+    def __init__(self, tokenizer_dir: str, model_config: ModelConfig, max_threads: int = 1) -> None:
+        self.vocab_size = model_config.vocab_size
+        self.info = tokenizer_info(tokenizer_dir, self.vocab_size, list(model_config.eos_token_ids))
         # Our own cache keeps compiled grammars by spec; xgrammar's would hold them twice.
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_enabled=False)
 

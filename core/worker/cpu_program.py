@@ -30,6 +30,7 @@ import torch
 
 from core.worker.input_buffers import InputBuffers
 from kernels import cpu
+from kernels.settings import settings
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -65,7 +66,7 @@ class CpuStepProgram:
         weight = model.get_input_embeddings().weight
         if (
             cfg is None or not kv_caches or not cpu.usable(weight, kv_caches[0][0]) or cfg.hidden_act != "silu"
-            or getattr(model.lm_head, "cpu_weight", None) is None  # products through torch (RINGLLM_CPU_BLAS=0)
+            or getattr(model.lm_head, "cpu_weight", None) is None  # products through torch (settings.cpu_blas off)
         ):
             return None
         return cls(model, kv_caches, buffers, max_model_len)
@@ -170,7 +171,7 @@ class CpuStepProgram:
     def takes_chunk(query_len: int, seq_len: int) -> bool:
         """Whether a chunk of ``query_len`` tokens reaching ``seq_len`` is one the C
         kernels attend (the dispatcher leaves longer ones to torch's SDPA)."""
-        return query_len * seq_len <= cpu.ROW_PAIRS_LIMIT
+        return query_len * seq_len <= settings.prefill_pairs
 
     def run_chunk(self, n: int, sample: bool) -> torch.Tensor | None:
         """Logits [1, vocab] of the last token of the one request's chunk of n tokens

@@ -9,7 +9,7 @@ built; unset (always, outside tests) it costs nothing per step.
 
 from __future__ import annotations
 
-import os
+from core import envs
 
 FAULT_ENV = "RINGLLM_FAULT_INJECT"
 
@@ -32,7 +32,7 @@ class FaultInjector:
 
 
 def fault_injector_from_env() -> FaultInjector | None:
-    spec = os.environ.get(FAULT_ENV)
+    spec = envs.get(FAULT_ENV)
     if not spec:
         return None
     kind, _, value = spec.partition(":")

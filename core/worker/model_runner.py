@@ -25,28 +25,28 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from core import envs
 from core.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
-from core.models.loader import kv_block_shape, kv_cache_bytes_per_block, load_model, resolve_dtype
+from core.models.loader import load_model, resolve_dtype
 from core.protocol import LogprobsArrays, SamplingParams
 from core.sched.output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from core.worker.cpu_program import CpuStepProgram
 from core.worker.async_output import (
     PLACEHOLDER_TOKEN_ID,
     AsyncModelRunnerOutput,
     DeferredTokens,
     SampledTokens,
 )
+from core.worker.cpu_program import CpuStepProgram
 from core.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
 from core.worker.gpu_memory import gpu_kv_cache_budget
 from core.worker.input_batch import InputBatch
@@ -56,12 +56,10 @@ from core.worker.sampler import Sampler, SamplerOutput
 from core.worker.sampling_batch import sampling_metadata
 from kernels.linear import all_small
 from kernels.metadata import AttentionMetadata
+from kernels.settings import configure as kernels_configure
 
 logger = logging.getLogger("ringllm.runner")
 
-# Test-only fault injection: with this set to N, the N+1-th forward step raises,
-# so tests can watch a real engine die mid-request (no mocks).
-FAIL_AFTER_STEPS_ENV = "RINGLLM_FAIL_AFTER_STEPS"
 
 def resolve_device(name: str) -> torch.device:
     """The device, with an explicit index on CUDA (streams, events and memory queries want one)."""
@@ -121,19 +119,19 @@ class ModelRunner:
     emulate_gpu_paths = False
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config = config.resolve()
-        assert config.hf_config is not None and config.max_model_len is not None
-        self.hf_config = config.hf_config
+        kernels_configure(**envs.kernel_settings())  # the kernels' switches, from this process's environment
+        self.config = config
+        self.model_config = config.model_config
         self.device = resolve_device(config.device)
         if self.device.type == "cuda":
             # Triton launches on the current device, whatever the tensors' device.
             torch.cuda.set_device(self.device)
-        self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
         self.max_blocks_per_req = math.ceil(self.max_model_len / self.block_size)
         self.input_batch = InputBatch(
-            config.max_num_seqs, self.max_model_len, self.max_blocks_per_req, self.hf_config["vocab_size"],
+            config.max_num_seqs, self.max_model_len, self.max_blocks_per_req, self.model_config.vocab_size,
             self.device, processed_logprobs=config.logprobs_mode == "processed_logprobs",
         )
         self.prompt_logprobs = PromptLogprobs(self.input_batch, self.device)
@@ -156,8 +154,6 @@ class ModelRunner:
         # Set up with the KV cache, which the graphs (and the CPU step program) read in place.
         self.decode_graphs: DecodeGraphs | None = None
         self.cpu_program: CpuStepProgram | None = None
-        fail_after = os.environ.get(FAIL_AFTER_STEPS_ENV)
-        self._steps_before_failure = int(fail_after) if fail_after else None
 
     # ------------------------------------------------------------------ setup
 
@@ -166,10 +162,10 @@ class ModelRunner:
         self.model = load_model(self.config, self.device, self.dtype)
 
     def _kv_shape(self) -> tuple[int, int, int]:
-        return kv_block_shape(self.hf_config, self.block_size)
+        return self.model_config.kv_block_shape(self.block_size)
 
     def kv_bytes_per_block(self) -> int:
-        return kv_cache_bytes_per_block(self.hf_config, self.block_size, self.dtype)
+        return self.model_config.kv_bytes_per_block(self.block_size, self.dtype.itemsize)
 
     def determine_num_blocks(self) -> int:
         """Blocks for the KV cache: the override, else the memory budget.
@@ -236,7 +232,7 @@ class ModelRunner:
         logits_indices = b.logits_indices.to_device(num_reqs)
         b.copies_issued()
         scratch = torch.zeros((1, *self._kv_shape()), dtype=self.dtype, device=self.device)
-        caches = [(scratch, scratch)] * self.hf_config["num_hidden_layers"]
+        caches = [(scratch, scratch)] * self.model_config.num_layers
         hidden = self.model(input_ids, positions, caches, meta)
         logits = self.model.compute_logits(hidden[logits_indices])
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
@@ -249,7 +245,7 @@ class ModelRunner:
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
             )
-            for _ in range(self.hf_config["num_hidden_layers"])
+            for _ in range(self.model_config.num_layers)
         ]
         if self.device.type == "cpu" and not self.emulate_gpu_paths:
             self.cpu_program = CpuStepProgram.build(self.model, self.kv_caches, self.buffers, self.max_model_len)
@@ -314,10 +310,6 @@ class ModelRunner:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
-        if self._steps_before_failure is not None:
-            if self._steps_before_failure == 0:
-                raise RuntimeError(f"fault injected by {FAIL_AFTER_STEPS_ENV}")
-            self._steps_before_failure -= 1
         staged = self._stage_inputs(so)
         batch = self.input_batch
         if self.cpu_program is not None and (staged.plain_decode or self._program_takes_chunk(staged)):

@@ -8,7 +8,7 @@ cache where it lies, with no gathered copy).
 
 The source is compiled on first use with the machine's C compiler (``cc``,
 or ``$CC``) for this very CPU (``-march=native``) into a per-user cache
-(``$RINGLLM_CACHE`` or ``~/.cache/ringllm``): about half a second, once. A
+(``kernels.settings``' cache_dir, ``$RINGLLM_CACHE`` in an engine): about half a second, once. A
 cache may be shared by machines of different CPUs (a home directory on NFS,
 an image built elsewhere), and a library built for another CPU may use
 instructions this one lacks (SIGILL). So the cache is keyed by the source,
@@ -19,7 +19,7 @@ one that is not is rebuilt. It is built with OpenMP (attention of
 large batches is shared among torch's intra-op thread count; the library
 binds to the OpenMP runtime torch has loaded, so there is one thread pool),
 or serial where the compiler has no OpenMP. Without a compiler ``load()`` returns
-None, and with ``RINGLLM_CPU_KERNELS=0`` they are not used (``enabled``): the
+None, and with ``settings.cpu_kernels`` off (``RINGLLM_CPU_KERNELS=0``) they are not used: the
 callers then use the torch implementations (kernels/torch_ref.py), which
 compute the same thing.
 
@@ -42,18 +42,15 @@ from pathlib import Path
 
 import torch
 
+from kernels.settings import settings
+
 logger = logging.getLogger("ringllm.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
 # Tried in order: threaded attention, then the same code on one thread.
 OPENMP_VARIANTS = (["-fopenmp"], ["-fopenmp-simd"])
-DISABLE_ENV = "RINGLLM_CPU_KERNELS"
 
-# Prefill chunks of at most this many (query, key) pairs are attended by the C
-# kernel one query at a time; larger ones by torch's SDPA, whose per-call cost
-# only pays off on longer chunks (bench/README.md).
-ROW_PAIRS_LIMIT = int(os.environ.get("RINGLLM_CPU_PREFILL_PAIRS", str(512 * 512)))
 # For these head sizes such a chunk is attended at once (paged_prefill_attention,
 # specialised for them: vector work along the keys); for others one query at a
 # time (from 32 on, a dot product per key is long enough to be efficient).
@@ -81,13 +78,10 @@ ISA_FLAGS = (
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
-# Whether the dispatcher may use these kernels (tests and benchmarks compare both paths).
-enabled = os.environ.get(DISABLE_ENV, "1") != "0"
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("RINGLLM_CACHE") or Path.home() / ".cache" / "ringllm"
-    return Path(root) / "kernels"
+    return Path(settings.cache_dir) / "kernels"
 
 
 def native_target(compiler: str) -> str:
@@ -205,7 +199,7 @@ def load() -> ctypes.CDLL | None:
 
 def usable(*tensors: torch.Tensor) -> bool:
     """True if the C kernels are enabled and built and every tensor is a float32 CPU tensor."""
-    if not enabled or (_lib is None and load() is None):
+    if not settings.cpu_kernels or (_lib is None and load() is None):
         return False
     for t in tensors:
         if t.dtype is not torch.float32 or t.is_cuda or not t.is_cpu:

@@ -9,6 +9,7 @@ from app.llm import LLM
 from core.models.random_model import MODEL_CONFIG
 from core.protocol import SamplingParams
 
+
 def tiny_config(arch: str) -> transformers.PretrainedConfig:
     common = dict(
         vocab_size=MODEL_CONFIG["vocab_size"] + 3, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -12,7 +12,7 @@ from hypercorn.config import Config
 
 from app.async_llm import AsyncLLM
 from app.server import build_app
-from core.config import EngineConfig
+from core.config import EngineArgs
 from tests.support.waiting import wait_until
 
 MODEL = "stories"
@@ -25,7 +25,7 @@ CHAT_TEMPLATE = (
 
 def make_engine(stories_dir: str, chat_template: str | None = CHAT_TEMPLATE, **engine_args) -> AsyncLLM:
     args = {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 8, "served_model_name": MODEL, **engine_args}
-    return AsyncLLM(EngineConfig(model=stories_dir, **args), chat_template, in_process=True)
+    return AsyncLLM(EngineArgs(model=stories_dir, **args).resolve(), chat_template, in_process=True)
 
 
 @contextlib.asynccontextmanager

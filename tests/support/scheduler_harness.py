@@ -22,14 +22,15 @@ from dataclasses import dataclass, field
 
 from core.config import EngineConfig
 from core.kv.block_pool import BlockPool
+from core.model_config import ModelConfig
 from core.protocol import (
     EngineCoreEventType,
     EngineCoreOutput,
     FinishReason,
     SamplingParams,
 )
-from core.sched.output import ModelRunnerOutput, SchedulerOutput
 from core.request import Request
+from core.sched.output import ModelRunnerOutput, SchedulerOutput
 from core.sched.scheduler import Scheduler
 
 TokenFn = Callable[[str, int], int]
@@ -129,13 +130,20 @@ class Result:
     events: list[EngineCoreEventType] = field(default_factory=list)
 
 
+# The scheduler never looks at the model: a small stand-in architecture.
+NO_MODEL = ModelConfig.from_hf({
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 1024,
+})
+
+
 def make_config(**overrides) -> EngineConfig:
     """Prefix caching off unless asked: most tests here pin down exact block
     accounting, and their requests share prompts (tests/test_prefix_caching.py
     covers the scheduler with it on)."""
     values = dict(
         model="unused", max_model_len=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
-        enable_prefix_caching=False,
+        enable_prefix_caching=False, served_model_name="unused", tokenizer="unused", model_config=NO_MODEL,
     )
     values.update(overrides)
     return EngineConfig(**values)

@@ -1,0 +1,153 @@
+"""The checkpoint's architecture, read once and typed: what models, KV caches and limits are built from.
+
+``ModelConfig.from_dir`` reads a Hugging Face directory's ``config.json`` (and
+``generation_config.json`` for the end-of-sequence ids); ``from_hf`` takes
+the same dict or a transformers ``PretrainedConfig``. The Llama family
+differs only in switches, some of which the configs do not spell out
+(``ARCHITECTURES``): Qwen2's q/k/v always carry biases, Qwen3 normalises q
+and k per head. An architecture we do not serve is refused here, before
+anything is loaded.
+
+A msgspec Struct without torch: it travels inside the EngineConfig to the
+engine process, and the frontend reads it too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import msgspec
+
+# The architectures served (core/models/registry.py maps them to classes), with
+# the switches their configs leave implicit.
+ARCHITECTURES: dict[str, dict[str, bool]] = {
+    "LlamaForCausalLM": {},
+    "MistralForCausalLM": {},
+    "Qwen2ForCausalLM": {"qwen2_biases": True},
+    "Qwen3ForCausalLM": {"qk_norm": True},
+}
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    hidden_act: str
+    sliding_window: int | None
+    dtype: str | None = None  # the checkpoint's own (float32, bfloat16...), if it says
+    eos_token_ids: tuple[int, ...] = ()  # generation_config.json's, else config.json's
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike) -> ModelConfig:
+        """Read ``config.json`` (and ``generation_config.json``) of a checkpoint directory."""
+        with open(os.path.join(model_dir, "config.json")) as f:
+            hf = json.load(f)
+        eos = None
+        generation = os.path.join(model_dir, "generation_config.json")
+        if os.path.isfile(generation):
+            with open(generation) as f:
+                eos = json.load(f).get("eos_token_id")
+        return cls.from_hf(hf, eos_token_id=eos)
+
+    @classmethod
+    def from_hf(cls, hf: Any, architecture: str | None = None, eos_token_id: Any = None) -> ModelConfig:
+        """From a config.json dict or a transformers ``PretrainedConfig``; ``architecture``
+        overrides the config's ``architectures``, ``eos_token_id`` its end-of-sequence ids
+        (ValueError for an architecture or activation we do not serve)."""
+        cfg: dict[str, Any] = hf if isinstance(hf, dict) else hf.to_dict()
+        architecture = architecture or _served_architecture(cfg.get("architectures") or [])
+        switches = ARCHITECTURES[architecture]
+        qwen2_biases = switches.get("qwen2_biases", False)
+        heads = cfg["num_attention_heads"]
+        attention_bias = bool(cfg.get("attention_bias", False))
+        act = cfg.get("hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(ACTIVATIONS)}")
+        theta, scaling = _rope_settings(cfg)
+        eos = cfg.get("eos_token_id") if eos_token_id is None else eos_token_id
+        return cls(
+            architecture=architecture,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            qkv_bias=qwen2_biases or attention_bias,
+            o_bias=attention_bias and not qwen2_biases,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=switches.get("qk_norm", False),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            hidden_act=act,
+            sliding_window=_sliding_window(cfg),
+            dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+            eos_token_ids=() if eos is None else ((eos,) if isinstance(eos, int) else tuple(int(i) for i in eos)),
+        )
+
+    def kv_block_shape(self, block_size: int) -> tuple[int, int, int]:
+        """(block_size, kv_heads, head_dim): one KV-cache block of one layer, K or V."""
+        return block_size, self.num_kv_heads, self.head_dim
+
+    def kv_bytes_per_block(self, block_size: int, element_size: int) -> int:
+        """Bytes one KV-cache block takes over all layers (K and V)."""
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element_size
+
+
+def _served_architecture(listed: list[str]) -> str:
+    for arch in listed:
+        if arch in ARCHITECTURES:
+            return arch
+    raise ValueError(
+        f"unsupported model architecture {listed or '(none listed in config.json)'}; "
+        f"supported: {', '.join(ARCHITECTURES)}"
+    )
+
+
+def _rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling dict or None) from transformers-4 or -5 style keys."""
+    params = cfg.get("rope_parameters") or {}
+    legacy = cfg.get("rope_scaling") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = {**legacy, **params}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    scaling = {**scaling, "rope_type": rope_type}
+    if rope_type == "llama3":
+        scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+    return float(theta), scaling
+
+
+def _sliding_window(cfg: dict[str, Any]) -> int | None:
+    """The attention window when the checkpoint actually uses one.
+
+    Qwen configs always carry ``sliding_window`` but only use it with
+    ``use_sliding_window``; Mistral uses it whenever it is set.
+    """
+    if "use_sliding_window" in cfg and not cfg["use_sliding_window"]:
+        return None
+    return cfg.get("sliding_window")

@@ -1,0 +1,42 @@
+"""The switches of the kernels: which paths they may take, and where built code is cached.
+
+The kernels read no environment: an engine sets these from its own settings
+(core/envs.py) when its model runner is built, and tests and benchmarks that
+use the kernels directly change them here. Read at each use, so a change
+takes effect at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class KernelSettings:
+    # The C kernels (kernels/cpu) where they apply; off: torch's (kernels/torch_ref.py).
+    cpu_kernels: bool = True
+    # "torch": the reference attention on every device (to bisect a GPU mismatch); "auto" otherwise.
+    attention_backend: str = "auto"
+    # Dense float32 products on a CPU through numpy's BLAS (kernels/linear.py); off: torch's.
+    cpu_blas: bool = True
+    # oneDNN packed copies of the weights for decode batches, where they were faster.
+    cpu_prepack: bool = True
+    # Prefill chunks of at most this many (query, key) pairs are attended by the C kernels; longer
+    # ones by torch's SDPA, whose per-call cost only pays off there (bench/README.md).
+    prefill_pairs: int = 512 * 512
+    # Where compiled kernels are kept (a "kernels" folder is made in it).
+    cache_dir: Path = Path.home() / ".cache" / "ringllm"
+
+
+settings = KernelSettings()
+
+
+def configure(**changes: Any) -> None:
+    """Change some settings (unknown names raise TypeError)."""
+    known = {f.name for f in fields(KernelSettings)}
+    for name, value in changes.items():
+        if name not in known:
+            raise TypeError(f"no kernel setting {name!r}")
+        setattr(settings, name, value)
