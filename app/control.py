@@ -36,7 +36,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from app.errors import BadRequestError, ConflictError
-from app.serving import EngineClient, json_response
+from app.serving.base import EngineClient, json_response
 from core.utilities import (
     COLLECTIVE_RPC,
     IS_SCHEDULER_PAUSED,

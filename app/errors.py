@@ -7,9 +7,14 @@ through :class:`OpenAIError` (or :func:`error_body` for a mid-stream event).
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 
 import msgspec
+
+from core.protocol import EngineDeadError, EngineUnavailableError
+
+logger = logging.getLogger("ringllm.serving")
 
 
 class ErrorInfo(msgspec.Struct):
@@ -97,3 +102,15 @@ def error_body(
     message: str, type: str, status: HTTPStatus | int, param: str | None = None
 ) -> ErrorResponse:
     return ErrorResponse(ErrorInfo(message=message, type=type, param=param, code=int(status)))
+
+
+def as_openai_error(exc: BaseException) -> OpenAIError:
+    """The error to show the client for a failure during generation."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, EngineUnavailableError):
+        return ServiceUnavailableError(f"No engine can take this request now: {exc}")
+    if isinstance(exc, EngineDeadError):
+        return InternalServerError(f"The engine is dead: {exc}")
+    logger.error("request failed", exc_info=exc)
+    return InternalServerError(f"{type(exc).__name__}: {exc}")

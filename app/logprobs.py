@@ -22,14 +22,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from app.protocol import (
-    ChatLogprobs,
-    ChatTokenLogprob,
-    CompletionLogprobs,
-    PromptLogprob,
-    PromptLogprobs,
-    TopLogprob,
-)
+from app.protocol.chat import ChatLogprobs, ChatTokenLogprob, TopLogprob
+from app.protocol.common import PromptLogprob, PromptLogprobs
+from app.protocol.completions import CompletionLogprobs
 from core.protocol import LogprobsArrays
 
 # JSON has no -inf; OpenAI and vLLM report impossible tokens with this.

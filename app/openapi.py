@@ -1,11 +1,11 @@
 """The OpenAPI 3.1 document served at /openapi.json, generated from the msgspec models.
 
-The request and response structs of app/protocol.py are what the server
+The request and response structs of app/protocol/ are what the server
 decodes and encodes, so a schema made from them cannot drift from the
 server; msgspec emits JSON Schema 2020-12, which OpenAPI 3.1 uses as is.
 Clients generate code from it and fuzzers (schemathesis) drive the API
 from it. The structs carry no ranges, so the ranges the server checks
-(core/protocol.py, app/protocol.py) are written onto the generated request
+(core/protocol.py, app/protocol/) are written onto the generated request
 schemas here, with the served model names; fields the server declares only to
 refuse are left out.
 """
@@ -17,15 +17,13 @@ from typing import Any
 import msgspec
 
 from app.errors import ErrorResponse
-from app.protocol import (
-    MAX_N,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
+from app.protocol.chat import ChatCompletionRequest, ChatCompletionResponse
+from app.protocol.common import ModelList
+from app.protocol.completions import CompletionRequest, CompletionResponse
+from app.protocol.sampling import MAX_N
+from app.protocol.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelList,
     TokenizeRequest,
     TokenizeResponse,
 )

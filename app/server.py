@@ -39,18 +39,17 @@ from app.errors import (
     NotFoundError,
     OpenAIError,
     ServiceUnavailableError,
+    as_openai_error,
     error_body,
 )
 from app.limits import Admission, LimitsMiddleware, ServerLimits, ticket_of
 from app.openapi import openapi_document
-from app.protocol import VersionResponse
-from app.serving import (
-    EventStreamResponse,
-    OpenAIServing,
-    as_openai_error,
-    json_response,
-    until_disconnect,
-)
+from app.protocol.common import VersionResponse
+from app.serving.base import json_response
+from app.serving.chat import OpenAIServingChat
+from app.serving.completions import OpenAIServingCompletion
+from app.serving.sse import EventStreamResponse, until_disconnect
+from app.serving.tokenize import OpenAIServingTokenization
 from app.ui import ui_routes
 from core.utilities import GET_SCHEDULER_STATS
 
@@ -130,11 +129,14 @@ def build_app(
         engine_config = getattr(engine, "config", None)
         max_num_seqs = getattr(engine_config, "max_num_seqs", 1)
         admission = Admission(max_num_seqs, limits.max_num_waiting, limits.retry_after_s)
-    serving = OpenAIServing(
-        engine, served_model_name, max_model_len, chat_template, model_aliases,
-        enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
-        stream_stall_timeout=limits.stream_stall_timeout,
+    options = dict(
+        engine=engine, served_model_name=served_model_name, max_model_len=max_model_len,
+        chat_template=chat_template, model_aliases=model_aliases, enable_auto_tool_choice=enable_auto_tool_choice,
+        tool_call_parser=tool_call_parser, stream_stall_timeout=limits.stream_stall_timeout,
     )
+    completion = OpenAIServingCompletion(**options)
+    chat = OpenAIServingChat(**options)
+    tokenization = OpenAIServingTokenization(**options)
     expected_auth = f"Bearer {api_key}".encode() if api_key else None
 
     def openai_route(handler: Endpoint) -> Endpoint:
@@ -171,7 +173,7 @@ def build_app(
         return ticket.admit if ticket is not None else admission.check
 
     async def models(request: Request) -> Response:
-        return serving.list_models()
+        return completion.list_models()
 
     def check_awake() -> None:
         if engine.sleeping:
@@ -182,18 +184,18 @@ def build_app(
     async def completions(request: Request) -> Response:
         check_awake()
         body = await request.body()
-        return await _cancel_on_disconnect(request, serving.create_completion(body, admit_for(request)))
+        return await _cancel_on_disconnect(request, completion.create_completion(body, admit_for(request)))
 
     async def chat_completions(request: Request) -> Response:
         check_awake()
         body = await request.body()
-        return await _cancel_on_disconnect(request, serving.create_chat_completion(body, admit_for(request)))
+        return await _cancel_on_disconnect(request, chat.create_chat_completion(body, admit_for(request)))
 
     async def tokenize(request: Request) -> Response:
-        return serving.tokenize(await request.body())
+        return tokenization.tokenize(await request.body())
 
     async def detokenize(request: Request) -> Response:
-        return serving.detokenize(await request.body())
+        return tokenization.detokenize(await request.body())
 
     openapi: list[bytes] = []  # built on first use: start-up does not pay for it
 

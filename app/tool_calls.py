@@ -23,7 +23,7 @@ import re
 import uuid
 from typing import Any
 
-from app.protocol import (
+from app.protocol.chat import (
     ChatCompletionRequest,
     DeltaFunctionCall,
     DeltaToolCall,

@@ -17,7 +17,8 @@ import openai
 import pytest
 import torch
 
-from app.protocol import ChatCompletionRequest, CompletionRequest
+from app.protocol.chat import ChatCompletionRequest
+from app.protocol.completions import CompletionRequest
 from tests.support.http import MODEL, assert_openai_error, make_engine, running_server
 from tests.support.oracle import ATOL, check_entry, hf_logprobs, load_hf
 

@@ -13,7 +13,7 @@ import msgspec
 import openai
 import pytest
 
-from app.protocol import ChatCompletionRequest
+from app.protocol.chat import ChatCompletionRequest
 from app.tool_calls import (
     HermesStream,
     RequiredCallStream,
