@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kernels import cpu
+from kernels.cpu import library
 from kernels.settings import settings
 
 COMPILER = shutil.which("cc") or shutil.which("gcc")
@@ -22,7 +23,7 @@ GCC_SWITCH = {
     "avx512bw": "-mavx512bw", "avx512f": "-mavx512f",
 }
 
-pytestmark = pytest.mark.skipif(COMPILER is None or cpu.cpu_flags() is None, reason="needs cc and /proc/cpuinfo")
+pytestmark = pytest.mark.skipif(COMPILER is None or library.cpu_flags() is None, reason="needs cc and /proc/cpuinfo")
 
 
 def _reported(path: Path, tmp_path: Path) -> list[str]:
@@ -30,27 +31,27 @@ def _reported(path: Path, tmp_path: Path) -> list[str]:
     the dynamic loader hands back an already loaded library for a name it knows)."""
     copy = tmp_path / f"check-{len(list(tmp_path.glob('check-*')))}.so"
     shutil.copy(path, copy)
-    return cpu.missing_extensions(ctypes.CDLL(str(copy)))
+    return library.missing_extensions(ctypes.CDLL(str(copy)))
 
 
 def test_the_cache_key_follows_the_cpu() -> None:
     flags = [*cpu.FLAGS, *cpu.OPENMP_VARIANTS[0]]
-    here = cpu.native_target(COMPILER)
+    here = library.native_target(COMPILER)
     assert "march=" in here or "target-cpu" in here  # gcc's or clang's expansion of -march=native
-    assert cpu.native_target(COMPILER) == here  # stable: no temporary names in it
-    assert cpu.library_path(COMPILER, flags, here) != cpu.library_path(COMPILER, flags, here + " -mno-avx2")
+    assert library.native_target(COMPILER) == here  # stable: no temporary names in it
+    assert cpu.LIBRARY.path(COMPILER, flags, here) != cpu.LIBRARY.path(COMPILER, flags, here + " -mno-avx2")
 
 
 def test_a_cached_library_that_needs_an_extension_this_cpu_lacks_is_rebuilt(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    flags_here = cpu.cpu_flags() or set()
-    lacking = next((f for f in cpu.ISA_FLAGS if f in GCC_SWITCH and f not in flags_here), None)
+    flags_here = library.cpu_flags() or set()
+    lacking = next((f for f in library.ISA_FLAGS if f in GCC_SWITCH and f not in flags_here), None)
     if lacking is None:
         pytest.skip("this CPU has every extension the forged library could claim")
     monkeypatch.setattr(settings, "cache_dir", tmp_path / "cache")
     flags = [*cpu.FLAGS, *cpu.OPENMP_VARIANTS[0]]
-    target = cpu.library_path(COMPILER, flags, cpu.native_target(COMPILER))
+    target = cpu.LIBRARY.path(COMPILER, flags, library.native_target(COMPILER))
     target.parent.mkdir(parents=True)
     # The forged entry: this very source, built for a CPU with one more extension, stored
     # where this machine looks for its own build.
@@ -60,8 +61,21 @@ def test_a_cached_library_that_needs_an_extension_this_cpu_lacks_is_rebuilt(
     assert _reported(target, tmp_path) == [lacking]
 
     with caplog.at_level(logging.WARNING, logger="ringllm.kernels"):
-        lib = cpu._open(COMPILER, flags)
-    assert cpu.missing_extensions(lib) == []
+        lib = cpu.LIBRARY.open(COMPILER, flags)
+    assert library.missing_extensions(lib) == []
     assert _reported(target, tmp_path) == []  # the entry now holds this CPU's build
-    assert f"use {lacking}, which this CPU lacks: rebuilding" in caplog.text
+    assert f"uses {lacking}, which this CPU lacks: rebuilding it" in caplog.text
     assert [p.name for p in target.parent.iterdir()] == [target.name]  # no temporary left behind
+
+
+def test_the_ctypes_signatures_come_from_the_c_prototypes() -> None:
+    """Each exported kernel is declared once, in C: its prototype types the ctypes call."""
+    declared = library.declared_functions(cpu.SOURCE.read_text())
+    assert {"rms_norm", "paged_decode_attention", "paged_prefill_attention", "padded_keys", "built_isa"} <= set(declared)
+    assert declared["silu_mul"] == (None, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p])
+    assert declared["padded_keys"] == (ctypes.c_int64, [ctypes.c_int64])
+    lib = cpu.load()
+    assert lib is not None and lib.paged_prefill_attention.argtypes[11] is ctypes.c_float  # scale
+    assert [cpu.padded_keys(n) for n in (1, 8, 9)] == [8, 8, 16]
+    with pytest.raises(AttributeError):  # nothing but the API is exported
+        lib.rms_norm_row

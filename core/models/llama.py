@@ -16,6 +16,7 @@ few calls per step (core/models/layers.py says why).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +85,36 @@ class MLP(Module):
         return self.down_proj(self.act(gate_up[:, :size]) * gate_up[:, size:])
 
 
+@dataclass(frozen=True)
+class LayerParts:
+    """One decoder layer's weights in the order its forward pass uses them: input norm,
+    fused q/k/v (then per-head q and k norms, if any; rotary; KV write; attention),
+    output projection, the residual add fused with the post-attention norm, fused
+    gate/up, the activation, down projection. What the CPU step program runs."""
+
+    input_norm: torch.Tensor
+    qkv: Linear
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
+@dataclass(frozen=True)
+class DecoderParts:
+    """The whole model as the CPU step program runs it (core/worker/cpu_program.py):
+    described here, by the model, so that the two never disagree on what a layer is."""
+
+    config: ModelConfig
+    embedding: torch.Tensor
+    rotary: RotaryEmbedding
+    layers: list[LayerParts]
+    final_norm: torch.Tensor
+    lm_head: Linear
+
+
 class DecoderLayer(Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -91,6 +122,16 @@ class DecoderLayer(Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+
+    def parts(self) -> LayerParts:
+        attn, mlp = self.self_attn, self.mlp
+        return LayerParts(
+            input_norm=self.input_layernorm.weight, qkv=attn.qkv_proj,
+            q_norm=None if attn.q_norm is None else attn.q_norm.weight,
+            k_norm=None if attn.k_norm is None else attn.k_norm.weight,
+            o=attn.o_proj, post_norm=self.post_attention_layernorm.weight,
+            gate_up=mlp.gate_up_proj, down=mlp.down_proj,
+        )
 
     def forward(
         self,
@@ -160,6 +201,14 @@ class LlamaForCausalLM(nn.Module):
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
+
+    def parts(self) -> DecoderParts:
+        """The model described for the CPU step program (the same tensors the forward pass uses)."""
+        model = self.model
+        return DecoderParts(
+            config=self.config, embedding=model.embed_tokens.weight, rotary=model.rotary,
+            layers=[layer.parts() for layer in model.layers], final_norm=model.norm.weight, lm_head=self.lm_head,
+        )
 
     def prepare_for_inference(self) -> None:
         """Call once the weights are in place (and again if they are replaced):

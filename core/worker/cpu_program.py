@@ -15,10 +15,12 @@ request that arrived at an idle engine). Its results are those of
 attention kernel chosen as the dispatcher in kernels/ chooses it
 (tests/test_cpu_program.py checks the logits bit for bit).
 
-It covers the Llama-family layers (biases and Qwen3's per-head q/k norms
-included) with silu, in float32 with the C kernels available;
-``CpuStepProgram.build`` returns None otherwise, and the runner keeps calling
-the model, as it does for every other step.
+The model describes what it is made of (``parts()``, core/models/llama.py:
+each layer's weights in the order its forward pass uses them), so the program
+names no attribute of the model's modules. It covers the Llama-family layers
+(biases and Qwen3's per-head q/k norms included) with silu, in float32 with
+the C kernels available; ``CpuStepProgram.build`` returns None otherwise, and
+the runner keeps calling the model, as it does for every other step.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from core.models.llama import DecoderParts, LayerParts
 from core.worker.input_buffers import InputBuffers
 from kernels import cpu
 from kernels.settings import settings
@@ -38,18 +41,16 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 
 class _Layer:
-    """One decoder layer's weights as numpy views and raw pointers."""
+    """One decoder layer's parts as raw pointers, with its KV caches."""
 
-    def __init__(self, layer: torch.nn.Module, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
-        attn, mlp = layer.self_attn, layer.mlp
-        self.norm1 = layer.input_layernorm.weight.data_ptr()
-        self.norm2 = layer.post_attention_layernorm.weight.data_ptr()
+    def __init__(self, parts: LayerParts, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.norm1 = parts.input_norm.data_ptr()
+        self.norm2 = parts.post_norm.data_ptr()
         # The dense layers, whose ``cpu_weight`` the products use: the forward pass's own
         # (same products, same bits), looked up at each step since a weight reload replaces it.
-        self.qkv, self.o = attn.qkv_proj, attn.o_proj
-        self.gate_up, self.down = mlp.gate_up_proj, mlp.down_proj
-        self.q_norm = attn.q_norm.weight.data_ptr() if attn.q_norm is not None else None
-        self.k_norm = attn.k_norm.weight.data_ptr() if attn.k_norm is not None else None
+        self.qkv, self.o, self.gate_up, self.down = parts.qkv, parts.o, parts.gate_up, parts.down
+        self.q_norm = parts.q_norm.data_ptr() if parts.q_norm is not None else None
+        self.k_norm = parts.k_norm.data_ptr() if parts.k_norm is not None else None
         self.k_cache, self.v_cache = (c.data_ptr() for c in kv_cache)
 
 
@@ -62,20 +63,22 @@ class CpuStepProgram:
         cls, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], buffers: InputBuffers,
         max_model_len: int,
     ) -> CpuStepProgram | None:
-        cfg = getattr(model, "config", None)
-        weight = model.get_input_embeddings().weight
+        describe = getattr(model, "parts", None)
+        if describe is None or not kv_caches:
+            return None
+        parts: DecoderParts = describe()
         if (
-            cfg is None or not kv_caches or not cpu.usable(weight, kv_caches[0][0]) or cfg.hidden_act != "silu"
-            or getattr(model.lm_head, "cpu_weight", None) is None  # products through torch (settings.cpu_blas off)
+            not cpu.usable(parts.embedding, kv_caches[0][0]) or parts.config.hidden_act != "silu"
+            or parts.lm_head.cpu_weight is None  # products through torch (settings.cpu_blas off)
         ):
             return None
-        return cls(model, kv_caches, buffers, max_model_len)
+        return cls(parts, kv_caches, buffers, max_model_len)
 
     def __init__(
-        self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], buffers: InputBuffers,
+        self, parts: DecoderParts, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], buffers: InputBuffers,
         max_model_len: int,
     ) -> None:
-        cfg = model.config
+        cfg = parts.config
         self.lib = cpu.load()
         self.buffers = buffers
         self.hidden_size = cfg.hidden_size
@@ -84,18 +87,18 @@ class CpuStepProgram:
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.head_dim**-0.5
         self.block_size = kv_caches[0][0].shape[1]
-        self.embedding = _np(model.get_input_embeddings().weight)
-        self.lm_head = model.lm_head
-        self.final_norm = model.model.norm.weight.data_ptr()
-        self.cos, self.sin = (t.data_ptr() for t in model.model.rotary.tables(torch.device("cpu"), torch.float32))
-        self._tables = model.model.rotary.tables(torch.device("cpu"), torch.float32)  # keeps them alive
-        self.layers = [_Layer(layer, kv) for layer, kv in zip(model.model.layers, kv_caches, strict=True)]
+        self.embedding = _np(parts.embedding)
+        self.lm_head = parts.lm_head
+        self.final_norm = parts.final_norm.data_ptr()
+        self._tables = parts.rotary.tables(torch.device("cpu"), torch.float32)  # kept alive here
+        self.cos, self.sin = (t.data_ptr() for t in self._tables)
+        self.layers = [_Layer(layer, kv) for layer, kv in zip(parts.layers, kv_caches, strict=True)]
         self.qkv_width = (self.heads + 2 * self.kv_heads) * self.head_dim
-        self.logits = np.zeros((buffers.max_num_reqs, model.lm_head.weight.shape[0]), np.float32)
+        self.logits = np.zeros((buffers.max_num_reqs, cfg.vocab_size), np.float32)
         self._logits_t: dict[int, torch.Tensor] = {}
         self.threads = torch.get_num_threads()  # attention of large batches is shared among them
         # Per thread: a decode's scores for every head, or a chunk's scores for one head (padded keys).
-        self.scratch_stride = max(self.heads * max_model_len, -(-max_model_len // cpu.VECTOR_LANES) * cpu.VECTOR_LANES)
+        self.scratch_stride = max(self.heads * max_model_len, cpu.padded_keys(max_model_len))
         self.scratch = np.zeros(self.threads * self.scratch_stride, np.float32)
         self.seq_lens = np.zeros(buffers.max_num_reqs, np.int64)
         self._table_stride = buffers.block_tables.np.shape[1]
@@ -184,9 +187,9 @@ class CpuStepProgram:
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         qkv_p, attn_p, width, out_stride = p["qkv"], p["attn"], self.qkv_width, heads * head_dim
         if self._chunk_kernel:
-            stride = -(-seq_len // cpu.VECTOR_LANES) * cpu.VECTOR_LANES
-            if self._kv_scratch.size < 2 * kv_heads * head_dim * stride:
-                self._kv_scratch = np.zeros(2 * kv_heads * head_dim * stride, np.float32)
+            kv_floats, _ = cpu.prefill_scratch(seq_len, kv_heads, head_dim, threads)
+            if self._kv_scratch.size < kv_floats:
+                self._kv_scratch = np.zeros(kv_floats, np.float32)
             kv_p, table_p = self._kv_scratch.ctypes.data, p["tables"]
 
             def attend(layer: _Layer) -> None:

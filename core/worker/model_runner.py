@@ -99,17 +99,13 @@ class _Staged:
 
 @dataclass
 class _StepInputs:
-    """One step's inputs on the device, plus the host values the rest of the step needs."""
+    """One step's inputs on the device (the forward pass's; its layout is the _Staged's)."""
 
-    req_ids: list[str]
-    rows: np.ndarray  # persistent-batch row of each scheduled request
-    seq_lens: np.ndarray  # context length of each request after this step
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     inputs_embeds: torch.Tensor | None
-    sample: np.ndarray  # indices into req_ids of the requests that sample a token
-    logits_indices: torch.Tensor | None  # hidden-state row of each of those
+    logits_indices: torch.Tensor | None  # hidden-state row of each request that samples
     decode_size: int | None  # padded batch size of a decode-only step, None otherwise
 
 
@@ -311,22 +307,30 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         staged = self._stage_inputs(so)
+        logits = self._logits(staged)
         batch = self.input_batch
-        if self.cpu_program is not None and (staged.plain_decode or self._program_takes_chunk(staged)):
-            # On a CPU, a decode step or a lone prefill chunk: the prepared kernel sequence, logits included.
-            batch.num_computed_tokens[staged.rows] = staged.seq_lens
-            if staged.plain_decode:
-                logits = self.cpu_program.run(len(staged.req_ids))
-            else:
-                logits = self.cpu_program.run_chunk(staged.total, sample=staged.sample.size > 0)
-                if logits is None:  # the chunk ends inside the prompt
-                    return ModelRunnerOutput(req_ids=staged.req_ids, req_id_to_index={staged.req_ids[0]: 0},
-                                             sampled_token_ids=[[]])
-            if so.grammar_bitmask is not None:
-                self._apply_grammar(so, staged.req_ids, staged.sample, logits)
-            sample_rows = staged.rows[staged.sample]
-            metadata = batch.sampling.metadata(sample_rows, batch.num_tokens, batch.token_ids)
-            return self._sampled_output(staged, sample_rows, self.sampler(logits, metadata))
+        batch.num_computed_tokens[staged.rows] = staged.seq_lens
+        if logits is None:  # every chunk ends inside its prompt: nothing to sample
+            return ModelRunnerOutput(
+                req_ids=staged.req_ids,
+                req_id_to_index={r: i for i, r in enumerate(staged.req_ids)},
+                sampled_token_ids=[[] for _ in staged.req_ids],
+            )
+        if so.grammar_bitmask is not None:
+            self._apply_grammar(so, staged.req_ids, staged.sample, logits)
+        sample_rows = staged.rows[staged.sample]
+        metadata = batch.sampling.metadata(sample_rows, batch.num_tokens, batch.token_ids)
+        return self._sampled_output(staged, sample_rows, self.sampler(logits, metadata))
+
+    def _logits(self, staged: _Staged) -> torch.Tensor | None:
+        """The logits of the rows that sample (None when none does): on a CPU, a decode
+        step or a lone prefill chunk runs the prepared kernel sequence; every other step
+        the model's forward pass (with CUDA graphs for padded decode batches)."""
+        program = self.cpu_program
+        if program is not None and staged.plain_decode:
+            return program.run(len(staged.req_ids))
+        if program is not None and self._program_takes_chunk(staged):
+            return program.run_chunk(staged.total, sample=staged.sample.size > 0)
         step = self._device_inputs(staged)
         if step.decode_size is not None:
             assert self.decode_graphs is not None
@@ -336,21 +340,11 @@ class ModelRunner:
             hidden = self.model(
                 step.input_ids, step.positions, self.kv_caches, step.meta, inputs_embeds=step.inputs_embeds
             )
-        if batch.sampling.num_rows_with["prompt_logprobs"]:
+        if self.input_batch.sampling.num_rows_with["prompt_logprobs"]:
             self.prompt_logprobs.collect(staged, hidden, self.model.compute_logits)
-        batch.num_computed_tokens[step.rows] = step.seq_lens
         if step.logits_indices is None:
-            return ModelRunnerOutput(
-                req_ids=step.req_ids,
-                req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
-                sampled_token_ids=[[] for _ in step.req_ids],
-            )
-        logits = self.model.compute_logits(hidden[step.logits_indices])
-        if so.grammar_bitmask is not None:
-            self._apply_grammar(so, step.req_ids, step.sample, logits)
-        sample_rows = step.rows[step.sample]
-        metadata = batch.sampling.metadata(sample_rows, batch.num_tokens, batch.token_ids)
-        return self._sampled_output(step, sample_rows, self.sampler(logits, metadata))
+            return None
+        return self.model.compute_logits(hidden[step.logits_indices])
 
     def products_are_small(self) -> bool:
         """Whether every dense product of the model goes through numpy's BLAS with a
@@ -390,7 +384,7 @@ class ModelRunner:
         return self.model(b.input_ids.device[:size], b.positions.device[:size], self.kv_caches, meta)
 
     def _sampled_output(
-        self, step: _Staged | _StepInputs, sample_rows: np.ndarray, out: SamplerOutput
+        self, step: _Staged, sample_rows: np.ndarray, out: SamplerOutput
     ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         """Append the sampled tokens to the persistent batch and report them,
         with the logprobs their requests asked for.
@@ -440,7 +434,7 @@ class ModelRunner:
             extras = lambda: (*logprobs(), prompt_logprobs)  # noqa: E731 - read on the engine thread
         return AsyncModelRunnerOutput(req_ids, step.sample.tolist(), tokens, extras)
 
-    def _logprobs_rows(self, step: _Staged | _StepInputs, sample_rows: np.ndarray) -> list[int]:
+    def _logprobs_rows(self, step: _Staged, sample_rows: np.ndarray) -> list[int]:
         """Row of the sampler's logprobs of each scheduled request (-1: it asked for none)."""
         rows = np.full(len(step.req_ids), -1, np.int64)
         asked = np.flatnonzero(self.input_batch.sampling.num_logprobs[sample_rows] >= 0)
@@ -512,14 +506,10 @@ class ModelRunner:
             self._fill_deferred_inputs(input_ids, st.req_ids, st.computed, st.counts, st.starts)
         b.copies_issued()
         return _StepInputs(
-            req_ids=st.req_ids,
-            rows=st.rows,
-            seq_lens=st.seq_lens,
             input_ids=input_ids,
             positions=positions_t,
             meta=meta,
             inputs_embeds=self._inputs_embeds(input_ids, st.embeds_rows, st.computed, st.counts, st.starts),
-            sample=st.sample,
             logits_indices=logits_indices,
             decode_size=st.decode_size,
         )

@@ -12,6 +12,11 @@
  *
  * All tensors are float32 (caches included) and all indices int64 unless
  * noted; "stride" means elements between consecutive rows.
+ *
+ * The functions marked API are the library's interface, and their prototypes
+ * here are the only declaration of it: kernels/cpu/__init__.py reads them
+ * from this file to type the ctypes calls (pointers, int64_t, float). The
+ * library is built with -fvisibility=hidden, so nothing else is exported.
  */
 
 #include <math.h>
@@ -31,6 +36,7 @@
 typedef float vfloat __attribute__((vector_size(32)));
 typedef int32_t vint __attribute__((vector_size(32)));
 #define VLANES 8
+#define API __attribute__((visibility("default")))
 
 #define EXP_BODY(T, TI, x, out)                                                      \
     do {                                                                             \
@@ -96,7 +102,7 @@ static void rms_norm_row(const float *x, const float *w, float *out, int64_t n, 
 
 /* out = w * x / sqrt(mean(x^2) + eps) over rows of n: `outer` groups of `inner`
  * rows (row (a, b) at x + a*outer_stride + b*inner_stride); out is contiguous. */
-void rms_norm(const float *x, int64_t outer, int64_t outer_stride, int64_t inner, int64_t inner_stride,
+API void rms_norm(const float *x, int64_t outer, int64_t outer_stride, int64_t inner, int64_t inner_stride,
               const float *w, float *out, int64_t n, float eps) {
     for (int64_t a = 0; a < outer; a++)
         for (int64_t b = 0; b < inner; b++)
@@ -105,7 +111,7 @@ void rms_norm(const float *x, int64_t outer, int64_t outer_stride, int64_t inner
 
 /* residual += x, then out = rms_norm(residual): the residual add fused with
  * the next layer norm (residual, x and out are contiguous [rows, n]). */
-void add_rms_norm(const float *x, float *residual, const float *w, float *out, int64_t rows, int64_t n,
+API void add_rms_norm(const float *x, float *residual, const float *w, float *out, int64_t rows, int64_t n,
                   float eps) {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * n;
@@ -118,7 +124,7 @@ void add_rms_norm(const float *x, float *residual, const float *w, float *out, i
 /* Rotate, in place, the first `heads` heads of each token's row of qkv by the
  * token's position: x*cos + roll(x, half)*sin_signed, where sin_signed has its
  * first half negated (that is x*cos + rotate_half(x)*sin, term by term). */
-void rotary(float *qkv, int64_t tokens, int64_t tok_stride, int64_t heads, int64_t head_dim,
+API void rotary(float *qkv, int64_t tokens, int64_t tok_stride, int64_t heads, int64_t head_dim,
             const float *cos_table, const float *sin_table, const int64_t *positions) {
     int64_t half = head_dim / 2;
     float tmp[1024];
@@ -144,7 +150,7 @@ void rotary(float *qkv, int64_t tokens, int64_t tok_stride, int64_t heads, int64
 
 /* Copy each token's key and value (contiguous rows of `row` floats, one per
  * token at the given strides) to its cache slot; a negative slot is padding. */
-void write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t tokens, int64_t row,
+API void write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t tokens, int64_t row,
               float *k_cache, float *v_cache, const int64_t *slots) {
     for (int64_t t = 0; t < tokens; t++) {
         int64_t slot = slots[t];
@@ -155,7 +161,7 @@ void write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride
 }
 
 /* out[r, i] = silu(gate[r, i]) * up[r, i], gate_up = [gate | up] rows of 2*n. */
-void silu_mul(const float *gate_up, int64_t rows, int64_t n, float *out) {
+API void silu_mul(const float *gate_up, int64_t rows, int64_t n, float *out) {
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gate_up + r * 2 * n;
         const float *u = g + n;
@@ -258,7 +264,7 @@ static inline float *thread_scratch(float *base, int64_t stride) {
  * scratch + i*scratch_stride, which holds at least heads * max(seq_lens)
  * floats.
  */
-void paged_decode_attention(const float *q, int64_t q_stride, const int64_t *q_rows, int64_t num_decodes,
+API void paged_decode_attention(const float *q, int64_t q_stride, const int64_t *q_rows, int64_t num_decodes,
                             int64_t heads, int64_t kv_heads, int64_t head_dim, const float *k_cache,
                             const float *v_cache, int64_t block_size, const int32_t *block_tables,
                             int64_t table_stride, const int64_t *tables, const int64_t *seq_lens, float scale,
@@ -297,6 +303,10 @@ static inline vfloat vload(const float *p) {
 }
 
 static inline void vstore(float *p, vfloat v) { memcpy(p, &v, sizeof v); }
+
+/* The prefill kernel's key count for a context of n keys: whole vectors, the
+ * padding zeroed. Callers size its scratch with it (kernels/cpu/__init__.py). */
+API int64_t padded_keys(int64_t n) { return (n + VLANES - 1) / VLANES * VLANES; }
 
 static inline vfloat vblend(vint mask, vfloat a, vfloat b) {
     return (vfloat)(((vint)a & mask) | ((vint)b & ~mask));
@@ -358,7 +368,7 @@ static inline __attribute__((always_inline)) void prefill_query_head(
  * seq_len - n + i and attends to the request's cached tokens 0 .. its own
  * position; its output goes to out + i*out_stride. The request's first
  * seq_len keys and values are first copied transposed, per KV head
- * [head_dim][stride] with stride = seq_len rounded up to VLANES (zeros after
+ * [head_dim][stride] with stride = padded_keys(seq_len) (zeros after
  * the last key), into kv_scratch (2 * kv_heads * head_dim * stride floats): all
  * n queries read them, and a query's scores and its output are then vector
  * operations along the keys instead of one short dot product per key (which
@@ -368,13 +378,13 @@ static inline __attribute__((always_inline)) void prefill_query_head(
  * this file, multiply-adds may fuse here: attention agrees with torch's to
  * rounding either way, and fused it is faster.
  */
-__attribute__((optimize("fp-contract=fast"))) void paged_prefill_attention(
+API __attribute__((optimize("fp-contract=fast"))) void paged_prefill_attention(
     const float *q, int64_t q_stride, int64_t n, int64_t heads, int64_t kv_heads, int64_t head_dim,
     const float *k_cache, const float *v_cache, int64_t block_size, const int32_t *table, int64_t seq_len, float scale,
     float *out, int64_t out_stride, float *kv_scratch, float *score_scratch, int64_t threads) {
     int64_t group = heads / kv_heads;
     int64_t kv_row = kv_heads * head_dim;
-    int64_t stride = (seq_len + VLANES - 1) / VLANES * VLANES;
+    int64_t stride = padded_keys(seq_len);
     float *kt = kv_scratch;
     float *vt = kv_scratch + kv_row * stride;
     for (int64_t j0 = 0, b = 0; j0 < seq_len; j0 += block_size, b++) {
@@ -416,7 +426,7 @@ __attribute__((optimize("fp-contract=fast"))) void paged_prefill_attention(
  * kernels/cpu/__init__.py, which refuses a library that needs one the CPU lacks
  * (a cache shared by machines of different CPUs). It returns a constant, so
  * calling it runs no vector instruction on any x86-64. */
-uint64_t built_isa(void) {
+API uint64_t built_isa(void) {
     uint64_t bits = 0;
 #ifdef __AVX__
     bits |= 1ull << 0;
