@@ -87,3 +87,18 @@ def server_factory(tmp_path: Path) -> Iterator:
     yield make
     for server in servers:
         stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def module_server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """``server_factory`` for servers shared by a whole test module (its ``server`` fixture)."""
+    servers: list[Server] = []
+
+    def make(args: list[str]) -> Server:
+        server = start_server(args, tmp_path_factory.mktemp("server") / "server.log")
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        stop_server(server)

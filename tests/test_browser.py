@@ -19,7 +19,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
@@ -71,10 +70,6 @@ def browser(tmp_path: Path) -> Iterator[WebDriver]:
         yield driver
     finally:
         driver.quit()
-
-
-def engine_stats(base_url: str) -> dict:
-    return httpx.get(base_url + "/engine/stats", timeout=10).json()
 
 
 def set_field(driver: WebDriver, element_id: str, value: str) -> None:
@@ -143,17 +138,17 @@ def test_chat_page_streams_and_stop_aborts_in_the_engine(server_factory, browser
     first = wait_for(lambda: len(streamed_text()) > len("Once upon a time") + 10 and streamed_text(), "streamed text")
     wait_for(lambda: len(streamed_text()) > len(first), "more streamed text")
     assert answer_state(browser, selector) == "streaming"
-    assert engine_stats(server.base_url)["num_running_reqs"] == 1
+    assert server.engine_stats()["num_running_reqs"] == 1
     browser.find_element(By.ID, "stop").click()
     wait_for(lambda: answer_state(browser, selector) == "stopped", "the page to show the stop")
 
     # The engine dropped the request: nothing runs or waits, and no step runs any more.
     stats = wait_for(
-        lambda: (s := engine_stats(server.base_url))["num_running_reqs"] == 0 and s["num_waiting_reqs"] == 0 and s,
+        lambda: (s := server.engine_stats())["num_running_reqs"] == 0 and s["num_waiting_reqs"] == 0 and s,
         "the engine to abort the request",
     )
     time.sleep(0.5)
-    assert engine_stats(server.base_url)["step_counter"] == stats["step_counter"] < LONG_MAX_TOKENS
+    assert server.engine_stats()["step_counter"] == stats["step_counter"] < LONG_MAX_TOKENS
     line = last(browser, selector).find_element(By.CSS_SELECTOR, ".stats").text
     assert "stopped" in line, line
     generated = int(line.split(" tokens")[0].lstrip("≈"))

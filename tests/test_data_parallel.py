@@ -28,12 +28,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def dp2(tmp_path_factory: pytest.TempPathFactory):
-    from tests.support.servers import start_server, stop_server
-
-    srv = start_server(["-dp", "2"], tmp_path_factory.mktemp("dp2") / "server.log")
-    yield srv
-    stop_server(srv)
+def dp2(module_server_factory):
+    return module_server_factory(["-dp", "2"])
 
 
 def _client(server) -> openai.AsyncOpenAI:
@@ -125,10 +121,6 @@ def test_data_parallel_rank_pins_the_engine(dp2) -> None:
     assert bad.value.body["param"] == "data_parallel_rank"
 
 
-def _engine_stats(server) -> list[dict]:
-    return httpx.get(server.base_url + "/engine/stats", timeout=10).json()["engines"]
-
-
 def _open_stream(base: str, body: dict, first_token: bool) -> tuple[httpx.Client, httpx.Response, Iterator[str]]:
     """A stream left open; with ``first_token``, read up to its first event. The line
     iterator is returned with it: dropping it would close the connection."""
@@ -154,15 +146,15 @@ def test_an_abort_reaches_the_engine_that_owns_the_request(dp2) -> None:
             "temperature": 1.0, "stream": True, "data_parallel_rank": 1}
 
     def engine1_empty() -> bool:
-        stats = _engine_stats(dp2)[1]
+        stats = dp2.engine_stats()["engines"][1]
         return stats["num_running_reqs"] == stats["num_waiting_reqs"] == 0 and stats["kv_cache_usage"] == 0
 
     # Held by a pause: they wait in engine 1 until their clients leave.
     assert httpx.post(base + "/pause", params={"mode": "keep"}, timeout=10).status_code == 200
     try:
         held = [_open_stream(base, body, first_token=False) for _ in range(3)]
-        wait_for(lambda: _engine_stats(dp2)[1]["num_waiting_reqs"] == 3, "3 requests held in engine 1")
-        assert _engine_stats(dp2)[0]["num_waiting_reqs"] == 0
+        wait_for(lambda: dp2.engine_stats()["engines"][1]["num_waiting_reqs"] == 3, "3 requests held in engine 1")
+        assert dp2.engine_stats()["engines"][0]["num_waiting_reqs"] == 0
         _close(held)
         wait_for(engine1_empty, "engine 1 to drop the held requests")
     finally:
@@ -173,7 +165,7 @@ def test_an_abort_reaches_the_engine_that_owns_the_request(dp2) -> None:
     running = [_open_stream(base, {**body, "n": 48}, first_token=True)]
     assert httpx.post(base + "/pause", params={"mode": "keep"}, timeout=10).status_code == 200
     try:
-        engine1 = _engine_stats(dp2)[1]
+        engine1 = dp2.engine_stats()["engines"][1]
         assert engine1["num_running_reqs"] >= 1 and engine1["kv_cache_usage"] > 0, engine1
         _close(running)
         wait_for(engine1_empty, "engine 1 to drop the running requests and free their KV blocks")

@@ -19,16 +19,8 @@ STORY = ", there was a little girl named Lily. She loved to play outside in the 
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    from tests.support.servers import start_server, stop_server
-
-    srv = start_server(["--seed", "0"], tmp_path_factory.mktemp("default") / "server.log")
-    yield srv
-    stop_server(srv)
-
-
-def client_for(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+def server(module_server_factory):
+    return module_server_factory(["--seed", "0"])
 
 
 def transformers_greedy(prompt: str, max_new_tokens: int) -> tuple[str, int]:
@@ -46,7 +38,7 @@ def transformers_greedy(prompt: str, max_new_tokens: int) -> tuple[str, int]:
 
 
 def test_models_lists_stories260k_and_the_old_name_still_works(server) -> None:
-    client = client_for(server)
+    client = server.openai()
     assert [m.id for m in client.models.list().data] == ["stories260K"]
     response = client.completions.create(model="ringllm-default", prompt=PROMPT, max_tokens=4, temperature=0)
     assert response.model == "stories260K" and response.choices[0].text
@@ -55,7 +47,7 @@ def test_models_lists_stories260k_and_the_old_name_still_works(server) -> None:
 
 
 def test_greedy_completion_equals_transformers(server) -> None:
-    response = client_for(server).completions.create(
+    response = server.openai().completions.create(
         model="stories260K", prompt=PROMPT, max_tokens=64, temperature=0
     )
     want_text, want_tokens = transformers_greedy(PROMPT, 64)
@@ -65,7 +57,7 @@ def test_greedy_completion_equals_transformers(server) -> None:
 
 
 def test_streamed_chat_arrives_in_many_chunks_of_readable_text(server) -> None:
-    stream = client_for(server).chat.completions.create(
+    stream = server.openai().chat.completions.create(
         model="stories260K", messages=[{"role": "user", "content": "Hello! Do you want to play with me?"}],
         stream=True, temperature=0, max_tokens=100,
     )
@@ -80,7 +72,7 @@ def test_streamed_chat_arrives_in_many_chunks_of_readable_text(server) -> None:
     # Streamed, not sent whole: deltas are merged by design while the engine is
     # ahead of the stream, and a short reply takes a few milliseconds, so the
     # count is taken over a reply long enough to span many of the frontend's turns.
-    long = client_for(server).chat.completions.create(
+    long = server.openai().chat.completions.create(
         model="stories260K", messages=[{"role": "user", "content": "Hello! Do you want to play with me?"}],
         stream=True, temperature=0, max_tokens=400, extra_body={"ignore_eos": True},
     )
@@ -90,7 +82,7 @@ def test_streamed_chat_arrives_in_many_chunks_of_readable_text(server) -> None:
 
 
 def test_chat_turn_stops_come_from_the_model_directory(server) -> None:
-    client = client_for(server)
+    client = server.openai()
     messages = [{"role": "user", "content": "Hello!"}]
     turn = client.chat.completions.create(model="stories260K", messages=messages, temperature=0, max_tokens=100)
     assert turn.choices[0].finish_reason == "stop" and turn.choices[0].stop_reason == '"'

@@ -26,33 +26,19 @@ TRANSPORTS = ["shm", "zmq"]
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
-def server(request, random_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
-    from tests.support.servers import start_server, stop_server
-
-    srv = start_server(
-        ["--model", random_model_dir, "--served-model-name", "ringllm-default", *SERVER_ARGS,
-         "--transport", request.param],
-        tmp_path_factory.mktemp("e2e") / "server.log",
+def server(request, random_model_dir: str, module_server_factory):
+    return module_server_factory(
+        ["--model", random_model_dir, "--served-model-name", "ringllm-default", *SERVER_ARGS, "--transport", request.param]
     )
-    yield srv
-    stop_server(srv)
-
-
-def client_for(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def engine_stats(server) -> dict:
-    return httpx.get(server.base_url + "/engine/stats", timeout=10).json()
 
 
 def test_models_lists_served_name(server) -> None:
-    models = client_for(server).models.list()
+    models = server.openai().models.list()
     assert [m.id for m in models.data] == ["ringllm-default"]
 
 
 def test_chat_completion_streams(server) -> None:
-    stream = client_for(server).chat.completions.create(
+    stream = server.openai().chat.completions.create(
         model="ringllm-default",
         messages=[{"role": "user", "content": "Hello there"}],
         max_tokens=12,
@@ -68,7 +54,7 @@ def test_chat_completion_streams(server) -> None:
 
 
 def test_completion_streams_and_reports_usage(server) -> None:
-    client = client_for(server)
+    client = server.openai()
     stream = client.completions.create(
         model="ringllm-default",
         prompt="The quick brown fox",
@@ -90,7 +76,7 @@ def test_completion_streams_and_reports_usage(server) -> None:
 
 
 def test_greedy_is_deterministic_across_stream_and_non_stream(server) -> None:
-    client = client_for(server)
+    client = server.openai()
     args = dict(model="ringllm-default", prompt="abc", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
     a = client.completions.create(**args).choices[0].text
     b = "".join(c.choices[0].text for c in client.completions.create(stream=True, **args))
@@ -98,7 +84,7 @@ def test_greedy_is_deterministic_across_stream_and_non_stream(server) -> None:
 
 
 def test_bad_requests_get_openai_errors(server) -> None:
-    client = client_for(server)
+    client = server.openai()
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError):
@@ -118,36 +104,34 @@ def test_client_disconnect_aborts_request_in_engine(server) -> None:
         lines = response.iter_lines()
         for _ in range(3):
             next(lines)
-        assert engine_stats(server)["num_running_reqs"] == 1
+        assert server.engine_stats()["num_running_reqs"] == 1
     # The response is closed: the engine must drop the request, well before
     # it could have produced its 2000 tokens.
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        stats = engine_stats(server)
-        if stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"request still in the engine after disconnect: {stats}")
+    def dropped() -> bool:
+        stats = server.engine_stats()
+        return stats["num_running_reqs"] == stats["num_waiting_reqs"] == 0
+
+    wait_for(dropped, "the engine to drop the request of the closed response")
 
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 6  # ~270 byte-level tokens
 
 
 def _complete(server, prompt: str, max_tokens: int = 6):
-    return client_for(server).completions.create(
+    return server.openai().completions.create(
         model="ringllm-default", prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True}
     )
 
 
 def test_prefix_cache_hits_are_reported_and_reset_prefix_cache_route(server) -> None:
     httpx.post(server.base_url + "/reset_prefix_cache", timeout=10).raise_for_status()
-    before = engine_stats(server)
+    before = server.engine_stats()
     first, second = _complete(server, LONG_PROMPT), _complete(server, LONG_PROMPT)
     assert first.choices[0].text == second.choices[0].text
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert 0 < cached < second.usage.prompt_tokens and cached % 16 == 0
-    after = engine_stats(server)
+    after = server.engine_stats()
     assert after["prefix_cache_hits"] - before.get("prefix_cache_hits", 0) == cached
     assert after["prefix_cache_queries"] - before.get("prefix_cache_queries", 0) == 2 * first.usage.prompt_tokens
 
@@ -175,7 +159,7 @@ def test_reset_prefix_cache_is_refused_while_a_request_runs_unless_told(server) 
         events = [line for line in lines if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
     assert '"finish_reason":"length"' in events[-2].replace(" ", "")
-    assert engine_stats(server)["num_preemptions"] >= 1
+    assert server.engine_stats()["num_preemptions"] >= 1
 
 
 def test_async_scheduling_server_matches_the_sync_server(server, random_model_dir: str, server_factory) -> None:
@@ -197,7 +181,7 @@ def test_async_scheduling_server_matches_the_sync_server(server, random_model_di
     assert asyncio.run(run_all()) == expected
     # SIGTERM to the engine with a request (and so a batch) in flight: it
     # drains, finishing the request, then exits.
-    stream = client_for(srv).completions.create(
+    stream = srv.openai().completions.create(
         model="ringllm-default", prompt="x", max_tokens=16, stream=True, temperature=0,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
     )
@@ -208,9 +192,8 @@ def test_async_scheduling_server_matches_the_sync_server(server, random_model_di
     rest = list(chunks)
     assert rest[-1].usage.completion_tokens == 16
     assert [c.choices[0].finish_reason for c in rest if c.choices][-1] == "length"
-    deadline = time.monotonic() + 20  # the frontend notices the engine's exit
-    while httpx.get(srv.base_url + "/health", timeout=5).status_code == 200 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: httpx.get(srv.base_url + "/health", timeout=5).status_code != 200,
+             "the frontend to notice the engine's exit")
     assert httpx.get(srv.base_url + "/health", timeout=5).status_code == 503
     assert "draining 1 requests" in srv.log() and "fatal error" not in srv.log()
 
@@ -222,7 +205,7 @@ def _cpu_seconds(pid: int) -> float:
 
 def test_idle_server_uses_almost_no_cpu(server) -> None:
     def idle() -> bool:  # the previous tests' requests are all done
-        stats = engine_stats(server)
+        stats = server.engine_stats()
         return stats["num_running_reqs"] == stats["num_waiting_reqs"] == 0
 
     wait_for(idle, "the engine to finish the previous tests' requests")
@@ -240,7 +223,7 @@ def test_engine_kill_fails_stream_and_health(random_model_dir: str, server_facto
         ["--model", random_model_dir, "--served-model-name", "m", *SERVER_ARGS, "--transport", transport,
          "--keep-alive-on-engine-death"]  # to see /health say 503 (by default the server exits 1)
     )
-    client = client_for(srv)
+    client = srv.openai()
     stream = client.completions.create(
         model="m", prompt="hello", max_tokens=2000, stream=True, extra_body={"ignore_eos": True}
     )
@@ -328,7 +311,7 @@ def test_prompt_embeds_match_transformers_inputs_embeds(tiny_llama_dir: str, ser
     )
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(tiny_llama_dir)
-    client = client_for(srv)
+    client = srv.openai()
     for seq_len in (5, 150):  # 150 x 64 floats: out of band, and split over three prefill chunks
         embeds = torch.randn(seq_len, 64, generator=torch.Generator().manual_seed(seq_len))
         with torch.no_grad():
@@ -361,7 +344,7 @@ def test_logprobs_through_the_transport(server, random_model_dir: str) -> None:
     from tests.support.oracle import ATOL, hf_logprobs, load_hf
 
     prompt = [(i * 37) % 250 + 3 for i in range(400)]
-    client = client_for(server)
+    client = server.openai()
     out = client.completions.create(
         model="ringllm-default", prompt=prompt, echo=True, logprobs=2, max_tokens=1, temperature=0
     )

@@ -10,12 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import kernels
 from kernels import torch_ref
 from kernels.settings import settings as kernel_settings
-from tests.support.attention import run_case
+from tests.support.attention import RANDOM_BATCHES, run_case
 
 
 @pytest.mark.parametrize(
@@ -33,14 +32,7 @@ def test_paged_attention_matches_dense(query_lens, context_lens, kv_heads, group
 
 
 @settings(max_examples=25, deadline=None)
-@given(
-    # Query length 1 (a decode) half the time, so batches of decodes are common.
-    reqs=st.lists(st.tuples(st.one_of(st.just(1), st.integers(1, 12)), st.integers(0, 40)), min_size=1, max_size=6),
-    kv_heads=st.integers(1, 3),
-    group=st.integers(1, 4),
-    block_size=st.sampled_from([1, 2, 4, 16]),
-    seed=st.integers(0, 2**16),
-)
+@given(**RANDOM_BATCHES)
 def test_paged_attention_matches_dense_random_batches(reqs, kv_heads, group, block_size, seed):
     run_case([q for q, _ in reqs], [c for _, c in reqs], kv_heads, group, 8, block_size, seed)
 

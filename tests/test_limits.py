@@ -3,14 +3,13 @@ every route, CORS, stalled streams; over the real app and engine in this process
 
 from __future__ import annotations
 
-import asyncio
-
 from starlette.routing import Route
 
 from app.limits import Admission, ServerLimits
 from app.server import build_app
 from app.ui import ui_routes
 from tests.support.http import MODEL, assert_openai_error, make_engine, running_server
+from tests.support.waiting import wait_until
 
 LONG = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
 
@@ -80,11 +79,7 @@ async def test_the_admission_count_is_returned_by_requests_that_fail_or_leave(st
 
 async def _settled(admission: Admission) -> None:
     """The count is back to 0 once the server has seen the last responses end."""
-    for _ in range(250):
-        if admission.in_flight == 0:
-            return
-        await asyncio.sleep(0.02)
-    assert admission.in_flight == 0
+    await wait_until(lambda: admission.in_flight == 0, "the admission count to return to 0")
 
 
 def _every_route(app) -> list[tuple[str, str]]:

@@ -21,6 +21,7 @@ from app.protocol.chat import ChatCompletionRequest
 from app.protocol.completions import CompletionRequest
 from tests.support.http import MODEL, assert_openai_error, make_engine, running_server
 from tests.support.oracle import ATOL, check_entry, hf_logprobs, load_hf
+from tests.support.waiting import wait_until
 
 PROMPT = "Once upon a time"
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
@@ -250,11 +251,7 @@ async def test_a_disconnect_aborts_every_choice(stories_dir) -> None:
                 for _ in range(8):
                     await anext(lines)
                 assert core.scheduler.get_num_unfinished_requests() == 4
-        for _ in range(4000):
-            if not core.scheduler.has_unfinished_requests():
-                break
-            await asyncio.sleep(0.005)
-        assert not core.scheduler.has_unfinished_requests()
+        await wait_until(lambda: not core.scheduler.has_unfinished_requests(), "the engine to drop the requests")
         assert core.step_counter < 400  # all four aborted, none run to the end
         assert not engine.output_processor.has_unfinished_requests()
 

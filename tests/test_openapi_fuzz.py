@@ -31,12 +31,8 @@ def _check(case, response) -> None:  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    from tests.support.servers import start_server, stop_server
-
-    srv = start_server(["--max-model-len", "64"], tmp_path_factory.mktemp("fuzz") / "server.log")
-    yield srv
-    stop_server(srv)
+def server(module_server_factory):
+    return module_server_factory(["--max-model-len", "64"])
 
 
 @pytest.mark.parametrize("mode", list(EXAMPLES), ids=lambda m: m.value)

@@ -33,6 +33,7 @@ from tests.support.http import (
     make_engine,
     running_server,
 )
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -72,14 +73,10 @@ async def server(engine):
         yield client, base
 
 
-async def engine_idle(engine: AsyncLLM, timeout: float = 20.0) -> None:
+async def engine_idle(engine: AsyncLLM) -> None:
     """Wait until the EngineCore holds no request (finished or aborted)."""
     scheduler = engine.engine_core.engine_core.scheduler
-    for _ in range(int(timeout / 0.005)):
-        if not scheduler.has_unfinished_requests():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("the engine still runs requests")
+    await wait_until(lambda: not scheduler.has_unfinished_requests(), "the engine to hold no request")
 
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"

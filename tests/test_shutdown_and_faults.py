@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import signal
-import time
 
 import httpx
 import pytest
@@ -27,7 +26,7 @@ from tests.support.servers import (
     process_tree,
     segments,
 )
-from tests.support.waiting import wait_for
+from tests.support.waiting import wait_for, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -49,10 +48,7 @@ class Watched:
         return self.server.proc.wait(timeout=timeout)
 
     def assert_nothing_left(self) -> None:
-        deadline = time.monotonic() + 10
-        while not process_gone(self.engine_pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert process_gone(self.engine_pid), "the EngineCore outlived the server"
+        wait_for(lambda: process_gone(self.engine_pid), "the EngineCore to exit after its server")
         assert not any(os.path.exists(p) for p in self.segments)
 
 
@@ -131,10 +127,7 @@ async def test_the_drain_timeout_ends_the_rest_with_an_error_event_and_a_second_
     async with httpx.AsyncClient(base_url=base) as client:
         assert (await client.post("/pause", params={"mode": "keep"})).status_code == 200
     server.server.proc.send_signal(signal.SIGINT)
-    for _ in range(100):  # the drain has begun
-        if "draining" in server.server.log():
-            break
-        await asyncio.sleep(0.05)
+    await wait_until(lambda: "draining" in server.server.log(), "the drain to begin")
     server.server.proc.send_signal(signal.SIGINT)
     assert server.wait_exit(timeout=30) == 130
     server.assert_nothing_left()

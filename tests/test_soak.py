@@ -25,6 +25,7 @@ import uvloop
 
 from app.limits import close_connections_on_client_eof
 from tests.support.metrics import parse_metrics, value
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -114,14 +115,11 @@ async def test_soak_with_disconnects_finishes_every_request_and_leaks_nothing(se
         for (max_tokens, _), (finish, tokens) in stayed:
             assert (finish, tokens) == ("length", max_tokens)
 
-        stats = {}
-        for _ in range(200):  # the last hang-ups reach the engine
+        async def drained() -> bool:  # the last hang-ups have reached the engine
             stats = (await client.get("/engine/stats")).json()
-            if stats["num_running_reqs"] == stats["num_waiting_reqs"] == 0 and stats["kv_cache_usage"] == 0:
-                break
-            await asyncio.sleep(0.05)
-        assert stats["num_running_reqs"] == stats["num_waiting_reqs"] == 0
-        assert stats["kv_cache_usage"] == 0.0
+            return stats["num_running_reqs"] == stats["num_waiting_reqs"] == 0 and stats["kv_cache_usage"] == 0
+
+        await wait_until(drained, "the engine to drop every request and free its KV cache")
         metrics = parse_metrics((await client.get("/metrics")).text)
         labels = {"model_name": "stories260K", "engine": "0"}
         assert value(metrics, "vllm:num_requests_running", **labels) == 0

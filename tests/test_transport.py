@@ -24,7 +24,7 @@ from core.utilities import (
     NoArgs,
     Utility,
 )
-from tests.support.servers import mapped_segments, start_server, stop_server, wait_gone
+from tests.support.servers import mapped_segments, wait_gone
 
 TRANSPORTS = ["shm", "zmq"]
 
@@ -152,21 +152,18 @@ def test_prompt_embeds_travel_out_of_band_and_the_pool_is_handed_back(tiny_llama
 
 
 @pytest.mark.parametrize("victims", ["frontend", "both"])
-def test_kill_9_leaves_no_orphan_and_nothing_in_dev_shm(random_model_dir: str, tmp_path, victims: str) -> None:
-    server = start_server(["--model", random_model_dir, "--max-model-len", "512"], tmp_path / "server.log")
-    try:
-        engine = server.engine_pid()
-        segments = mapped_segments(engine)
-        assert len(segments) >= 4  # two rings and two tensor pools, mapped
-        assert not any(os.path.exists(p) for p in segments)  # names already removed after the handshake
-        os.kill(server.proc.pid, signal.SIGKILL)
-        if victims == "both":
-            os.kill(engine, signal.SIGKILL)
-        server.proc.wait(timeout=10)
-        assert wait_gone(engine, 10), "the EngineCore outlived its frontend"
-        assert not any(os.path.exists(p) for p in segments)
-    finally:
-        stop_server(server)
+def test_kill_9_leaves_no_orphan_and_nothing_in_dev_shm(random_model_dir: str, server_factory, victims: str) -> None:
+    server = server_factory(["--model", random_model_dir, "--max-model-len", "512"])
+    engine = server.engine_pid()
+    segments = mapped_segments(engine)
+    assert len(segments) >= 4  # two rings and two tensor pools, mapped
+    assert not any(os.path.exists(p) for p in segments)  # names already removed after the handshake
+    os.kill(server.proc.pid, signal.SIGKILL)
+    if victims == "both":
+        os.kill(engine, signal.SIGKILL)
+    server.proc.wait(timeout=10)
+    assert wait_gone(engine, 10), "the EngineCore outlived its frontend"
+    assert not any(os.path.exists(p) for p in segments)
 
 
 def test_a_failed_spawn_leaves_nothing_in_dev_shm(tiny_llama_dir: str, monkeypatch) -> None:

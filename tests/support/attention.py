@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from hypothesis import strategies as st
 
 from kernels import torch_ref
 from kernels.metadata import AttentionMetadata
@@ -67,3 +68,14 @@ def run_case(
         expected = dense_attention(query[qsl[r] : qsl[r + 1]], keys[r], values[r], scale)
         torch.testing.assert_close(out[qsl[r] : qsl[r + 1]].double(), expected, atol=1e-5, rtol=1e-5)
     return out
+
+
+# Random batches for ``run_case``: (query length, context) per request, a query length of
+# 1 (a decode) half the time so that batches of decodes are common.
+RANDOM_BATCHES = dict(
+    reqs=st.lists(st.tuples(st.one_of(st.just(1), st.integers(1, 12)), st.integers(0, 40)), min_size=1, max_size=6),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 4),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    seed=st.integers(0, 2**16),
+)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import httpx
+import openai
+
 from app.launcher import ManagedServer
 
 
@@ -55,6 +58,14 @@ def segments() -> set[str]:
 
 class Server(ManagedServer):
     """A real ``python -m app`` subprocess (app.launcher) plus what tests look at."""
+
+    def openai(self) -> openai.OpenAI:
+        """The official client on this server (no retries: a failure is the test's to see)."""
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def engine_stats(self) -> dict:
+        """GET /engine/stats: the scheduler's counters (with data parallel, per engine under "engines")."""
+        return httpx.get(self.base_url + "/engine/stats", timeout=10).json()
 
     def engine_pid(self) -> int:
         """The spawned EngineCore: the server's child running multiprocessing's spawn_main."""
