@@ -26,7 +26,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from app.launcher import ManagedServer
+from bench.launcher import ManagedServer
 from bench.report import save_result
 from bench.serve import BACKENDS, add_workload_arguments, run_benchmark
 
