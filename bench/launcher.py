@@ -43,10 +43,12 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 class ManagedServer:
     """``with ManagedServer(args, log_path) as server: ... server.base_url ...``"""
 
-    def __init__(self, args: list[str], log_path: Path, timeout: float = 300.0) -> None:
+    def __init__(self, args: list[str], log_path: Path, timeout: float = 300.0, tree: Path = REPO) -> None:
+        """``tree``: the source tree whose ``app`` runs (another checkout, for an A/B of two versions)."""
         self.args = args
         self.log_path = log_path
         self.timeout = timeout
+        self.tree = tree
         self.proc: subprocess.Popen | None = None
         self.base_url = ""
         self._deadline = 0.0
@@ -62,7 +64,7 @@ class ManagedServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                self.command(port), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                self.command(port), cwd=self.tree, stdout=log, stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         self._deadline = time.monotonic() + self.timeout

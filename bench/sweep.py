@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.compare import process_cpu_s, process_tree_cpu_s
-from bench.launcher import ManagedServer, ServerStartError
+from bench.launcher import REPO, ManagedServer, ServerStartError
 from bench.report import percentile_key, save_result
 from bench.serve import BACKENDS, add_workload_arguments, run_benchmark
 
@@ -57,6 +57,7 @@ class ConfigRun:
 
     name: str
     server_args: list[str]
+    tree: Path | None = None  # another source tree's app (NAME@TREE), else this one's
     server: ManagedServer | None = None
     results: list[dict[str, Any]] = field(default_factory=list)
     error: str = ""
@@ -79,16 +80,19 @@ class ConfigRun:
         return statistics.median(values)
 
 
-def parse_config(text: str) -> tuple[str, list[str]]:
+def parse_config(text: str) -> tuple[str, list[str], Path | None]:
+    """NAME='SERVER ARGS', or NAME@TREE='SERVER ARGS' to run the app of another source tree
+    (a checkout of another commit: an A/B of two versions, alternated like any two configs)."""
     name, sep, args = text.partition("=")
-    if not sep or not name.strip():
-        raise argparse.ArgumentTypeError(f"--config {text!r}: expected NAME='SERVER ARGS'")
-    return name.strip(), shlex.split(args)
+    name, at, tree = name.strip().partition("@")
+    if not sep or not name or (at and not Path(tree, "app", "__main__.py").is_file()):
+        raise argparse.ArgumentTypeError(f"--config {text!r}: expected NAME='SERVER ARGS' or NAME@TREE='SERVER ARGS'")
+    return name, shlex.split(args), Path(tree).resolve() if at else None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sweep")
-    g.add_argument("--config", action="append", type=parse_config, metavar="NAME='ARGS'",
+    g.add_argument("--config", action="append", type=parse_config, metavar="NAME[@TREE]='ARGS'",
                    help="a server configuration (repeatable); default: " + ", ".join(DEFAULT_CONFIGS))
     g.add_argument("--model", help="model directory for every server (default: the random-weights test model, "
                                    "core/models/random_model.py)")
@@ -128,7 +132,10 @@ def start_servers(configs: list[ConfigRun], args: argparse.Namespace, model_dir:
     for config in configs:
         server_args = ["--model", model_dir, *shlex.split(args.server_args), *config.server_args]
         print(f"### {config.name}: python -m app {shlex.join(server_args)}")
-        config.server = ManagedServer(server_args, log_dir / f"{config.name}.log", args.server_timeout).launch()
+        if config.tree is not None:
+            print(f"### {config.name} runs the app of {config.tree}")
+        tree = config.tree or REPO
+        config.server = ManagedServer(server_args, log_dir / f"{config.name}.log", args.server_timeout, tree).launch()
     for config in configs:
         assert config.server is not None
         try:
@@ -235,7 +242,7 @@ def comparison_table(configs: list[ConfigRun], rows: list[tuple[str, str, bool]]
 
 def run(args: argparse.Namespace) -> int:
     pairs = args.config or [parse_config(c) for c in DEFAULT_CONFIGS]
-    configs = [ConfigRun(name, a, aggregate=args.aggregate) for name, a in pairs]
+    configs = [ConfigRun(name, a, tree, aggregate=args.aggregate) for name, a, tree in pairs]
     if len({c.name for c in configs}) != len(configs):
         print("error: --config names must be distinct")
         return 2
