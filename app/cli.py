@@ -44,7 +44,7 @@ UNBOUNDED_WHITESPACE = -1  # --structured-outputs-max-whitespace none
 
 # EngineArgs fields that map one to one onto an option of the same name.
 _ENGINE_FIELDS = (
-    "tokenizer", "dtype", "device", "load_format", "seed", "max_model_len",
+    "tokenizer", "dtype", "device", "load_format", "quantization", "seed", "max_model_len",
     "block_size", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
     "enable_prefix_caching", "num_gpu_blocks_override", "kv_cache_memory",
     "gpu_memory_utilization", "enforce_eager", "transport", "scheduling_policy", "enable_prompt_embeds",
@@ -86,9 +86,10 @@ def make_parser() -> argparse.ArgumentParser:
 
     model = p.add_argument_group("model", "what is served, and how it is loaded and prompted")
     model.add_argument(
-        "--model", metavar="DIR",
-        help="local Hugging Face model directory (config.json, *.safetensors, tokenizer files); "
-        "nothing is downloaded (default: the embedded stories260K)",
+        "--model", metavar="DIR|FILE.gguf",
+        help="local Hugging Face model directory (config.json, *.safetensors, tokenizer files), or a "
+        "GGUF file (or a directory holding one), served quantized as it is; nothing is downloaded "
+        "(default: the embedded stories260K)",
     )
     model.add_argument(
         "--served-model-name", nargs="+", metavar="NAME",
@@ -109,8 +110,14 @@ def make_parser() -> argparse.ArgumentParser:
         "--device", choices=["auto", "cpu", "cuda"], help="where the model runs (default auto: a GPU if any)"
     )
     model.add_argument(
-        "--load-format", choices=["auto", "safetensors", "dummy"],
-        help="weights from the checkpoint (auto, safetensors) or seeded random ones of its shapes (dummy)",
+        "--load-format", choices=["auto", "safetensors", "gguf", "dummy"],
+        help="weights from the checkpoint (auto: safetensors, or gguf for a GGUF file) or seeded random "
+        "ones of its shapes (dummy)",
+    )
+    model.add_argument(
+        "--quantization", choices=["q8_0", "q4_0"],
+        help="quantize a Hugging Face checkpoint's layers and embedding at load, in llama.cpp's block "
+        "format (CPU; a GGUF file keeps its own formats)",
     )
     model.add_argument("--seed", type=int, help="seed of random sampling and of dummy weights (default 0)")
     model.add_argument(
@@ -393,11 +400,15 @@ def model_dir_error(model: str) -> str | None:
     from deep inside the loader.
     """
     if os.path.isdir(model):
-        if not os.path.isfile(os.path.join(model, "config.json")):
-            return f"--model {model}: not a Hugging Face model directory (it has no config.json)"
+        if not os.path.isfile(os.path.join(model, "config.json")) and not any(
+            name.endswith(".gguf") for name in os.listdir(model)
+        ):
+            return f"--model {model}: not a Hugging Face model directory (it has no config.json) nor one with a GGUF file"
+        return None
+    if os.path.isfile(model) and model.endswith(".gguf"):
         return None
     if os.path.exists(model):
-        return f"--model {model}: not a directory; give a local Hugging Face model directory"
+        return f"--model {model}: not a directory or a .gguf file; give a local Hugging Face model directory"
     if _HUB_ID.fullmatch(model) and not model.startswith("."):
         return (
             f"--model {model}: no such directory. It looks like a Hugging Face hub id, but ringllm "

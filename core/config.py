@@ -15,6 +15,7 @@ from __future__ import annotations
 import msgspec
 
 from core.model_config import ModelConfig
+from core.models.gguf_checkpoint import GGUFCheckpoint, gguf_file
 
 DEFAULT_KV_CACHE_MEMORY = 256 * 1024 * 1024  # bytes of CPU memory for the KV cache
 # The longest run of whitespace a JSON grammar allows between two elements, unless a request
@@ -22,6 +23,7 @@ DEFAULT_KV_CACHE_MEMORY = 256 * 1024 * 1024  # bytes of CPU memory for the KV ca
 # writing newlines (bench/README.md has the measurements behind it).
 DEFAULT_JSON_MAX_WHITESPACE = 2
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+QUANTIZATIONS = ("q8_0", "q4_0")
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
 
 
@@ -34,7 +36,9 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
     tokenizer: str | None = None
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     device: str = "auto"  # auto | cpu | cuda
-    load_format: str = "auto"  # auto | safetensors | dummy
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy (a GGUF file is read as gguf)
+    # Quantize a Hugging Face checkpoint's dense layers and embedding at load (GGUF block formats).
+    quantization: str | None = None  # q8_0 | q4_0
     seed: int = 0
     max_model_len: int | None = None
     block_size: int = 16
@@ -84,8 +88,31 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
 
     def resolve(self) -> EngineConfig:
         """Read the checkpoint's architecture, fill in what depends on it, check that
-        the limits fit together (ValueError, OSError for an unreadable checkpoint)."""
-        model_config = ModelConfig.from_dir(self.model)
+        the limits fit together (ValueError, OSError for an unreadable checkpoint).
+
+        A GGUF file (``model`` names it, or a directory holding one) is checked whole
+        first; its config and tokenizer are read from its metadata (core/models/gguf_checkpoint.py)."""
+        model, tokenizer, load_format = self.model, self.tokenizer, self.load_format
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        path = gguf_file(model)
+        if path is not None:
+            if self.quantization is not None:
+                raise ValueError("--quantization is for Hugging Face checkpoints: a GGUF file is quantized already")
+            if load_format not in ("auto", "gguf", "dummy"):
+                raise ValueError(f"--load-format {load_format} cannot read a GGUF file")
+            checkpoint = GGUFCheckpoint(path)
+            try:
+                metadata = str(checkpoint.metadata_dir())
+            finally:
+                checkpoint.close()
+            model, tokenizer = path, tokenizer or metadata
+            load_format = "gguf" if load_format == "auto" else load_format
+            model_config = ModelConfig.from_dir(metadata)
+        elif load_format == "gguf":
+            raise ValueError(f"--load-format gguf: {model} is not a GGUF file")
+        else:
+            model_config = ModelConfig.from_dir(model)
         max_model_len = self.max_model_len or model_config.max_position_embeddings
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
@@ -123,9 +150,11 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
         return EngineConfig(
             **{
                 **msgspec.structs.asdict(self),
+                "model": model,
+                "load_format": load_format,
                 "max_model_len": max_model_len,
                 "served_model_name": self.served_model_name or self.model,
-                "tokenizer": self.tokenizer or self.model,
+                "tokenizer": tokenizer or model,
             },
             model_config=model_config,
         )

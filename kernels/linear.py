@@ -117,9 +117,22 @@ class CpuWeight:
         return out
 
 
-def all_small(weights: list[CpuWeight]) -> bool:
-    """Whether every one of ``weights`` (there being some) is at most SMALL_WEIGHT_BYTES."""
-    return bool(weights) and all(w.weight_t.nbytes <= SMALL_WEIGHT_BYTES for w in weights)
+class DenseRows:
+    """A float32 table whose rows are looked up by id (an embedding, as the quantized one is)."""
+
+    __slots__ = ("table",)
+
+    def __init__(self, table: np.ndarray) -> None:
+        self.table = table
+
+    def take_rows(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        return np.take(self.table, ids, axis=0, out=out)
+
+
+def all_small(weights: list[object]) -> bool:
+    """Whether every float weight among ``weights`` (there being some) is at most SMALL_WEIGHT_BYTES."""
+    dense = [w for w in weights if isinstance(w, CpuWeight)]
+    return bool(dense) and all(w.weight_t.nbytes <= SMALL_WEIGHT_BYTES for w in dense)
 
 
 def linear(

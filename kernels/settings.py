@@ -26,6 +26,10 @@ class KernelSettings:
     # Prefill chunks of at most this many (query, key) pairs are attended by the C kernels; longer
     # ones by torch's SDPA, whose per-call cost only pays off there (bench/README.md).
     prefill_pairs: int = 512 * 512
+    # Products with quantized weights (kernels/quant.py) quantize their activations to int8 per
+    # block, as llama.cpp does; off (tests only), activations stay float32 and the weights are
+    # expanded instead, so a product equals the float32 one of the dequantized weights.
+    quantize_activations: bool = True
     # Where compiled kernels are kept (a "kernels" folder is made in it).
     cache_dir: Path = Path.home() / ".cache" / "ringllm"
 

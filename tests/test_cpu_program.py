@@ -5,8 +5,8 @@ steps and on steps that are one request's prefill chunk; it runs the same
 kernels in the same order, so the logits must be identical to the bit: for a
 batch of decodes at different positions, and for chunks with and without a
 cached prefix, attended by the chunk kernel (head sizes 8 and 16) or a query
-at a time (Qwen3's 32). (That the model's forward matches transformers is
-tests/test_engine_equivalence.py.)
+at a time (Qwen3's 32), with float or block-format (quantized) weights. (That the
+model's forward matches transformers is tests/test_engine_equivalence.py.)
 """
 
 from __future__ import annotations
@@ -40,11 +40,15 @@ def qwen_dirs(tmp_path_factory) -> dict[str, str]:
     return dirs
 
 
-MODELS = ["stories", "llama", "qwen2", "qwen3"]
+# Block formats too: their products (kernels/quant.py) are the layers' own in both paths.
+MODELS = ["stories", "llama", "qwen2", "qwen3", "stories-q8_0", "qwen2-q4_0"]
 
 
 def _engine(model: str, stories_dir: str, llama, qwen_dirs, **config) -> EngineCore:
-    path = {"stories": stories_dir, "llama": llama[1], **qwen_dirs}[model]
+    name, _, quantization = model.partition("-")
+    path = {"stories": stories_dir, "llama": llama[1], **qwen_dirs}[name]
+    if quantization:
+        config["quantization"] = quantization
     engine = EngineCore(EngineArgs(model=path, max_model_len=128, max_num_seqs=8, block_size=4, **config).resolve())
     assert engine.model_executor.runner.cpu_program is not None
     return engine

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -26,96 +25,12 @@ from core.models.layers import rope_inv_freq
 from core.models.loader import PROGRESS_MIN_BYTES, iter_safetensors, load_model
 from core.models.random_model import CHAT_TEMPLATE, ensure_random_model
 from kernels.metadata import AttentionMetadata
+from tests.support.paged import PagedHarness, single_prefill
 
 STORIES_GREEDY = (
     ", there was a little girl named Lily. She loved to play outside in the park. "
     "One day, she saw a big, red ball."
 )
-
-
-# ---------------------------------------------------------------- paged harness
-
-
-@dataclass
-class _Req:
-    tokens: list[int]
-    prompt_len: int
-    computed: int = 0
-    blocks: list[int] = field(default_factory=list)
-
-
-class PagedHarness:
-    """A minimal engine loop: chunked prefill mixed with decodes over a paged cache."""
-
-    def __init__(self, model: torch.nn.Module, num_blocks: int = 256, block_size: int = 4, budget: int = 7):
-        cfg = model.config
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        weight = next(model.parameters())
-        self.device = weight.device
-        self.kv_caches = [
-            tuple(torch.zeros(shape, dtype=weight.dtype, device=self.device) for _ in "kv")
-            for _ in range(cfg.num_layers)
-        ]
-        # Block 0 stays unused (it pads block tables); the rest are handed out shuffled.
-        self.free = (torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(1)) + 1).tolist()
-        self.model, self.block_size, self.budget = model, block_size, budget
-        self.mixed_steps = 0  # steps holding a continued prefill chunk and a decode together
-
-    @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        reqs = [_Req(list(p), len(p)) for p in prompts]
-        step = 0
-        while any(len(r.tokens) - r.prompt_len < max_new_tokens for r in reqs):
-            arrived = [r for r in reqs[: step + 1] if len(r.tokens) - r.prompt_len < max_new_tokens]
-            scheduled, budget = [], self.budget
-            for r in arrived:
-                n = min(len(r.tokens) - r.computed, budget)
-                if n == 0:
-                    break
-                scheduled.append((r, n))
-                budget -= n
-            self._step(scheduled)
-            step += 1
-        return [r.tokens[r.prompt_len :] for r in reqs]
-
-    def _step(self, scheduled: list[tuple[_Req, int]]) -> None:
-        bs = self.block_size
-        ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
-        for r, n in scheduled:
-            end = r.computed + n
-            while len(r.blocks) * bs < end:
-                r.blocks.append(self.free.pop())
-            pos = list(range(r.computed, end))
-            ids += r.tokens[r.computed : end]
-            positions += pos
-            slots += [r.blocks[p // bs] * bs + p % bs for p in pos]
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(end)
-        width = max(len(r.blocks) for r, _ in scheduled)
-        tables = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r, _ in scheduled], dtype=torch.int32)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=tables.to(dev),
-            max_query_len=max(n for _, n in scheduled),
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-        )
-        kinds = {("decode" if n == 1 else "chunk") for r, n in scheduled if n == 1 or r.computed > 0}
-        self.mixed_steps += kinds == {"decode", "chunk"}
-        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.kv_caches, meta)
-        last_rows = []
-        for i, (r, n) in enumerate(scheduled):
-            r.computed += n
-            if r.computed == len(r.tokens):
-                last_rows.append((r, qsl[i + 1] - 1))
-        if last_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor([row for _, row in last_rows], device=dev)])
-            for (r, _), tok in zip(last_rows, logits.argmax(-1).tolist()):
-                r.tokens.append(tok)
 
 
 # ---------------------------------------------------------------- oracle helpers
@@ -150,26 +65,6 @@ def _hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     # An explicit mask: without one, prompt tokens equal to pad_token_id count as padding.
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
     return out[0, len(prompt) :].tolist()
-
-
-def _single_prefill(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    """Logits for every position of one prompt prefilled in one chunk."""
-    harness = PagedHarness(model)
-    n, bs, dev = len(ids), harness.block_size, harness.device
-    blocks = [harness.free.pop() for _ in range(-(-n // bs))]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor([blocks[p // bs] * bs + p % bs for p in range(n)], device=dev),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-        block_tables=torch.tensor([blocks], dtype=torch.int32, device=dev),
-        max_query_len=n,
-        max_seq_len=n,
-        query_start_loc_cpu=[0, n],
-        seq_lens_cpu=[n],
-    )
-    with torch.inference_mode():
-        hidden = model(torch.tensor(ids, device=dev), torch.arange(n, device=dev), harness.kv_caches, meta)
-        return model.compute_logits(hidden).cpu()
 
 
 CONFIGS = {
@@ -233,7 +128,7 @@ def test_logits_match_transformers(checkpoint):
     ids = torch.randint(0, TINY["vocab_size"], (19,), generator=torch.Generator().manual_seed(5)).tolist()
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]
-    got = _single_prefill(ours, ids)
+    got = single_prefill(ours, ids)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
@@ -322,7 +217,7 @@ def test_dummy_weights_are_seeded_and_finite(tmp_path):
     assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
     model = _ours(tmp_path, load_format="dummy")
     tokens = PagedHarness(model).generate([[1, 2, 3]], max_new_tokens=3)
-    logits = _single_prefill(model, [1, 2, 3, 4])
+    logits = single_prefill(model, [1, 2, 3, 4])
     assert torch.isfinite(logits).all() and len(tokens[0]) == 3
 
 
@@ -347,7 +242,7 @@ def test_stories260k_greedy_matches_transformers_and_known_text():
     assert STORIES_GREEDY in tok.decode(got)
     with torch.no_grad():
         expected = hf(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(_single_prefill(ours, prompt), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(single_prefill(ours, prompt), expected, atol=1e-4, rtol=1e-4)
 
 
 # ----------------------------------------------------------------- random model

@@ -13,10 +13,12 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels.linear import CpuWeight, linear
+from kernels.linear import CpuWeight, DenseRows, linear
+from kernels.quant import QuantizedMatrix, QuantizedWeight
 
 
 class Module(nn.Module):
@@ -27,22 +29,58 @@ class Module(nn.Module):
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that sends small CPU float32 batches to numpy's BLAS (kernels/linear.py).
+    """``nn.Linear`` that sends small CPU float32 batches to numpy's BLAS (kernels/linear.py),
+    or multiplies weights kept in GGUF block formats (kernels/quant.py).
 
     ``prepare()`` (after the weights are loaded) makes the numpy views of the
     weight; until then, or where they do not apply, torch computes.
     """
 
-    cpu_weight: CpuWeight | None = None  # the CPU fast path's view of the weights (kernels/linear.py)
+    cpu_weight: CpuWeight | QuantizedWeight | None = None  # what the CPU products multiply
+    quantized: QuantizedWeight | None = None  # block-format weights: the float weight is then empty
 
     def reset_parameters(self) -> None:
         """No random initialisation: the weights are always loaded (or filled by the dummy loader)."""
 
+    def set_quantized(self, parts: list[QuantizedMatrix]) -> None:
+        """Serve this layer from block-format weights (its rows, part by part); the float
+        weight is dropped (the bias stays, and is added by the products)."""
+        bias = None if self.bias is None else self.bias.detach().numpy()
+        self.quantized = QuantizedWeight(parts, bias)
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+
     def prepare(self) -> None:
+        if self.quantized is not None:
+            if self.bias is not None:  # the bias may have been loaded after the weight
+                self.quantized = QuantizedWeight(self.quantized.parts, self.bias.detach().numpy())
+            self.cpu_weight = self.quantized
+            return
         self.cpu_weight = CpuWeight(self.weight, self.bias) if CpuWeight.usable(self.weight) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.cpu_weight)
+
+    __call__ = forward
+
+
+class Embedding(nn.Embedding):
+    """Token embeddings: a float table, or one kept in a GGUF block format (its rows expanded
+    as they are looked up)."""
+
+    quantized: QuantizedMatrix | None = None
+
+    def set_quantized(self, matrix: QuantizedMatrix) -> None:
+        self.quantized = matrix
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+
+    def table(self) -> DenseRows | QuantizedMatrix:
+        """What the CPU step program looks rows up in (``take_rows(ids, out)``)."""
+        return self.quantized if self.quantized is not None else DenseRows(self.weight.detach().numpy())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return torch.from_numpy(self.quantized.take_rows(ids.numpy()))
+        return F.embedding(ids, self.weight)
 
     __call__ = forward
 

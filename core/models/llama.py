@@ -24,8 +24,10 @@ from torch import nn
 
 import kernels
 from core.model_config import ModelConfig
-from core.models.layers import Linear, Module, RMSNorm, RotaryEmbedding
+from core.models.layers import Embedding, Linear, Module, RMSNorm, RotaryEmbedding
+from kernels.linear import DenseRows
 from kernels.metadata import AttentionMetadata
+from kernels.quant import QuantizedMatrix
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 Rope = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # cos table, sin± table, the step's positions
@@ -108,7 +110,7 @@ class DecoderParts:
     described here, by the model, so that the two never disagree on what a layer is."""
 
     config: ModelConfig
-    embedding: torch.Tensor
+    embedding: DenseRows | QuantizedMatrix  # looked up by id (take_rows)
     rotary: RotaryEmbedding
     layers: list[LayerParts]
     final_norm: torch.Tensor
@@ -161,7 +163,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         # Given its tensor, nn.Embedding skips its random init, which on the meta
         # device would import torch's compiler stack (seconds of start-up).
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -197,7 +199,11 @@ class LlamaForCausalLM(nn.Module):
         module at a time and so undo the sharing.
         """
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            embedding = self.model.embed_tokens
+            if embedding.quantized is not None:
+                self.lm_head.set_quantized([embedding.quantized])
+            else:
+                self.lm_head.weight = embedding.weight
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -206,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
         """The model described for the CPU step program (the same tensors the forward pass uses)."""
         model = self.model
         return DecoderParts(
-            config=self.config, embedding=model.embed_tokens.weight, rotary=model.rotary,
+            config=self.config, embedding=model.embed_tokens.table(), rotary=model.rotary,
             layers=[layer.parts() for layer in model.layers], final_norm=model.norm.weight, lm_head=self.lm_head,
         )
 
@@ -231,7 +237,7 @@ class LlamaForCausalLM(nn.Module):
         ``attn_metadata.slot_mapping`` before attending.
         """
         model = self.model
-        hidden = F.embedding(input_ids, model.embed_tokens.weight) if inputs_embeds is None else inputs_embeds
+        hidden = model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rope = (*model.rotary.tables(hidden.device, hidden.dtype), positions)
         residual = None
         for layer, kv_cache in zip(model.layers, kv_caches, strict=True):
@@ -251,11 +257,18 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        blocks: dict[str, dict[int, QuantizedMatrix]] = {}  # block-format weights, by parameter and shard
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue  # recomputed from the config
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # the embedding is the head
+            if isinstance(tensor, QuantizedMatrix):
+                target, shard = self._fused_target(name)
+                self._param(params, target)
+                blocks.setdefault(target, {})[shard] = tensor
+                loaded.add(f"{target}#{shard}" if target != name else name)
+                continue
             for hf_part, (our_part, shard) in _FUSED.items():
                 if hf_part in name:
                     target = name.replace(hf_part, our_part)
@@ -270,12 +283,47 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
                 param.data.copy_(tensor)
                 loaded.add(name)
+        self._use_blocks(blocks)
         return loaded
+
+    @staticmethod
+    def _fused_target(name: str) -> tuple[str, int]:
+        """Our parameter holding Hugging Face tensor ``name``, and its shard there (0 unfused)."""
+        for hf_part, (our_part, shard) in _FUSED.items():
+            if hf_part in name:
+                return name.replace(hf_part, our_part), shard
+        return name, 0
+
+    def _use_blocks(self, blocks: dict[str, dict[int, QuantizedMatrix]]) -> None:
+        """Serve the layers whose weights came in block formats from those blocks."""
+        modules = dict(self.named_modules())
+        for target, shards in blocks.items():
+            module = modules[target.rsplit(".", 1)[0]]
+            count = len(self._shard_sizes(target)) if ".qkv_proj." in target or ".gate_up_proj." in target else 1
+            if sorted(shards) != list(range(count)):
+                raise ValueError(f"{target}: some of its parts are in a block format and some are not")
+            if target.endswith(".bias"):
+                raise ValueError(f"{target}: a bias in a block format")
+            if isinstance(module, Embedding):
+                rows, columns = [module.num_embeddings], module.embedding_dim
+            else:
+                rows = self._shard_sizes(target) if count > 1 else [module.out_features]
+                columns = module.in_features
+            for i, matrix in shards.items():
+                if (matrix.rows, matrix.k) != (rows[i], columns):
+                    raise ValueError(f"{target}: checkpoint part {i} is {matrix.rows}x{matrix.k}, expected {rows[i]}x{columns}")
+            if isinstance(module, Embedding):
+                module.set_quantized(shards[0])
+            else:
+                module.set_quantized([shards[i] for i in range(count)])
+        self.tie_weights()
 
     def expected_weights(self) -> set[str]:
         """What ``load_weights`` must have filled for the model to be complete."""
         expected: set[str] = set()
         for name, _ in self.named_parameters():  # tied parameters are listed once
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # the embedding's (a separate, empty one when the head is in a block format)
             if ".qkv_proj." in name:
                 expected |= {f"{name}#{i}" for i in range(3)}
             elif ".gate_up_proj." in name:

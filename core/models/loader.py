@@ -26,7 +26,10 @@ from tqdm import tqdm
 
 from core.config import EngineConfig
 from core.model_config import ModelConfig
+from core.models.gguf_checkpoint import GGUFCheckpoint
+from core.models.layers import Linear
 from core.models.registry import model_class
+from kernels.quant import BLOCKS, QuantizedMatrix, QuantType
 
 _DTYPES = {
     "float32": torch.float32,
@@ -90,21 +93,60 @@ def load_model(
     """
     device = torch.device(device)
     dtype = resolve_dtype(dtype, config.model_config, device)
+    if config.quantization is not None and device.type != "cpu":
+        raise ValueError("--quantization is for the CPU (its block formats have no kernels on other devices)")
+    if (config.quantization is not None or config.load_format == "gguf") and device.type == "cpu" \
+            and dtype != torch.float32:
+        raise ValueError("weights in block formats run with float32 activations on a CPU: leave --dtype at auto")
     with torch.device(device), _default_dtype(dtype):
         model = model_class(config.model_config)(config.model_config, config.max_model_len)
 
     if config.load_format == "dummy":
         fill_dummy_weights(model, config.seed)
-    elif config.load_format in ("auto", "safetensors"):
-        loaded = model.load_weights(iter_safetensors(config.model))
+    elif config.load_format in ("auto", "safetensors", "gguf"):
+        if config.load_format == "gguf":
+            checkpoint = GGUFCheckpoint(config.model)
+            # Off a CPU the block formats have no kernels: their values, in the compute dtype.
+            weights = checkpoint.weights(config.model_config, dense=None if device.type == "cpu" else dtype)
+        else:
+            weights = iter_safetensors(config.model)
+        loaded = model.load_weights(weights)
         missing = model.expected_weights() - loaded
         if missing:
             shown = ", ".join(sorted(missing)[:5])
             raise ValueError(f"checkpoint {config.model} lacks {len(missing)} tensors, e.g. {shown}")
     else:
-        raise ValueError(f"unknown load_format {config.load_format!r}; use auto, safetensors or dummy")
+        raise ValueError(f"unknown load_format {config.load_format!r}; use auto, safetensors, gguf or dummy")
+    if config.quantization is not None:
+        quantize_model(model, QuantType[config.quantization.upper()])
     model.prepare_for_inference()
     return model.eval()
+
+
+def quantize_model(model: nn.Module, qtype: QuantType) -> None:
+    """Every dense layer and the embedding in ``qtype`` blocks, by the gguf package's own
+    quantizer (the same bytes as its reference code, which llama.cpp's follows, gives); the
+    float weights are dropped. Matrices whose rows do not hold whole blocks stay float, as
+    llama.cpp's converter leaves them."""
+    import gguf
+
+    block = BLOCKS[qtype][0]
+
+    def blocks(weight: torch.Tensor) -> QuantizedMatrix:
+        data = gguf.quants.quantize(weight.detach().float().numpy(), gguf.GGMLQuantizationType(qtype))
+        return QuantizedMatrix(qtype, data, weight.shape[0], weight.shape[1])
+
+    embedding = model.get_input_embeddings()
+    tied = model.lm_head.weight is embedding.weight
+    if embedding.weight.shape[1] % block == 0:
+        embedding.set_quantized(blocks(embedding.weight))
+    for module in model.modules():
+        if (
+            isinstance(module, Linear) and module.quantized is None and not (tied and module is model.lm_head)
+            and module.in_features % block == 0
+        ):
+            module.set_quantized([blocks(module.weight)])
+    model.tie_weights()
 
 
 def iter_safetensors(

@@ -36,10 +36,6 @@ from kernels import cpu
 from kernels.settings import settings
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().numpy()
-
-
 class _Layer:
     """One decoder layer's parts as raw pointers, with its KV caches."""
 
@@ -68,7 +64,7 @@ class CpuStepProgram:
             return None
         parts: DecoderParts = describe()
         if (
-            not cpu.usable(parts.embedding, kv_caches[0][0]) or parts.config.hidden_act != "silu"
+            not cpu.usable(kv_caches[0][0]) or parts.config.hidden_act != "silu"
             or parts.lm_head.cpu_weight is None  # products through torch (settings.cpu_blas off)
         ):
             return None
@@ -87,7 +83,7 @@ class CpuStepProgram:
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.head_dim**-0.5
         self.block_size = kv_caches[0][0].shape[1]
-        self.embedding = _np(parts.embedding)
+        self.embedding = parts.embedding  # float or block-format rows, looked up by id
         self.lm_head = parts.lm_head
         self.final_norm = parts.final_norm.data_ptr()
         self._tables = parts.rotary.tables(torch.device("cpu"), torch.float32)  # kept alive here
@@ -224,7 +220,7 @@ class CpuStepProgram:
         hidden_p, normed_p, qkv_p, proj_p = p["hidden"], p["normed"], p["qkv"], p["proj"]
         positions_p, slots_p = p["positions"], p["slots"]
         gate_up_p, act_p = p["gate_up"], p["act"]
-        np.take(self.embedding, b.input_ids.np[:n], axis=0, out=hidden)
+        self.embedding.take_rows(b.input_ids.np[:n], out=hidden)
         k_offset, v_offset = heads * head_dim * 4, (heads + kv_heads) * head_dim * 4
         for i, layer in enumerate(self.layers):
             if i == 0:

@@ -30,10 +30,11 @@ from kernels.cpu.library import NativeLibrary
 from kernels.settings import settings
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
+QUANT_SOURCE = Path(__file__).with_name("quant_kernels.c")  # products with GGUF block-format weights
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-fvisibility=hidden"]
 # Tried in order: threaded attention, then the same code on one thread.
 OPENMP_VARIANTS = (["-fopenmp"], ["-fopenmp-simd"])
-LIBRARY = NativeLibrary("cpu_kernels", [SOURCE], FLAGS, OPENMP_VARIANTS)
+LIBRARY = NativeLibrary("cpu_kernels", [SOURCE, QUANT_SOURCE], FLAGS, OPENMP_VARIANTS)
 
 # For these head sizes such a chunk is attended at once (paged_prefill_attention,
 # specialised for them: vector work along the keys); for others one query at a

@@ -1,0 +1,272 @@
+"""A GGUF file (llama.cpp's format) as a checkpoint: read with the gguf package, weights left in blocks.
+
+``--model FILE.gguf`` (or a directory holding one ``.gguf`` and no
+``config.json``) serves the file as it is: it is memory-mapped, and each
+quantized tensor stays in its blocks (kernels/quant.py multiplies them); only
+the small float tensors (norms, biases) become torch tensors.
+
+Before anything is loaded the file is checked whole (``GGUFCheckpoint``): the
+magic and version, every tensor's type among those served and its bytes
+within the file, the architecture among those served. A file that fails is a
+``GGUFError`` naming what is wrong, and the command line exits with status 2.
+
+The file's metadata is its config and its tokenizer: transformers, which
+reads GGUF metadata, writes them once as a Hugging Face directory
+(``config.json``, ``tokenizer.json``, ``tokenizer_config.json``...) in the
+cache, keyed by the file's header, so that the rest of ringllm (the
+frontend's tokenizer, ``ModelConfig``) reads a GGUF model as it reads any
+other. Tensor names map to Hugging Face's with the gguf package's own
+table, and llama.cpp's converter interleaves the rows of Llama's q and k
+projections for its rotary convention: they are put back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from core import envs
+
+if TYPE_CHECKING:
+    import torch
+
+    from core.model_config import ModelConfig
+    from kernels.quant import QuantizedMatrix
+
+# GGUF architecture -> the Hugging Face architecture it is served as.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# llama.cpp's converter permutes these architectures' q/k rows (its rotary pairs neighbours).
+_PERMUTED = {"llama"}
+# Tensor types served: F32, F16, BF16 and the block formats of kernels/quant.py, by GGML id.
+_FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
+_BLOCK_TYPES = {2: "Q4_0", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
+
+
+class GGUFError(ValueError):
+    """A GGUF file that cannot be served, and why."""
+
+
+def gguf_file(model: str) -> str | None:
+    """The GGUF file ``model`` names: itself, or the one ``.gguf`` in a directory that is not
+    a Hugging Face checkpoint; None otherwise (GGUFError for a directory with several)."""
+    if os.path.isfile(model):
+        return model if model.endswith(".gguf") else None
+    if not os.path.isdir(model) or os.path.isfile(os.path.join(model, "config.json")):
+        return None
+    found = sorted(p for p in os.listdir(model) if p.endswith(".gguf"))
+    if len(found) > 1:
+        raise GGUFError(f"{model} holds several GGUF files ({', '.join(found)}): give --model the one to serve")
+    return os.path.join(model, found[0]) if found else None
+
+
+def _type_name(ggml_type: int) -> str:
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"an unknown type (id {ggml_type})"
+
+
+class GGUFCheckpoint:
+    """An opened, checked GGUF file (GGUFError if it cannot be served)."""
+
+    def __init__(self, path: str) -> None:
+        import gguf
+
+        self.path = path
+        served = {**_FLOAT_TYPES, **_BLOCK_TYPES}
+        size = os.path.getsize(path)
+
+        class Reader(gguf.GGUFReader):
+            """gguf's reader, checking each tensor's type and extent before it makes a view of it."""
+
+            def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+                for field in fields:
+                    _, name_data, _, dims, raw_type, offset = field.parts
+                    name, ggml_type = bytes(name_data).decode("utf-8", "replace"), int(raw_type[0])
+                    if ggml_type not in served:
+                        raise GGUFError(
+                            f"{path}: tensor {name} is {_type_name(ggml_type)}, which ringllm does not serve "
+                            f"(served: {', '.join(served.values())})"
+                        )
+                    elements = int(np.prod(dims.astype(np.float64)))
+                    block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+                    end = start_offs + int(offset[0]) + elements // block * block_bytes
+                    if elements % block or end > size:
+                        raise GGUFError(
+                            f"{path}: tensor {name} ({'x'.join(map(str, dims.tolist()))}, "
+                            f"{_type_name(ggml_type)}) does not fit in the file's {size} bytes: the file is "
+                            "truncated or corrupt"
+                        )
+                super()._build_tensors(start_offs, fields)
+
+        try:
+            self.reader = Reader(path)
+        except GGUFError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever the bytes were, the answer is the same
+            raise GGUFError(f"{path}: not a GGUF file ringllm can read ({type(exc).__name__}: {exc})") from None
+        self.architecture = self._string("general.architecture")
+        if self.architecture not in ARCHITECTURES:
+            raise GGUFError(
+                f"{path}: the architecture {self.architecture!r} is not served; served: {', '.join(ARCHITECTURES)}"
+            )
+        self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def _string(self, key: str) -> str:
+        field = self.reader.get_field(key)
+        if field is None:
+            raise GGUFError(f"{self.path}: the metadata has no {key}")
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+    def _number(self, key: str) -> int | None:
+        field = self.reader.get_field(key)
+        return None if field is None else int(field.parts[field.data[0]][0])
+
+    def header_digest(self) -> str:
+        """A hash of the metadata and tensor table: what the config and tokenizer come from."""
+        with open(self.path, "rb") as f:
+            return hashlib.sha256(f.read(self.reader.data_offset)).hexdigest()[:16]
+
+    # ------------------------------------------------------------ metadata
+
+    def metadata_dir(self) -> Path:
+        """A Hugging Face directory with this file's config and tokenizer, made on first use."""
+        target = Path(envs.RINGLLM_CACHE) / "gguf" / f"{Path(self.path).stem}-{self.header_digest()}"
+        if (target / "config.json").is_file():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
+        try:
+            self._write_metadata(staging)
+            try:
+                os.replace(staging, target)
+            except OSError:  # made meanwhile by another process: theirs is the same
+                if not (target / "config.json").is_file():
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return target
+
+    def _write_metadata(self, out: Path) -> None:
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        folder, name = os.path.split(os.path.abspath(self.path))
+        try:
+            config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - transformers says what it could not read
+            raise GGUFError(f"{self.path}: transformers could not read its config or tokenizer: {exc}") from exc
+        config.architectures = [ARCHITECTURES[self.architecture]]
+        if "output.weight" not in self.tensors:
+            config.tie_word_embeddings = True
+        head_dim = self._number(f"{self.architecture}.attention.key_length")
+        if head_dim is not None:  # transformers' Qwen3 mapping leaves it at the class default
+            config.head_dim = head_dim
+        config.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        eos = tokenizer.eos_token_id
+        if eos is not None:
+            GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos).save_pretrained(out)
+
+    # ------------------------------------------------------------ weights
+
+    def hf_names(self, config: ModelConfig) -> dict[str, str]:
+        """GGUF tensor name -> Hugging Face name, by the gguf package's table."""
+        import gguf
+
+        arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == self.architecture)
+        table = gguf.get_tensor_name_map(arch, config.num_layers)
+        names = ["model.embed_tokens", "model.norm", "lm_head"]
+        for i in range(config.num_layers):
+            layer = f"model.layers.{i}"
+            names += [f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm"]
+            names += [f"{layer}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+            names += [f"{layer}.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+        mapping = {}
+        for hf in names:
+            for suffix in (".weight", ".bias"):
+                gguf_name = table.get_name(hf + suffix, try_suffixes=(".weight", ".bias"))
+                if gguf_name is not None:
+                    mapping[gguf_name] = hf + suffix
+        return mapping
+
+    def weights(self, config: ModelConfig, dense: torch.dtype | None = None) -> Iterator[tuple[str, Any]]:
+        """(Hugging Face name, tensor) for every tensor: float ones as torch tensors, block
+        formats as ``QuantizedMatrix`` views of the file, or, with ``dense``, everything as
+        torch tensors of that dtype (a device without the block kernels)."""
+        import torch
+
+        from kernels.quant import QuantizedMatrix, QuantType
+
+        names = self.hf_names(config)
+        for tensor in self.reader.tensors:
+            hf = names.get(tensor.name)
+            if hf is None:
+                raise GGUFError(f"{self.path}: tensor {tensor.name} has no place in a {self.architecture} model")
+            ggml_type = int(tensor.tensor_type)
+            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists the fastest axis first
+            if ggml_type in _BLOCK_TYPES:
+                value: Any = QuantizedMatrix(QuantType(ggml_type), np.ascontiguousarray(tensor.data), shape[0],
+                                             int(np.prod(shape[1:])))
+                if self._permuted(hf):
+                    value = _unpermute_quantized(value, self._heads(config, hf))
+                if dense is not None:
+                    value = torch.from_numpy(value.dequantize()).to(dense)
+            else:
+                value = _float_tensor(ggml_type, tensor.data).reshape(shape)
+                if self._permuted(hf):
+                    value = _unpermute(value, self._heads(config, hf))
+                if dense is not None:
+                    value = value.to(dense)
+            yield hf, value
+
+    def _permuted(self, hf_name: str) -> bool:
+        return self.architecture in _PERMUTED and hf_name.endswith(("q_proj.weight", "k_proj.weight"))
+
+    @staticmethod
+    def _heads(config: ModelConfig, hf_name: str) -> int:
+        return config.num_heads if hf_name.endswith("q_proj.weight") else config.num_kv_heads
+
+    def close(self) -> None:
+        mm = getattr(self.reader.data, "_mmap", None)
+        if mm is not None:
+            mm.close()
+
+
+def _float_tensor(ggml_type: int, data: np.ndarray) -> torch.Tensor:
+    import torch
+
+    if ggml_type == 0:
+        return torch.from_numpy(np.array(data, dtype=np.float32))
+    if ggml_type == 1:
+        return torch.from_numpy(np.array(data, dtype=np.float16)).float()
+    bits = np.frombuffer(np.ascontiguousarray(data).tobytes(), np.uint16).astype(np.uint32) << 16  # BF16
+    return torch.from_numpy(bits.view(np.float32))
+
+
+def _interleaved_order(rows: int, heads: int) -> np.ndarray:
+    """The file row that holds each Hugging Face row of a q or k projection: llama.cpp's
+    converter pairs the two halves of every head's rotary dimensions."""
+    half = rows // heads // 2
+    order = np.arange(rows).reshape(heads, half, 2).transpose(0, 2, 1).reshape(rows)
+    return order
+
+
+def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    return weight[_interleaved_order(weight.shape[0], heads)].contiguous()
+
+
+def _unpermute_quantized(matrix: QuantizedMatrix, heads: int) -> QuantizedMatrix:
+    from kernels.quant import QuantizedMatrix
+
+    data = np.ascontiguousarray(matrix.data[_interleaved_order(matrix.rows, heads)])  # whole rows of blocks
+    return QuantizedMatrix(matrix.qtype, data, matrix.rows, matrix.k)

@@ -1,0 +1,94 @@
+"""GGUF files for tests, written with the gguf package (llama.cpp's own writer and tables).
+
+``write_gguf`` turns a small Hugging Face checkpoint into a GGUF file as
+llama.cpp's converter does: metadata under llama.cpp's keys, the tokenizer
+from tokenizer.json (gguf's LlamaHfVocab), tensor names from gguf's own
+table, Llama's q/k rows interleaved for llama.cpp's rotary, and every matrix
+whose rows hold whole blocks quantized by gguf's reference quantizer (the
+rest in float32, as the converter falls back). ``with_block_format`` swaps
+chosen matrices for valid random blocks of a format gguf cannot quantize
+(the K formats): what the file says they hold is then the truth that
+transformers' GGUF loader, the oracle, reads back.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+QUANTIZABLE = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+               "q5_0": gguf.GGMLQuantizationType.Q5_0}
+
+
+def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter: each head's two rotary halves interleaved, row by row."""
+    return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(
+        weights.shape
+    )
+
+
+def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "q8_0",
+               block_overrides: dict[str, np.ndarray] | None = None) -> Path:
+    """``hf_dir`` as a GGUF file at ``out``: matrices in ``qtype`` (q8_0, q4_0, q5_0, f32) where
+    their rows allow; ``block_overrides``: GGUF tensor name -> raw block data to store instead
+    (its type given by ``block_type_of``)."""
+    hf_dir, out = Path(hf_dir), Path(out)
+    config = json.loads((hf_dir / "config.json").read_text())
+    arch = ARCHS[config["architectures"][0]]
+    arch_enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    layers = config["num_hidden_layers"]
+
+    writer = gguf.GGUFWriter(out, arch)
+    writer.add_name(hf_dir.name)
+    writer.add_context_length(config.get("max_position_embeddings", 2048))
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
+    theta = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0))
+    writer.add_rope_freq_base(theta)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == "q8_0" else gguf.LlamaFileType.ALL_F32)
+
+    vocab = gguf.vocab.LlamaHfVocab(hf_dir)
+    tokens, scores, types = zip(*vocab.all_tokens())
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(list(tokens))
+    writer.add_token_scores(list(scores))
+    writer.add_token_types(list(types))
+    gguf.SpecialVocab(hf_dir, load_merges=False, n_vocab=len(tokens)).add_to_gguf(writer)
+
+    names = gguf.get_tensor_name_map(arch_enum, layers)
+    overrides = block_overrides or {}
+    for hf_name, value in load_file(hf_dir / "model.safetensors").items():
+        if hf_name == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert name is not None, hf_name
+        value = value.astype(np.float32)
+        if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            value = _permute(value, heads if "q_proj" in hf_name else kv_heads)
+        if name in overrides:
+            data, block_type = overrides[name]
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=block_type)
+            continue
+        block_type = QUANTIZABLE.get(qtype)
+        if value.ndim == 2 and block_type is not None and value.shape[1] % gguf.GGML_QUANT_SIZES[block_type][0] == 0:
+            writer.add_tensor(name, gguf.quants.quantize(value, block_type), raw_dtype=block_type)
+        else:
+            writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -1,0 +1,120 @@
+"""Products with GGUF block-format weights (kernels/quant.py) against the gguf package.
+
+The gguf package (llama.cpp's own Python reader) is the oracle for the
+formats: its dequantizer gives each weight's value. With activations left in
+float32 a product must equal the float64 product of those values to
+rounding; with activations quantized to int8 (as llama.cpp does) the
+difference is bounded by the activation rounding: at most half a step of
+each block's scale per value, times the block's weights.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from kernels import cpu
+from kernels.quant import BLOCKS, QuantizedMatrix, QuantizedWeight, QuantType, row_bytes
+from kernels.settings import settings
+
+pytestmark = pytest.mark.skipif(cpu.load() is None, reason="no C compiler to build kernels/cpu with")
+
+TYPES = list(QuantType)
+
+
+def random_blocks(qtype: QuantType, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """Valid random data of ``qtype``: the gguf quantizer's where it has one, else random
+    bits with finite, modest half-precision scales (every bit pattern of the rest is valid)."""
+    rng = np.random.default_rng(seed)
+    if qtype in (QuantType.Q4_0, QuantType.Q5_0, QuantType.Q8_0):
+        values = rng.standard_normal((rows, k)).astype(np.float32)
+        return gguf.quants.quantize(values, gguf.GGMLQuantizationType(qtype))
+    values, nbytes = BLOCKS[qtype]
+    data = rng.integers(0, 256, (rows, k // values, nbytes), dtype=np.uint8)
+    scale = rng.uniform(0.001, 0.02, (rows, k // values)).astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
+    if qtype == QuantType.Q4_K:  # d and dmin first
+        data[:, :, 0:2] = scale
+        data[:, :, 2:4] = (rng.uniform(0.001, 0.02, (rows, k // values)).astype(np.float16)
+                           .view(np.uint8).reshape(rows, -1, 2))
+    else:  # Q6_K: d last
+        data[:, :, -2:] = scale
+    return data.reshape(rows, row_bytes(qtype, k))
+
+
+def oracle(qtype: QuantType, data: np.ndarray) -> np.ndarray:
+    return gguf.quants.dequantize(data, gguf.GGMLQuantizationType(qtype)).astype(np.float64)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_rows_dequantize_as_gguf_does(qtype: QuantType) -> None:
+    k = 512
+    data = random_blocks(qtype, 6, k, seed=int(qtype))
+    matrix = QuantizedMatrix(qtype, data, 6, k)
+    np.testing.assert_allclose(matrix.dequantize(), oracle(qtype, data), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(matrix.take_rows(np.array([5, 0, 5])), oracle(qtype, data)[[5, 0, 5]], rtol=1e-6,
+                               atol=1e-7)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [1, 3, 17])
+def test_products_with_float32_activations_equal_the_dequantized_product(qtype, n, monkeypatch) -> None:
+    monkeypatch.setattr(settings, "quantize_activations", False)
+    m, k = 37, 512
+    data = random_blocks(qtype, m, k, seed=n)
+    bias = np.random.default_rng(1).standard_normal(m).astype(np.float32)
+    x = np.random.default_rng(2).standard_normal((n, k)).astype(np.float32)
+    got = QuantizedWeight([QuantizedMatrix(qtype, data, m, k)], bias).matmul(x)
+    expected = x.astype(np.float64) @ oracle(qtype, data).T + bias
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+def activation_rounding_bound(qtype: QuantType, weights: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """[n, m] bounds on |int8 product - exact product|: every activation value is off by at
+    most half its block's step (max|x| / 127 over the block: 32 values, or 256 for the K
+    formats), and Q8_0 keeps the step in half precision, which moves a value of up to 127
+    steps by 127 * 2^-11 steps more; each weight multiplies that. Plus float32 slack."""
+    k_format = BLOCKS[qtype][0] == 256
+    block = 256 if k_format else 32
+    n, k = x.shape
+    step = np.abs(x).reshape(n, k // block, block).max(axis=2) / 127.0  # [n, blocks]
+    per_block = np.abs(weights).reshape(weights.shape[0], k // block, block).sum(axis=2)  # [m, blocks]
+    off = 0.5 if k_format else 0.5 + 127 / 2048
+    return off * step @ per_block.T + 1e-5 * (np.abs(x) @ np.abs(weights).T)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [1, 5])
+def test_products_with_int8_activations_stay_within_the_rounding_bound(qtype, n) -> None:
+    m, k = 29, 768 if BLOCKS[qtype][0] == 32 else 512
+    data = random_blocks(qtype, m, k, seed=10 + n)
+    x = np.random.default_rng(3).standard_normal((n, k)).astype(np.float32)
+    weights = oracle(qtype, data)
+    got = QuantizedWeight([QuantizedMatrix(qtype, data, m, k)]).matmul(x)
+    exact = x.astype(np.float64) @ weights.T
+    error = np.abs(got - exact)
+    assert (error <= activation_rounding_bound(qtype, weights, x)).all(), error.max()
+    assert error.max() > 0  # the activations really were rounded
+
+
+def test_a_weight_of_parts_of_several_formats_writes_each_part_in_place() -> None:
+    """Fused q/k/v whose parts were quantized differently (Q4_K_M files do that)."""
+    k = 512
+    parts = [QuantizedMatrix(t, random_blocks(t, rows, k, seed=rows), rows, k)
+             for t, rows in [(QuantType.Q4_K, 8), (QuantType.Q6_K, 4), (QuantType.Q8_0, 4)]]
+    weight = QuantizedWeight(parts, np.arange(16, dtype=np.float32))
+    x = np.random.default_rng(4).standard_normal((3, k)).astype(np.float32)
+    out = np.full((3, 20), np.nan, np.float32)
+    weight.matmul(x, out[:, 2:18])  # a strided view, as a slice of a wider buffer
+    for part, start in zip(parts, (0, 8, 12)):
+        alone = QuantizedWeight([part], np.arange(start, start + part.rows, dtype=np.float32)).matmul(x)
+        np.testing.assert_array_equal(out[:, 2 + start : 2 + start + part.rows], alone)
+    assert np.isnan(out[:, :2]).all() and np.isnan(out[:, 18:]).all()
+    np.testing.assert_allclose(weight.dequantize(), np.concatenate([oracle(p.qtype, p.data) for p in parts]), rtol=1e-6)
+
+
+def test_malformed_data_is_refused() -> None:
+    with pytest.raises(ValueError, match="multiples of 256"):
+        QuantizedMatrix(QuantType.Q4_K, np.zeros((2, 144), np.uint8), 2, 100)
+    with pytest.raises(ValueError, match="does not hold 3 rows"):
+        QuantizedMatrix(QuantType.Q8_0, np.zeros((2, 34), np.uint8), 3, 32)
