@@ -104,11 +104,12 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
             checkpoint = GGUFCheckpoint(path)
             try:
                 metadata = str(checkpoint.metadata_dir())
+                model_config = ModelConfig.from_dir(metadata)
+                checkpoint.check_names(model_config)
             finally:
                 checkpoint.close()
             model, tokenizer = path, tokenizer or metadata
             load_format = "gguf" if load_format == "auto" else load_format
-            model_config = ModelConfig.from_dir(metadata)
         elif load_format == "gguf":
             raise ValueError(f"--load-format gguf: {model} is not a GGUF file")
         else:

@@ -163,3 +163,19 @@ def test_the_head_size_is_the_files_own(tmp_path, cache) -> None:
     config = EngineArgs(model=str(path)).resolve().model_config
     assert (config.head_dim, config.num_heads, config.num_kv_heads) == (16, 4, 2)
     assert _ours(path) is not None  # every tensor found its place
+
+
+def test_the_tokenizer_from_the_files_metadata_equals_the_original(stories_gguf) -> None:
+    """The frontend tokenizes with what transformers read from the file: the same ids, and the
+    same text back, as the checkpoint's own tokenizer.json. (Not for runs of spaces: this
+    SentencePiece model folds them, a normaliser setting GGUF does not carry, so the file's
+    tokenizer keeps them, as llama.cpp's does; tests/test_llama_server.py compares with it.)"""
+    config = EngineArgs(model=str(stories_gguf["q8_0"])).resolve()
+    ours = transformers.AutoTokenizer.from_pretrained(config.tokenizer)
+    original = transformers.AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    texts = [*STORY_PROMPTS, "leading words, tabs\tand\nnew lines", "Ünïcödé — ☃ 🦙 and bytes", "", "a" * 300]
+    for text in texts:
+        assert ours.encode(text) == original.encode(text), text
+        ids = original.encode(text)
+        assert ours.decode(ids) == original.decode(ids)
+    assert (ours.bos_token_id, ours.eos_token_id) == (original.bos_token_id, original.eos_token_id)

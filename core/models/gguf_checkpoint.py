@@ -100,7 +100,7 @@ class GGUFCheckpoint:
                     elements = int(np.prod(dims.astype(np.float64)))
                     block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
                     end = start_offs + int(offset[0]) + elements // block * block_bytes
-                    if elements % block or end > size:
+                    if (int(dims[0]) if len(dims) else 1) % block or end > size:
                         raise GGUFError(
                             f"{path}: tensor {name} ({'x'.join(map(str, dims.tolist()))}, "
                             f"{_type_name(ggml_type)}) does not fit in the file's {size} bytes: the file is "
@@ -198,6 +198,14 @@ class GGUFCheckpoint:
                 if gguf_name is not None:
                     mapping[gguf_name] = hf + suffix
         return mapping
+
+    def check_names(self, config: ModelConfig) -> None:
+        """GGUFError unless every tensor has a place in the model ``config`` describes (checked
+        before anything is loaded; shapes are checked as the weights are)."""
+        names = self.hf_names(config)
+        for name in self.tensors:
+            if name not in names:
+                raise GGUFError(f"{self.path}: tensor {name} has no place in a {self.architecture} model")
 
     def weights(self, config: ModelConfig, dense: torch.dtype | None = None) -> Iterator[tuple[str, Any]]:
         """(Hugging Face name, tensor) for every tensor: float ones as torch tensors, block

@@ -2,7 +2,7 @@
 
 ``write_gguf`` turns a small Hugging Face checkpoint into a GGUF file as
 llama.cpp's converter does: metadata under llama.cpp's keys, the tokenizer
-from tokenizer.json (gguf's LlamaHfVocab), tensor names from gguf's own
+from SentencePiece's tokenizer.model (or tokenizer.json), tensor names from gguf's own
 table, Llama's q/k rows interleaved for llama.cpp's rotary, and every matrix
 whose rows hold whole blocks quantized by gguf's reference quantizer (the
 rest in float32, as the converter falls back). ``with_block_format`` swaps
@@ -30,6 +30,23 @@ def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
     return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(
         weights.shape
     )
+
+
+def _vocabulary(hf_dir: Path) -> tuple[list[bytes], list[float], list[int]]:
+    """Tokens, scores and types as llama.cpp's converter takes them: from SentencePiece's
+    tokenizer.model where there is one (its merge scores are what llama.cpp tokenizes by),
+    else from tokenizer.json (gguf's LlamaHfVocab)."""
+    model_file = hf_dir / "tokenizer.model"
+    if model_file.is_file():
+        from transformers.utils import sentencepiece_model_pb2_new as sentencepiece_model
+
+        proto = sentencepiece_model.ModelProto()
+        proto.ParseFromString(model_file.read_bytes())
+        # SentencePiece's piece types are GGUF's token types (normal 1 ... byte 6).
+        return ([p.piece.encode() for p in proto.pieces], [p.score for p in proto.pieces],
+                [p.type for p in proto.pieces])
+    tokens, scores, types = zip(*gguf.vocab.LlamaHfVocab(hf_dir).all_tokens())
+    return list(tokens), list(scores), list(types)
 
 
 def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "q8_0",
@@ -60,8 +77,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "q8_0",
     writer.add_rope_freq_base(theta)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == "q8_0" else gguf.LlamaFileType.ALL_F32)
 
-    vocab = gguf.vocab.LlamaHfVocab(hf_dir)
-    tokens, scores, types = zip(*vocab.all_tokens())
+    tokens, scores, types = _vocabulary(hf_dir)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(list(tokens))
     writer.add_token_scores(list(scores))
