@@ -28,7 +28,7 @@ from typing import Any
 
 from bench.launcher import ManagedServer
 from bench.report import save_result
-from bench.serve import BACKENDS, add_workload_arguments, run_benchmark
+from bench.serve import BACKENDS, add_workload_arguments, run_benchmark, tokenizer_of
 
 HELP = "our server vs another OpenAI-compatible server (e.g. llama.cpp), same load, alternately"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -72,7 +72,7 @@ def process_tree_cpu_s(pid: int) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("compare")
-    g.add_argument("--model", required=True, help="our model directory (also the tokenizer of both)")
+    g.add_argument("--model", required=True, help="our model directory or GGUF file (also the tokenizer of both)")
     g.add_argument("--server-args", default="", help="arguments for our server, e.g. '--max-model-len 512'")
     g.add_argument("--peer-cmd", required=True, help="the other server's command, with {port} and {concurrency}")
     g.add_argument("--peer-name", default="peer", help="its name in the table")
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
                         server = CommandServer(args.peer_cmd, concurrency, log, args.server_timeout)
                     print(f"\n### {name}, {concurrency} streams, run {repeat + 1}")
                     with server:
-                        runs[name].append(measure(server, args, concurrency, args.model))
+                        runs[name].append(measure(server, args, concurrency, tokenizer_of(args.model) or args.model))
             results[concurrency] = runs
     table = comparison_table(results, args.peer_name)
     print("\n" + table)

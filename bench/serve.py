@@ -58,9 +58,9 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", choices=sorted(BACKENDS), default="openai",
                    help="openai-chat implies --endpoint /v1/chat/completions")
     g.add_argument("--model", help="model name in requests (default: the server's first model); "
-                                   "a local directory also gives the tokenizer")
+                                   "a local directory or GGUF file also gives the tokenizer")
     g.add_argument("--served-model-name", help="model name in requests when it differs from --model")
-    g.add_argument("--tokenizer", help="tokenizer directory (default: --model if a directory, "
+    g.add_argument("--tokenizer", help="tokenizer directory (default: --model's if a directory or GGUF file, "
                                        "the embedded model's for stories260K and ringllm-default)")
     g.add_argument("--ready-check-timeout-sec", type=float, default=600.0,
                    help="wait this long for the server to answer a first test request (0: no test)")
@@ -118,14 +118,27 @@ class Target:
         return self.base_url.rstrip("/") + self.endpoint
 
 
+def tokenizer_of(model: str) -> str | None:
+    """The tokenizer directory of a local model: the directory itself, or the one made from a
+    GGUF file's metadata (as the server makes it); None for anything else."""
+    if not Path(model).exists():
+        return None
+    from core.models.gguf_checkpoint import gguf_file, metadata_dir_of
+
+    path = gguf_file(model)
+    if path is not None:
+        return metadata_dir_of(path)
+    return model if Path(model).is_dir() else None
+
+
 def resolve_target(args: argparse.Namespace) -> Target:
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     endpoint = args.endpoint or BACKENDS[args.backend]
     model = args.served_model_name or args.model or first_served_model(base_url, args.ready_check_timeout_sec)
     tokenizer = args.tokenizer
-    for candidate in (args.model, model):  # a served name may be the model's own directory
-        if tokenizer is None and candidate and Path(candidate).is_dir():
-            tokenizer = candidate
+    for candidate in (args.model, model):  # a served name may be the model's own directory (or GGUF file)
+        if tokenizer is None and candidate:
+            tokenizer = tokenizer_of(candidate)
     if tokenizer is None:
         from core.models.default_model import SERVED_NAMES, default_model_dir
 

@@ -89,7 +89,7 @@ def write_kv_cache(
     backend = _attention_backend(key)
     if backend is not torch_ref:
         backend.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
-    elif cpu.usable(key, value, k_cache) and _heads_contiguous(key) and _heads_contiguous(value):
+    elif cpu.usable(key, value, cache=k_cache) and _heads_contiguous(key) and _heads_contiguous(value):
         cpu.write_kv(key, value, k_cache, v_cache, slot_mapping)
     else:
         torch_ref.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, may_pad)
@@ -105,7 +105,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """query [T, Hq, D] attends causally over each request's paged context -> [T, Hq, D]."""
     backend = _attention_backend(query)
-    if backend is not torch_ref or not (cpu.usable(query, k_cache) and _heads_contiguous(query)):
+    if backend is not torch_ref or not (cpu.usable(query, cache=k_cache) and _heads_contiguous(query)):
         return backend.paged_attention(query, k_cache, v_cache, meta, scale, out)
     whole_chunks = query.shape[2] in cpu.PREFILL_KERNEL_HEAD_DIMS
     step = torch_ref.plan(meta, k_cache.shape[1], query.device, settings.prefill_pairs, whole_chunks)

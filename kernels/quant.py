@@ -1,8 +1,9 @@
 """Weights kept in llama.cpp's block formats (GGUF), and products with them on a CPU.
 
-A ``QuantizedMatrix`` is a [rows, k] matrix whose rows are GGUF blocks back
-to back (a numpy view: of the memory-mapped file, or of a quantized copy);
-it is never expanded to float32 as a whole. A ``QuantizedWeight`` stacks one
+A ``QuantizedMatrix`` is a [rows, k] matrix of GGUF blocks, repacked when it
+is made into the tiles the C kernels read (kernels/cpu/quant_kernels.c: the
+same bytes, 16 rows interleaved); it is never expanded to float32 as a whole,
+and once packed it no longer refers to the file it came from. A ``QuantizedWeight`` stacks one
 or more of them by rows (a fused q/k/v projection whose parts were quantized
 differently) and is what a dense layer's ``cpu_weight`` holds: the forward
 pass and the CPU step program call its ``matmul`` without knowing the format.
@@ -27,8 +28,11 @@ from kernels.settings import settings
 
 
 class QuantType(enum.IntEnum):
-    """The block formats served, by their GGML type ids (as GGUF files store them)."""
+    """The formats served, by their GGML type ids (as GGUF files store them): float32 and
+    float16 matrices take the same tiled layout and kernels as the block formats."""
 
+    F32 = 0
+    F16 = 1
     Q4_0 = 2
     Q5_0 = 6
     Q8_0 = 8
@@ -36,16 +40,16 @@ class QuantType(enum.IntEnum):
     Q6_K = 14
 
 
-# (values, bytes) per block.
+# (values, bytes) per block (a "block" of F32 or F16 is one value).
 BLOCKS = {
+    QuantType.F32: (1, 4),
+    QuantType.F16: (1, 2),
     QuantType.Q4_0: (32, 18),
     QuantType.Q5_0: (32, 22),
     QuantType.Q8_0: (32, 34),
     QuantType.Q4_K: (256, 144),
     QuantType.Q6_K: (256, 210),
 }
-# The activation format each weight format's products take: Q8_0 (per 32) or Q8_K (per 256).
-_ACTIVATION = {t: "q8_k" if BLOCKS[t][0] == 256 else "q8_0" for t in QuantType}
 
 
 def row_bytes(qtype: QuantType, k: int) -> int:
@@ -54,16 +58,37 @@ def row_bytes(qtype: QuantType, k: int) -> int:
 
 
 class QuantizedMatrix:
-    """``rows`` x ``k`` values in ``qtype`` blocks: ``data`` is uint8 [rows, row_bytes(qtype, k)]."""
+    """``rows`` x ``k`` values in ``qtype`` blocks, packed for the kernels (``data``, uint8).
+
+    ``blocks`` is the GGUF layout, uint8 [rows, row_bytes(qtype, k)] (a view of a file, or
+    a quantizer's output); packed row i is ``blocks[order[i]]`` (``order`` reorders rows in
+    the same pass: llama.cpp's interleaved q/k rows)."""
 
     __slots__ = ("qtype", "data", "rows", "k")
 
-    def __init__(self, qtype: QuantType, data: np.ndarray, rows: int, k: int) -> None:
+    def __init__(self, qtype: QuantType, blocks: np.ndarray, rows: int, k: int,
+                 order: np.ndarray | None = None) -> None:
         if k % BLOCKS[qtype][0]:
             raise ValueError(f"{qtype.name} rows hold multiples of {BLOCKS[qtype][0]} values, not {k}")
-        if data.dtype != np.uint8 or data.shape != (rows, row_bytes(qtype, k)) or not data.flags.c_contiguous:
-            raise ValueError(f"{qtype.name} data of shape {data.shape} does not hold {rows} rows of {k} values")
-        self.qtype, self.data, self.rows, self.k = qtype, data, rows, k
+        if blocks.dtype != np.uint8 or blocks.shape != (rows, row_bytes(qtype, k)) or not blocks.flags.c_contiguous:
+            raise ValueError(f"{qtype.name} data of shape {blocks.shape} does not hold {rows} rows of {k} values")
+        if order is not None:
+            order = np.ascontiguousarray(order, dtype=np.int64)
+            if order.shape != (rows,) or (rows and (order.min() < 0 or order.max() >= rows)):
+                raise ValueError(f"a row order for {rows} rows must be {rows} row numbers")
+        lib = cpu.load()
+        self.data = np.empty(lib.packed_bytes(qtype, rows, k), np.uint8)
+        lib.pack_matrix(qtype, blocks.ctypes.data, rows, k, None if order is None else order.ctypes.data,
+                        self.data.ctypes.data, torch.get_num_threads())
+        self.qtype, self.rows, self.k = qtype, rows, k
+
+    @classmethod
+    def from_floats(cls, weight: np.ndarray, order: np.ndarray | None = None) -> QuantizedMatrix:
+        """A float32 or float16 [rows, k] matrix in the same tiles (kept in its own precision)."""
+        qtype = QuantType.F16 if weight.dtype == np.float16 else QuantType.F32
+        weight = np.ascontiguousarray(weight, dtype=np.float16 if qtype == QuantType.F16 else np.float32)
+        rows, k = weight.shape
+        return cls(qtype, weight.view(np.uint8).reshape(rows, -1), rows, k, order)
 
     @property
     def nbytes(self) -> int:
@@ -74,7 +99,8 @@ class QuantizedMatrix:
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         if out is None:
             out = np.empty((ids.size, self.k), np.float32)
-        cpu.load().dequantize_rows(self.qtype, self.data.ctypes.data, self.k, ids.ctypes.data, ids.size, out.ctypes.data)
+        cpu.load().dequantize_rows(self.qtype, self.data.ctypes.data, self.k, ids.ctypes.data, ids.size,
+                                   out.ctypes.data)
         return out
 
     def dequantize(self) -> np.ndarray:
@@ -85,7 +111,7 @@ class QuantizedMatrix:
 class QuantizedWeight:
     """A dense layer's weight [out, in] as quantized row blocks (and a float32 bias)."""
 
-    __slots__ = ("parts", "in_features", "out_features", "bias", "_formats")
+    __slots__ = ("parts", "in_features", "out_features", "bias", "_desc", "_desc_ptr")
 
     def __init__(self, parts: Sequence[QuantizedMatrix], bias: np.ndarray | None = None) -> None:
         if not parts or len({p.k for p in parts}) != 1:
@@ -94,41 +120,35 @@ class QuantizedWeight:
         self.in_features = parts[0].k
         self.out_features = sum(p.rows for p in parts)
         self.bias = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
-        self._formats = sorted({_ACTIVATION[p.qtype] for p in parts})
+        if self.bias is not None and self.bias.shape != (self.out_features,):
+            raise ValueError(f"a bias of shape {self.bias.shape} for {self.out_features} outputs")
+        # What quant_linear reads: [parts, k, then per part: type, data, rows, bias (0: none)].
+        desc = [len(self.parts), self.in_features]
+        row = 0
+        for part in self.parts:
+            bias_ptr = 0 if self.bias is None else self.bias.ctypes.data + 4 * row
+            desc += [int(part.qtype), part.data.ctypes.data, part.rows, bias_ptr]
+            row += part.rows
+        self._desc = np.array(desc, np.int64)  # keeps the pointers' owners: parts and bias, above
+        self._desc_ptr = self._desc.ctypes.data
 
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
+    @property
+    def desc_address(self) -> int:
+        """Where the C kernels read this layer's description (valid while this object lives)."""
+        return self._desc_ptr
+
     def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """``x [N, in] @ Wᵀ + b`` (float32, C-contiguous), into ``out`` [N, out] when given
         (rows of ``out`` may be strided: each part writes its columns in place)."""
-        lib = cpu.load()
         n = x.shape[0]
         if out is None:
             out = np.empty((n, self.out_features), np.float32)
-        threads = torch.get_num_threads()
-        k, stride = self.in_features, out.strides[0] // 4
-        bias = self.bias
-        quantized = {}
-        if settings.quantize_activations:
-            for fmt in self._formats:
-                qtype = QuantType.Q4_K if fmt == "q8_k" else QuantType.Q8_0
-                buf = np.empty((n, lib.activation_row_bytes(qtype, k)), np.uint8)
-                lib.quantize_activations(qtype, x.ctypes.data, n, k, buf.ctypes.data)
-                quantized[fmt] = buf
-        column = 0
-        for part in self.parts:
-            out_p = out.ctypes.data + 4 * column
-            bias_p = None if bias is None else bias.ctypes.data + 4 * column
-            if settings.quantize_activations:
-                xq = quantized[_ACTIVATION[part.qtype]]
-                lib.quant_matmul(part.qtype, part.data.ctypes.data, part.rows, k, xq.ctypes.data, n, out_p, stride,
-                                 bias_p, threads)
-            else:
-                lib.quant_matmul_f32(part.qtype, part.data.ctypes.data, part.rows, k, x.ctypes.data, n, out_p,
-                                     stride, bias_p, threads)
-            column += part.rows
+        cpu.load().quant_linear(self._desc_ptr, x.ctypes.data, n, out.ctypes.data, out.strides[0] >> 2,
+                                settings.quantize_activations, torch.get_num_threads())
         return out
 
     def dequantize(self) -> np.ndarray:

@@ -241,20 +241,21 @@ def attend_prefills(
 ) -> None:
     """The step's prefill chunks, one SDPA call each, written into their rows of ``out``."""
     for p in step.prefills:
-        k = _context(k_cache, p.block_ids, p.seq_len).transpose(0, 1)  # [Hkv, S, D]
-        v = _context(v_cache, p.block_ids, p.seq_len).transpose(0, 1)
+        k = _context(k_cache, p.block_ids, p.seq_len, query.dtype).transpose(0, 1)  # [Hkv, S, D]
+        v = _context(v_cache, p.block_ids, p.seq_len, query.dtype).transpose(0, 1)
         q = query[p.start : p.end].transpose(0, 1)  # [Hq, q_len, D]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.causal, scale=scale, enable_gqa=True)
         out[p.start : p.end] = o.transpose(0, 1)
 
 
-def _context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` cached tokens of one request as [length, Hkv, D].
+def _context(cache: torch.Tensor, block_ids: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first ``length`` cached tokens of one request as [length, Hkv, D], in ``dtype``
+    (a float16 cache serves float32 queries on a CPU).
 
     ``index_select`` on the block ids: on a CPU it copies whole blocks much
     faster than advanced indexing with a 2-D index.
     """
-    return cache.index_select(0, block_ids).view(-1, *cache.shape[2:])[:length]
+    return cache.index_select(0, block_ids).view(-1, *cache.shape[2:])[:length].to(dtype)
 
 
 def _decodes(
@@ -264,8 +265,9 @@ def _decodes(
     batch, num_kv_heads, head_dim = plan.num_decodes, k_cache.shape[2], k_cache.shape[3]
     length = plan.decode_len
     # [B, blocks * block_size, Hkv, D] -> [B, Hkv, S, D] (a view; the matmuls read it strided)
-    k = k_cache.index_select(0, plan.decode_blocks).view(batch, -1, num_kv_heads, head_dim)[:, :length]
-    v = v_cache.index_select(0, plan.decode_blocks).view(batch, -1, num_kv_heads, head_dim)[:, :length]
+    # (a float16 cache is read as float32: the queries' dtype on a CPU)
+    k = k_cache.index_select(0, plan.decode_blocks).to(query.dtype).view(batch, -1, num_kv_heads, head_dim)[:, :length]
+    v = v_cache.index_select(0, plan.decode_blocks).to(query.dtype).view(batch, -1, num_kv_heads, head_dim)[:, :length]
     q = query.view(batch, num_kv_heads, -1, head_dim)  # [B, Hkv, group, D]
     scores = torch.matmul(q, k.permute(0, 2, 3, 1))  # [B, Hkv, group, S]
     scores.mul_(scale)

@@ -27,6 +27,9 @@ def random_blocks(qtype: QuantType, rows: int, k: int, seed: int = 0) -> np.ndar
     """Valid random data of ``qtype``: the gguf quantizer's where it has one, else random
     bits with finite, modest half-precision scales (every bit pattern of the rest is valid)."""
     rng = np.random.default_rng(seed)
+    if qtype in (QuantType.F32, QuantType.F16):
+        values = rng.standard_normal((rows, k)).astype(np.float32 if qtype == QuantType.F32 else np.float16)
+        return values.view(np.uint8).reshape(rows, -1)
     if qtype in (QuantType.Q4_0, QuantType.Q5_0, QuantType.Q8_0):
         values = rng.standard_normal((rows, k)).astype(np.float32)
         return gguf.quants.quantize(values, gguf.GGMLQuantizationType(qtype))
@@ -72,15 +75,15 @@ def test_products_with_float32_activations_equal_the_dequantized_product(qtype, 
 def activation_rounding_bound(qtype: QuantType, weights: np.ndarray, x: np.ndarray) -> np.ndarray:
     """[n, m] bounds on |int8 product - exact product|: every activation value is off by at
     most half its block's step (max|x| / 127 over the block: 32 values, or 256 for the K
-    formats), and Q8_0 keeps the step in half precision, which moves a value of up to 127
-    steps by 127 * 2^-11 steps more; each weight multiplies that. Plus float32 slack."""
-    k_format = BLOCKS[qtype][0] == 256
-    block = 256 if k_format else 32
+    formats); each weight multiplies that. Plus float32 slack (all there is for F32 and F16,
+    whose products take the activations as they are)."""
+    block = BLOCKS[qtype][0]
+    if block == 1:
+        return 1e-5 * (np.abs(x) @ np.abs(weights).T)
     n, k = x.shape
     step = np.abs(x).reshape(n, k // block, block).max(axis=2) / 127.0  # [n, blocks]
     per_block = np.abs(weights).reshape(weights.shape[0], k // block, block).sum(axis=2)  # [m, blocks]
-    off = 0.5 if k_format else 0.5 + 127 / 2048
-    return off * step @ per_block.T + 1e-5 * (np.abs(x) @ np.abs(weights).T)
+    return 0.5 * step @ per_block.T + 1e-5 * (np.abs(x) @ np.abs(weights).T)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -94,14 +97,16 @@ def test_products_with_int8_activations_stay_within_the_rounding_bound(qtype, n)
     exact = x.astype(np.float64) @ weights.T
     error = np.abs(got - exact)
     assert (error <= activation_rounding_bound(qtype, weights, x)).all(), error.max()
-    assert error.max() > 0  # the activations really were rounded
+    if BLOCKS[qtype][0] > 1:
+        assert error.max() > 0  # the activations really were rounded
 
 
 def test_a_weight_of_parts_of_several_formats_writes_each_part_in_place() -> None:
     """Fused q/k/v whose parts were quantized differently (Q4_K_M files do that)."""
     k = 512
-    parts = [QuantizedMatrix(t, random_blocks(t, rows, k, seed=rows), rows, k)
-             for t, rows in [(QuantType.Q4_K, 8), (QuantType.Q6_K, 4), (QuantType.Q8_0, 4)]]
+    blocks = [(t, random_blocks(t, rows, k, seed=rows)) for t, rows in [(QuantType.Q4_K, 8), (QuantType.Q6_K, 4),
+                                                                        (QuantType.Q8_0, 4)]]
+    parts = [QuantizedMatrix(t, data, data.shape[0], k) for t, data in blocks]
     weight = QuantizedWeight(parts, np.arange(16, dtype=np.float32))
     x = np.random.default_rng(4).standard_normal((3, k)).astype(np.float32)
     out = np.full((3, 20), np.nan, np.float32)
@@ -110,7 +115,7 @@ def test_a_weight_of_parts_of_several_formats_writes_each_part_in_place() -> Non
         alone = QuantizedWeight([part], np.arange(start, start + part.rows, dtype=np.float32)).matmul(x)
         np.testing.assert_array_equal(out[:, 2 + start : 2 + start + part.rows], alone)
     assert np.isnan(out[:, :2]).all() and np.isnan(out[:, 18:]).all()
-    np.testing.assert_allclose(weight.dequantize(), np.concatenate([oracle(p.qtype, p.data) for p in parts]), rtol=1e-6)
+    np.testing.assert_allclose(weight.dequantize(), np.concatenate([oracle(t, data) for t, data in blocks]), rtol=1e-6)
 
 
 def test_malformed_data_is_refused() -> None:
@@ -118,3 +123,71 @@ def test_malformed_data_is_refused() -> None:
         QuantizedMatrix(QuantType.Q4_K, np.zeros((2, 144), np.uint8), 2, 100)
     with pytest.raises(ValueError, match="does not hold 3 rows"):
         QuantizedMatrix(QuantType.Q8_0, np.zeros((2, 34), np.uint8), 3, 32)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_rows_packed_in_another_order(qtype: QuantType) -> None:
+    """llama.cpp's q/k rows are put back in order while they are packed."""
+    k, rows = 256, 21
+    data = random_blocks(qtype, rows, k, seed=5)
+    order = np.random.default_rng(6).permutation(rows)
+    matrix = QuantizedMatrix(qtype, data, rows, k, order)
+    np.testing.assert_allclose(matrix.dequantize(), oracle(qtype, data)[order], rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="row order"):
+        QuantizedMatrix(qtype, data, rows, k, order[:-1])
+
+
+@pytest.mark.parametrize("n", [63, 64, 70, 131])
+def test_products_of_many_rows_span_several_passes(n: int) -> None:
+    """A prefill chunk: activation rows in passes of 64, groups within them, and a last
+    tile of fewer than 16 weight rows; each output row equals that row's product alone."""
+    k, m = 256, 45
+    weight = QuantizedWeight([QuantizedMatrix(QuantType.Q4_0, random_blocks(QuantType.Q4_0, m, k, seed=n), m, k)])
+    x = np.random.default_rng(n).standard_normal((n, k)).astype(np.float32)
+    together = weight.matmul(x)
+    for i in (0, 1, n // 2, n - 2, n - 1):
+        np.testing.assert_array_equal(together[i], weight.matmul(x[i : i + 1])[0])
+
+
+# Each vector path of quant_kernels.c, built for a CPU that has it (the machine running the
+# tests must have its extensions: AVX-512 without VNNI needs an AVX-512 CPU, and so on).
+VARIANTS = {"portable": "-march=x86-64", "avx2": "-march=haswell", "avx512": "-march=skylake-avx512",
+            "native": "-march=native"}
+
+
+def _variant(name: str):
+    from kernels.cpu import FLAGS, LIBRARY, OPENMP_VARIANTS
+    from kernels.cpu.library import NativeLibrary
+
+    flags = [VARIANTS[name] if f == "-march=native" else f for f in FLAGS]
+    lib = NativeLibrary(f"quant-{name}", LIBRARY.sources, flags, OPENMP_VARIANTS, LIBRARY.headers).load()
+    if lib is None:
+        pytest.skip(f"the {name} build does not run on this CPU")
+    return lib
+
+
+@pytest.mark.parametrize("variant", ["portable", "avx2", "avx512"])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_every_vector_path_computes_the_same_bits(variant: str, qtype: QuantType) -> None:
+    """The AVX-512, AVX2 and portable paths against this CPU's own build: the same packed
+    bytes, the same quantized activations, the same float32 results to the bit."""
+    other, native = _variant(variant), _variant("native")
+    assert other.quant_vector_path() == {"portable": 0, "avx2": 1, "avx512": 3}[variant]
+    m, k, n = 37, 512, 7
+    data = random_blocks(qtype, m, k, seed=20)
+    x = np.random.default_rng(21).standard_normal((n, k)).astype(np.float32)
+    bias = np.random.default_rng(22).standard_normal(m).astype(np.float32)
+    results = []
+    for lib in (native, other):
+        packed = np.empty(lib.packed_bytes(qtype, m, k), np.uint8)
+        lib.pack_matrix(qtype, data.ctypes.data, m, k, None, packed.ctypes.data, 2)
+        xq = np.empty((n, lib.activation_row_bytes(qtype, k)), np.uint8)
+        lib.quantize_activations(qtype, x.ctypes.data, n, k, xq.ctypes.data, 2)
+        out = np.empty((n, m), np.float32)
+        inputs = x if BLOCKS[qtype][0] == 1 else xq  # F32 and F16 take the activations as they are
+        lib.quant_matmul(qtype, packed.ctypes.data, m, k, inputs.ctypes.data, n, out.ctypes.data, m, bias.ctypes.data, 2)
+        results.append((packed, xq, out))
+    for ours, theirs in zip(*results):
+        np.testing.assert_array_equal(ours, theirs)
+    exact = x.astype(np.float64) @ oracle(qtype, data).T + bias
+    assert (np.abs(results[1][2] - exact) <= activation_rounding_bound(qtype, oracle(qtype, data), x)).all()

@@ -1,9 +1,11 @@
 """A GGUF file (llama.cpp's format) as a checkpoint: read with the gguf package, weights left in blocks.
 
 ``--model FILE.gguf`` (or a directory holding one ``.gguf`` and no
-``config.json``) serves the file as it is: it is memory-mapped, and each
-quantized tensor stays in its blocks (kernels/quant.py multiplies them); only
-the small float tensors (norms, biases) become torch tensors.
+``config.json``) serves the file's weights as they are: it is memory-mapped
+and read once, each quantized tensor's blocks repacked into the tiles the
+kernels read (kernels/quant.py; no float32 copy is ever made), the float
+tensors (norms, biases, unquantized matrices) copied into torch tensors; then
+the mapping is closed.
 
 Before anything is loaded the file is checked whole (``GGUFCheckpoint``): the
 magic and version, every tensor's type among those served and its bytes
@@ -38,7 +40,6 @@ if TYPE_CHECKING:
     import torch
 
     from core.model_config import ModelConfig
-    from kernels.quant import QuantizedMatrix
 
 # GGUF architecture -> the Hugging Face architecture it is served as.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -64,6 +65,15 @@ def gguf_file(model: str) -> str | None:
     if len(found) > 1:
         raise GGUFError(f"{model} holds several GGUF files ({', '.join(found)}): give --model the one to serve")
     return os.path.join(model, found[0]) if found else None
+
+
+def metadata_dir_of(path: str) -> str:
+    """The Hugging Face directory (config, tokenizer) made from GGUF file ``path``'s metadata."""
+    checkpoint = GGUFCheckpoint(path)
+    try:
+        return str(checkpoint.metadata_dir())
+    finally:
+        checkpoint.close()
 
 
 def _type_name(ggml_type: int) -> str:
@@ -208,9 +218,10 @@ class GGUFCheckpoint:
                 raise GGUFError(f"{self.path}: tensor {name} has no place in a {self.architecture} model")
 
     def weights(self, config: ModelConfig, dense: torch.dtype | None = None) -> Iterator[tuple[str, Any]]:
-        """(Hugging Face name, tensor) for every tensor: float ones as torch tensors, block
-        formats as ``QuantizedMatrix`` views of the file, or, with ``dense``, everything as
-        torch tensors of that dtype (a device without the block kernels)."""
+        """(Hugging Face name, tensor) for every tensor: matrices as ``QuantizedMatrix``
+        (block formats packed from the file's bytes; float ones as F32 or F16 tiles), vectors
+        as torch tensors; or, with ``dense``, everything as torch tensors of that dtype (a
+        device without these kernels)."""
         import torch
 
         from kernels.quant import QuantizedMatrix, QuantType
@@ -223,12 +234,15 @@ class GGUFCheckpoint:
             ggml_type = int(tensor.tensor_type)
             shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists the fastest axis first
             if ggml_type in _BLOCK_TYPES:
+                order = _interleaved_order(shape[0], self._heads(config, hf)) if self._permuted(hf) else None
                 value: Any = QuantizedMatrix(QuantType(ggml_type), np.ascontiguousarray(tensor.data), shape[0],
-                                             int(np.prod(shape[1:])))
-                if self._permuted(hf):
-                    value = _unpermute_quantized(value, self._heads(config, hf))
+                                             int(np.prod(shape[1:])), order)
                 if dense is not None:
                     value = torch.from_numpy(value.dequantize()).to(dense)
+            elif len(shape) == 2 and dense is None:  # a float matrix: the same tiles (F32, or F16 as it is)
+                values = _float_tensor(ggml_type, tensor.data, keep_half=True).reshape(shape).numpy()
+                order = _interleaved_order(shape[0], self._heads(config, hf)) if self._permuted(hf) else None
+                value = QuantizedMatrix.from_floats(values, order)
             else:
                 value = _float_tensor(ggml_type, tensor.data).reshape(shape)
                 if self._permuted(hf):
@@ -245,18 +259,21 @@ class GGUFCheckpoint:
         return config.num_heads if hf_name.endswith("q_proj.weight") else config.num_kv_heads
 
     def close(self) -> None:
-        mm = getattr(self.reader.data, "_mmap", None)
-        if mm is not None:
-            mm.close()
+        """Drops the reader and its views of the file: the mapping goes with the last of them
+        (what was loaded holds copies, never views)."""
+        self.reader = None
+        self.tensors = {}
 
 
-def _float_tensor(ggml_type: int, data: np.ndarray) -> torch.Tensor:
+def _float_tensor(ggml_type: int, data: np.ndarray, keep_half: bool = False) -> torch.Tensor:
+    """A float tensor's values, copied out of the file: float32 (float16 with ``keep_half``)."""
     import torch
 
     if ggml_type == 0:
         return torch.from_numpy(np.array(data, dtype=np.float32))
     if ggml_type == 1:
-        return torch.from_numpy(np.array(data, dtype=np.float16)).float()
+        half = torch.from_numpy(np.array(data, dtype=np.float16))
+        return half if keep_half else half.float()
     bits = np.frombuffer(np.ascontiguousarray(data).tobytes(), np.uint16).astype(np.uint32) << 16  # BF16
     return torch.from_numpy(bits.view(np.float32))
 
@@ -271,10 +288,3 @@ def _interleaved_order(rows: int, heads: int) -> np.ndarray:
 
 def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight[_interleaved_order(weight.shape[0], heads)].contiguous()
-
-
-def _unpermute_quantized(matrix: QuantizedMatrix, heads: int) -> QuantizedMatrix:
-    from kernels.quant import QuantizedMatrix
-
-    data = np.ascontiguousarray(matrix.data[_interleaved_order(matrix.rows, heads)])  # whole rows of blocks
-    return QuantizedMatrix(matrix.qtype, data, matrix.rows, matrix.k)

@@ -107,10 +107,13 @@ def load_model(
         if config.load_format == "gguf":
             checkpoint = GGUFCheckpoint(config.model)
             # Off a CPU the block formats have no kernels: their values, in the compute dtype.
-            weights = checkpoint.weights(config.model_config, dense=None if device.type == "cpu" else dtype)
+            try:
+                loaded = model.load_weights(checkpoint.weights(config.model_config,
+                                                               dense=None if device.type == "cpu" else dtype))
+            finally:
+                checkpoint.close()
         else:
-            weights = iter_safetensors(config.model)
-        loaded = model.load_weights(weights)
+            loaded = model.load_weights(iter_safetensors(config.model))
         missing = model.expected_weights() - loaded
         if missing:
             shown = ", ".join(sorted(missing)[:5])
@@ -126,25 +129,25 @@ def load_model(
 def quantize_model(model: nn.Module, qtype: QuantType) -> None:
     """Every dense layer and the embedding in ``qtype`` blocks, by the gguf package's own
     quantizer (the same bytes as its reference code, which llama.cpp's follows, gives); the
-    float weights are dropped. Matrices whose rows do not hold whole blocks stay float, as
-    llama.cpp's converter leaves them."""
+    float weights are dropped. Matrices whose rows do not hold whole blocks stay float32, as
+    llama.cpp's converter leaves them, in the same tiled layout (so that every product of
+    the model runs in kernels/quant.py, and a step is one program: core/worker/cpu_program.py)."""
     import gguf
 
     block = BLOCKS[qtype][0]
 
     def blocks(weight: torch.Tensor) -> QuantizedMatrix:
-        data = gguf.quants.quantize(weight.detach().float().numpy(), gguf.GGMLQuantizationType(qtype))
+        values = weight.detach().float().numpy()
+        if weight.shape[1] % block:
+            return QuantizedMatrix.from_floats(values)
+        data = gguf.quants.quantize(values, gguf.GGMLQuantizationType(qtype))
         return QuantizedMatrix(qtype, data, weight.shape[0], weight.shape[1])
 
     embedding = model.get_input_embeddings()
     tied = model.lm_head.weight is embedding.weight
-    if embedding.weight.shape[1] % block == 0:
-        embedding.set_quantized(blocks(embedding.weight))
+    embedding.set_quantized(blocks(embedding.weight))
     for module in model.modules():
-        if (
-            isinstance(module, Linear) and module.quantized is None and not (tied and module is model.lm_head)
-            and module.in_features % block == 0
-        ):
+        if isinstance(module, Linear) and module.quantized is None and not (tied and module is model.lm_head):
             module.set_quantized([blocks(module.weight)])
     model.tie_weights()
 

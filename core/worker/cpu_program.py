@@ -33,6 +33,9 @@ import torch
 from core.models.llama import DecoderParts, LayerParts
 from core.worker.input_buffers import InputBuffers
 from kernels import cpu
+from kernels.cpu.program import Op, Program
+from kernels.linear import SMALL_WEIGHT_BYTES, DenseRows
+from kernels.quant import QuantizedMatrix, QuantizedWeight
 from kernels.settings import settings
 
 
@@ -64,15 +67,17 @@ class CpuStepProgram:
             return None
         parts: DecoderParts = describe()
         if (
-            not cpu.usable(kv_caches[0][0]) or parts.config.hidden_act != "silu"
+            not cpu.usable(cache=kv_caches[0][0]) or parts.config.hidden_act != "silu"
             or parts.lm_head.cpu_weight is None  # products through torch (settings.cpu_blas off)
         ):
             return None
+        if NativeStepProgram.takes(parts):
+            return NativeStepProgram(parts, kv_caches, buffers, max_model_len)
         return cls(parts, kv_caches, buffers, max_model_len)
 
     def __init__(
         self, parts: DecoderParts, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], buffers: InputBuffers,
-        max_model_len: int,
+        max_model_len: int, threads: int | None = None,
     ) -> None:
         cfg = parts.config
         self.lib = cpu.load()
@@ -92,7 +97,8 @@ class CpuStepProgram:
         self.qkv_width = (self.heads + 2 * self.kv_heads) * self.head_dim
         self.logits = np.zeros((buffers.max_num_reqs, cfg.vocab_size), np.float32)
         self._logits_t: dict[int, torch.Tensor] = {}
-        self.threads = torch.get_num_threads()  # attention of large batches is shared among them
+        self.threads = threads or torch.get_num_threads()  # attention of large batches is shared among them
+        self.kv_half = int(kv_caches[0][0].dtype == torch.float16)  # the kernels' flag for a float16 cache
         # Per thread: a decode's scores for every head, or a chunk's scores for one head (padded keys).
         self.scratch_stride = max(self.heads * max_model_len, cpu.padded_keys(max_model_len))
         self.scratch = np.zeros(self.threads * self.scratch_stride, np.float32)
@@ -157,9 +163,9 @@ class CpuStepProgram:
 
         def attend(layer: _Layer) -> None:
             lib.paged_decode_attention(
-                qkv_p, width, rows_p, n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache, self.block_size,
-                tables_p, table_stride, rows_p, lens_p, self.scale, attn_p, heads * head_dim, scratch_p,
-                self.scratch_stride, self.threads,
+                qkv_p, width, rows_p, n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache, self.kv_half,
+                self.block_size, tables_p, table_stride, rows_p, lens_p, self.scale, attn_p, heads * head_dim,
+                scratch_p, self.scratch_stride, self.threads,
             )
 
         normed = self._layers(n, attend)
@@ -190,8 +196,8 @@ class CpuStepProgram:
 
             def attend(layer: _Layer) -> None:
                 lib.paged_prefill_attention(
-                    qkv_p, width, n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache, block_size, table_p,
-                    seq_len, scale, attn_p, out_stride, kv_p, p["scratch"], threads,
+                    qkv_p, width, n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache, self.kv_half,
+                    block_size, table_p, seq_len, scale, attn_p, out_stride, kv_p, p["scratch"], threads,
                 )
         else:  # one query at a time, each over the context up to its own position
             np.add(self.row_ids[:n], seq_len - n + 1, out=self.chunk_lens[:n])
@@ -199,9 +205,9 @@ class CpuStepProgram:
 
             def attend(layer: _Layer) -> None:
                 lib.paged_decode_attention(
-                    qkv_p, width, rows_p, n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache, block_size,
-                    p["tables"], self._table_stride, tables_p, lens_p, scale, attn_p, out_stride, p["scratch"],
-                    self.scratch_stride, threads,
+                    qkv_p, width, rows_p, n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache, self.kv_half,
+                    block_size, p["tables"], self._table_stride, tables_p, lens_p, scale, attn_p, out_stride,
+                    p["scratch"], self.scratch_stride, threads,
                 )
 
         normed = self._layers(n, attend)
@@ -233,7 +239,7 @@ class CpuStepProgram:
                 self._head_norm(n, heads, kv_heads, layer.k_norm)
             lib.rotary(qkv_p, n, width, heads + kv_heads, head_dim, self.cos, self.sin, positions_p)
             lib.write_kv(qkv_p + k_offset, width, qkv_p + v_offset, width, n, kv_heads * head_dim,
-                         layer.k_cache, layer.v_cache, slots_p)
+                         layer.k_cache, layer.v_cache, slots_p, self.kv_half)
             attend(layer)
             layer.o.cpu_weight.matmul(attn, proj)
             lib.add_rms_norm(proj_p, hidden_p, layer.norm2, normed_p, n, size, eps)
@@ -251,3 +257,127 @@ class CpuStepProgram:
         )
         out = self.head_norms.reshape(-1)[: n * count * d].reshape(n, count * d)
         self.qkv[:n, first * d : (first + count) * d] = out
+
+
+class NativeStepProgram(CpuStepProgram):
+    """The step program of a model whose dense layers are all in kernels.quant's tiled
+    formats (GGUF files, ``--quantization``): the same steps, each written once as a
+    program of C kernel operations (kernels/cpu/program.py) and run in one call, on one
+    team of threads that meets at a barrier between operations, instead of ten calls a
+    layer. Its results are ``model.forward``'s bit for bit, as the Python program's are."""
+
+    @staticmethod
+    def takes(parts: DecoderParts) -> bool:
+        """Whether every product of ``parts`` has a tiled weight and its embedding a table
+        the program can read."""
+        linears = [parts.lm_head, *(getattr(layer, name) for layer in parts.layers
+                                    for name in ("qkv", "o", "gate_up", "down"))]
+        embedding = parts.embedding
+        readable = isinstance(embedding, QuantizedMatrix) or (
+            isinstance(embedding, DenseRows) and embedding.table.dtype == np.float32
+            and embedding.table.flags.c_contiguous
+        )
+        return readable and all(isinstance(linear.cpu_weight, QuantizedWeight) for linear in linears)
+
+    def __init__(
+        self, parts: DecoderParts, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], buffers: InputBuffers,
+        max_model_len: int,
+    ) -> None:
+        self._programs: dict[str, Program] = {}
+        self._scratch = np.zeros(0, np.uint8)
+        linears = [parts.lm_head, *(getattr(layer, name) for layer in parts.layers
+                                    for name in ("qkv", "o", "gate_up", "down"))]
+        # What the programs point into, kept alive here. A weight reload replaces them: the
+        # runner then builds a new program (ModelRunner.rebuild_cpu_program).
+        self._weights = [linear.cpu_weight for linear in linears]
+        small = all(weight.nbytes <= SMALL_WEIGHT_BYTES for weight in self._weights)
+        # A small model's step is over before a second thread would be awake: one thread.
+        super().__init__(parts, kv_caches, buffers, max_model_len, threads=1 if small else None)
+
+    def _reserve(self, rows: int) -> None:
+        if rows <= self._rows:
+            return
+        super()._reserve(rows)
+        self._programs.clear()  # the buffers moved
+        layers = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        need = max(cpu.load().linear_scratch_bytes(linear.cpu_weight.desc_address, rows)
+                   for linear in [*layers, self.lm_head])
+        self._scratch = np.zeros(need, np.uint8)
+
+    def run(self, n: int) -> torch.Tensor:
+        self.seq_lens[:n] = self.buffers.seq_lens.np[:n]
+        self._program("decode").run(n, 0, self.threads)
+        return self._logits(n)
+
+    def run_chunk(self, n: int, sample: bool) -> torch.Tensor | None:
+        self._reserve(n)
+        seq_len = int(self.buffers.seq_lens.np[0])
+        if self._chunk_kernel:
+            kv_floats, _ = cpu.prefill_scratch(seq_len, self.kv_heads, self.head_dim, self.threads)
+            if self._kv_scratch.size < kv_floats:
+                self._kv_scratch = np.zeros(kv_floats, np.float32)
+                self._programs.pop("chunk", None)
+                self._programs.pop("chunk+sample", None)
+        self._program("chunk+sample" if sample else "chunk").run(n, seq_len, self.threads)
+        return self._logits(1) if sample else None
+
+    def _program(self, kind: str) -> Program:
+        program = self._programs.get(kind)
+        if program is None:
+            program = self._programs[kind] = self._write(kind)
+        return program
+
+    def _linear(self, program: Program, linear: object, x: int, out: int, out_stride: int,
+                last_row: bool = False) -> None:
+        weight = linear.cpu_weight  # type: ignore[attr-defined]
+        program.add(Op.LINEAR, weight.desc_address, x, out, out_stride, int(settings.quantize_activations),
+                    self._scratch.ctypes.data, int(last_row))
+
+    def _write(self, kind: str) -> Program:
+        """The program of a decode step ("decode") or of a prefill chunk ("chunk", and
+        "chunk+sample", which also computes the last token's logits)."""
+        p, program = self._ptr, Program()
+        size, eps, width, inter = self.hidden_size, self.eps, self.qkv_width, self.intermediate
+        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
+        ids = self.buffers.input_ids.np.ctypes.data
+        if isinstance(self.embedding, QuantizedMatrix):
+            table = self.embedding
+            program.add(Op.EMBED_PACKED, table.data.ctypes.data, int(table.qtype), table.k, ids, p["hidden"])
+        else:
+            program.add(Op.EMBED_FLOAT, self.embedding.table.ctypes.data, size, ids, p["hidden"])
+        chunk = kind != "decode"
+        if chunk and not self._chunk_kernel:
+            program.add(Op.CHUNK_LENS, p["chunk_lens"])
+        k_offset, v_offset = heads * head_dim * 4, (heads + kv_heads) * head_dim * 4
+        for i, layer in enumerate(self.layers):
+            if i == 0:
+                program.add(Op.RMS_NORM, p["hidden"], layer.norm1, p["normed"], size, eps)
+            else:  # the residual add of the previous layer's MLP, fused with this norm
+                program.add(Op.ADD_RMS_NORM, p["proj"], p["hidden"], layer.norm1, p["normed"], size, eps)
+            self._linear(program, layer.qkv, p["normed"], p["qkv"], width)
+            if layer.q_norm is not None:  # per-head norms of q and of k, in place
+                program.add(Op.HEAD_NORM, p["qkv"], width, heads, head_dim, layer.q_norm, eps)
+                program.add(Op.HEAD_NORM, p["qkv"] + k_offset, width, kv_heads, head_dim, layer.k_norm, eps)
+            program.add(Op.ROTARY, p["qkv"], width, heads + kv_heads, head_dim, self.cos, self.sin, p["positions"])
+            program.add(Op.WRITE_KV, p["qkv"] + k_offset, width, p["qkv"] + v_offset, width, kv_heads * head_dim,
+                        layer.k_cache, layer.v_cache, p["slots"], self.kv_half)
+            if chunk and self._chunk_kernel:
+                program.add(Op.PREFILL_ATTENTION, p["qkv"], width, heads, kv_heads, head_dim, layer.k_cache,
+                            layer.v_cache, self.kv_half, self.block_size, p["tables"], self.scale, p["attn"],
+                            heads * head_dim, self._kv_scratch.ctypes.data, p["scratch"])
+            else:  # decodes, or a chunk's queries one at a time (each over the context to its position)
+                tables, lens = (p["chunk_tables"], p["chunk_lens"]) if chunk else (p["row_ids"], p["seq_lens"])
+                program.add(Op.DECODE_ATTENTION, p["qkv"], width, p["row_ids"], heads, kv_heads, head_dim,
+                            layer.k_cache, layer.v_cache, self.kv_half, self.block_size, p["tables"],
+                            self._table_stride, tables, lens, self.scale, p["attn"], heads * head_dim, p["scratch"],
+                            self.scratch_stride)
+            self._linear(program, layer.o, p["attn"], p["proj"], size)
+            program.add(Op.ADD_RMS_NORM, p["proj"], p["hidden"], layer.norm2, p["normed"], size, eps)
+            self._linear(program, layer.gate_up, p["normed"], p["gate_up"], 2 * inter)
+            program.add(Op.SILU_MUL, p["gate_up"], inter, p["act"])
+            self._linear(program, layer.down, p["act"], p["proj"], size)
+        program.add(Op.ADD_RMS_NORM, p["proj"], p["hidden"], self.final_norm, p["normed"], size, eps)
+        if kind != "chunk":
+            vocab = self.logits.shape[1]
+            self._linear(program, self.lm_head, p["normed"], self.logits.ctypes.data, vocab, last_row=chunk)
+        return program

@@ -14,9 +14,9 @@ Without a compiler ``load()`` returns None, and with ``settings.cpu_kernels``
 off (``RINGLLM_CPU_KERNELS=0``) they are not used: the callers then use the
 torch implementations (kernels/torch_ref.py), which compute the same thing.
 
-Everything here takes float32 CPU tensors; the wrappers check nothing
-beyond what the dispatcher in kernels/__init__.py guarantees (a wrong
-pointer would crash the process, not raise).
+Everything here takes float32 CPU tensors (KV caches: float32 or float16);
+the wrappers check nothing beyond what the dispatcher in kernels/__init__.py
+guarantees (a wrong pointer would crash the process, not raise).
 """
 
 from __future__ import annotations
@@ -31,10 +31,12 @@ from kernels.settings import settings
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 QUANT_SOURCE = Path(__file__).with_name("quant_kernels.c")  # products with GGUF block-format weights
+PROGRAM_SOURCE = Path(__file__).with_name("step_program.c")  # a whole step in one call
+HEADERS = [Path(__file__).with_name("cpu_common.h")]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-fvisibility=hidden"]
 # Tried in order: threaded attention, then the same code on one thread.
 OPENMP_VARIANTS = (["-fopenmp"], ["-fopenmp-simd"])
-LIBRARY = NativeLibrary("cpu_kernels", [SOURCE, QUANT_SOURCE], FLAGS, OPENMP_VARIANTS)
+LIBRARY = NativeLibrary("cpu_kernels", [SOURCE, QUANT_SOURCE, PROGRAM_SOURCE], FLAGS, OPENMP_VARIANTS, HEADERS)
 
 # For these head sizes such a chunk is attended at once (paged_prefill_attention,
 # specialised for them: vector work along the keys); for others one query at a
@@ -65,14 +67,20 @@ def prefill_scratch(seq_len: int, kv_heads: int, head_dim: int, threads: int) ->
     return 2 * kv_heads * head_dim * stride, threads * stride
 
 
-def usable(*tensors: torch.Tensor) -> bool:
-    """True if the C kernels are enabled and built and every tensor is a float32 CPU tensor."""
+def usable(*tensors: torch.Tensor, cache: torch.Tensor | None = None) -> bool:
+    """True if the C kernels are enabled and built, every tensor is a float32 CPU tensor,
+    and ``cache`` (a KV cache, when given) a float32 or float16 one."""
     if not settings.cpu_kernels or (_lib is None and load() is None):
         return False
     for t in tensors:
         if t.dtype is not torch.float32 or t.is_cuda or not t.is_cpu:
             return False
-    return True
+    return cache is None or (cache.dtype in (torch.float32, torch.float16) and cache.is_cpu)
+
+
+def _half(cache: torch.Tensor) -> int:
+    """The kernels' ``kv_half`` flag: 1 for a float16 cache."""
+    return int(cache.dtype == torch.float16)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -92,7 +100,9 @@ def add_rms_norm(
     """(rms_norm(residual + x), residual + x); ``residual`` is updated in place."""
     n = x.shape[-1]
     out = torch.empty_like(residual)
-    _lib.add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), residual.numel() // n, n, eps)
+    _lib.add_rms_norm(
+        x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), residual.numel() // n, n, eps
+    )
     return out, residual
 
 
@@ -114,7 +124,7 @@ def write_kv(
     tokens, kv_heads, head_dim = key.shape
     _lib.write_kv(
         key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), tokens, kv_heads * head_dim,
-        k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), _half(k_cache),
     )
 
 
@@ -145,8 +155,8 @@ def paged_prefill_attention(
     scores = torch.empty(score_floats, dtype=torch.float32)
     _lib.paged_prefill_attention(
         query.data_ptr(), query.stride(0), n, heads, kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
-        k_cache.shape[1], table.data_ptr(), seq_len, scale, out.data_ptr(), out.stride(0), kv_scratch.data_ptr(),
-        scores.data_ptr(), threads,
+        _half(k_cache), k_cache.shape[1], table.data_ptr(), seq_len, scale, out.data_ptr(), out.stride(0),
+        kv_scratch.data_ptr(), scores.data_ptr(), threads,
     )
 
 
@@ -170,7 +180,8 @@ def paged_decode_attention(
     scratch = torch.empty(threads * heads * max_len, dtype=torch.float32)
     _lib.paged_decode_attention(
         query.data_ptr(), query.stride(0), rows.data_ptr(), rows.shape[0], heads, kv_heads, head_dim,
-        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], block_tables.data_ptr(), block_tables.stride(0),
+        k_cache.data_ptr(), v_cache.data_ptr(), _half(k_cache), k_cache.shape[1], block_tables.data_ptr(),
+        block_tables.stride(0),
         tables.data_ptr(), seq_lens.data_ptr(), scale, out.data_ptr(), out.stride(0), scratch.data_ptr(),
         heads * max_len, threads,
     )

@@ -10,8 +10,14 @@
  * threads (the runtime torch has already loaded); built without OpenMP, it
  * runs on the calling thread.
  *
- * All tensors are float32 (caches included) and all indices int64 unless
- * noted; "stride" means elements between consecutive rows.
+ * All tensors are float32 and all indices int64 unless noted; "stride" means
+ * elements between consecutive rows. The KV caches are float32 or float16
+ * (``kv_half``): written rounded to half, read back as float32.
+ *
+ * Each kernel is written as a share (``*_share``: thread ``me`` of a team of
+ * ``threads`` does its part; cpu_common.h): the step program
+ * (step_program.c) runs a whole step's kernels in one team, and the API
+ * functions below run one kernel, on a team of their own or on the caller.
  *
  * The functions marked API are the library's interface, and their prototypes
  * here are the only declaration of it: kernels/cpu/__init__.py reads them
@@ -23,9 +29,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+
+#include "cpu_common.h"
 
 /* exp over arrays, in 8-lane vectors (GCC vector extensions: libm's expf does
  * not vectorise without -ffast-math). x = n*ln2 + r with |r| <= ln2/2; e^r by
@@ -36,7 +41,6 @@
 typedef float vfloat __attribute__((vector_size(32)));
 typedef int32_t vint __attribute__((vector_size(32)));
 #define VLANES 8
-#define API __attribute__((visibility("default")))
 
 #define EXP_BODY(T, TI, x, out)                                                      \
     do {                                                                             \
@@ -101,34 +105,64 @@ static void rms_norm_row(const float *x, const float *w, float *out, int64_t n, 
 }
 
 /* out = w * x / sqrt(mean(x^2) + eps) over rows of n: `outer` groups of `inner`
- * rows (row (a, b) at x + a*outer_stride + b*inner_stride); out is contiguous. */
-API void rms_norm(const float *x, int64_t outer, int64_t outer_stride, int64_t inner, int64_t inner_stride,
-              const float *w, float *out, int64_t n, float eps) {
-    for (int64_t a = 0; a < outer; a++)
+ * rows (row (a, b) at x + a*outer_stride + b*inner_stride); out is contiguous
+ * and may be x itself when the rows are (in place: each row is read before it
+ * is written). The groups are shared among the team. */
+void rms_norm_share(const float *x, int64_t outer, int64_t outer_stride, int64_t inner, int64_t inner_stride,
+                    const float *w, float *out, int64_t n, float eps, int me, int threads) {
+    int64_t begin, end;
+    team_share(outer, me, threads, &begin, &end);
+    for (int64_t a = begin; a < end; a++)
         for (int64_t b = 0; b < inner; b++)
             rms_norm_row(x + a * outer_stride + b * inner_stride, w, out + (a * inner + b) * n, n, eps);
 }
 
+API void rms_norm(const float *x, int64_t outer, int64_t outer_stride, int64_t inner, int64_t inner_stride,
+              const float *w, float *out, int64_t n, float eps) {
+    rms_norm_share(x, outer, outer_stride, inner, inner_stride, w, out, n, eps, 0, 1);
+}
+
+/* RMSNorm of heads ``heads`` of head_dim at each of ``rows`` rows of x (stride apart), in
+ * place: Qwen3's per-head norms of q and of k, inside the fused qkv rows. */
+void head_norm_share(float *x, int64_t rows, int64_t stride, int64_t heads, int64_t head_dim, const float *w,
+                     float eps, int me, int threads) {
+    int64_t begin, end;
+    team_share(rows, me, threads, &begin, &end);
+    for (int64_t r = begin; r < end; r++)
+        for (int64_t h = 0; h < heads; h++) {
+            float *row = x + r * stride + h * head_dim;
+            rms_norm_row(row, w, row, head_dim, eps);
+        }
+}
+
 /* residual += x, then out = rms_norm(residual): the residual add fused with
  * the next layer norm (residual, x and out are contiguous [rows, n]). */
-API void add_rms_norm(const float *x, float *residual, const float *w, float *out, int64_t rows, int64_t n,
-                  float eps) {
-    for (int64_t r = 0; r < rows; r++) {
+void add_rms_norm_share(const float *x, float *residual, const float *w, float *out, int64_t rows, int64_t n,
+                        float eps, int me, int threads) {
+    int64_t begin, end;
+    team_share(rows, me, threads, &begin, &end);
+    for (int64_t r = begin; r < end; r++) {
         const float *xr = x + r * n;
         float *h = residual + r * n;
         for (int64_t i = 0; i < n; i++) h[i] = h[i] + xr[i];
+        rms_norm_row(h, w, out + r * n, n, eps);
     }
-    for (int64_t r = 0; r < rows; r++) rms_norm_row(residual + r * n, w, out + r * n, n, eps);
+}
+
+API void add_rms_norm(const float *x, float *residual, const float *w, float *out, int64_t rows, int64_t n,
+                  float eps) {
+    add_rms_norm_share(x, residual, w, out, rows, n, eps, 0, 1);
 }
 
 /* Rotate, in place, the first `heads` heads of each token's row of qkv by the
  * token's position: x*cos + roll(x, half)*sin_signed, where sin_signed has its
  * first half negated (that is x*cos + rotate_half(x)*sin, term by term). */
-API void rotary(float *qkv, int64_t tokens, int64_t tok_stride, int64_t heads, int64_t head_dim,
-            const float *cos_table, const float *sin_table, const int64_t *positions) {
-    int64_t half = head_dim / 2;
+void rotary_share(float *qkv, int64_t tokens, int64_t tok_stride, int64_t heads, int64_t head_dim,
+                  const float *cos_table, const float *sin_table, const int64_t *positions, int me, int threads) {
+    int64_t half = head_dim / 2, begin, end;
     float tmp[1024];
-    for (int64_t t = 0; t < tokens; t++) {
+    team_share(tokens, me, threads, &begin, &end);
+    for (int64_t t = begin; t < end; t++) {
         const float *c = cos_table + positions[t] * head_dim;
         const float *s = sin_table + positions[t] * head_dim;
         for (int64_t h = 0; h < heads; h++) {
@@ -148,21 +182,41 @@ API void rotary(float *qkv, int64_t tokens, int64_t tok_stride, int64_t heads, i
     }
 }
 
+API void rotary(float *qkv, int64_t tokens, int64_t tok_stride, int64_t heads, int64_t head_dim,
+            const float *cos_table, const float *sin_table, const int64_t *positions) {
+    rotary_share(qkv, tokens, tok_stride, heads, head_dim, cos_table, sin_table, positions, 0, 1);
+}
+
 /* Copy each token's key and value (contiguous rows of `row` floats, one per
- * token at the given strides) to its cache slot; a negative slot is padding. */
-API void write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t tokens, int64_t row,
-              float *k_cache, float *v_cache, const int64_t *slots) {
-    for (int64_t t = 0; t < tokens; t++) {
+ * token at the given strides) to its cache slot, rounded to half with
+ * ``kv_half``; a negative slot is padding. */
+void write_kv_share(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t tokens, int64_t row,
+                    void *k_cache, void *v_cache, const int64_t *slots, int64_t kv_half, int me, int threads) {
+    int64_t begin, end;
+    team_share(tokens, me, threads, &begin, &end);
+    for (int64_t t = begin; t < end; t++) {
         int64_t slot = slots[t];
         if (slot < 0) continue;
-        memcpy(k_cache + slot * row, k + t * k_stride, row * sizeof(float));
-        memcpy(v_cache + slot * row, v + t * v_stride, row * sizeof(float));
+        if (kv_half) {
+            floats_to_halves(k + t * k_stride, (uint16_t *)k_cache + slot * row, row);
+            floats_to_halves(v + t * v_stride, (uint16_t *)v_cache + slot * row, row);
+        } else {
+            memcpy((float *)k_cache + slot * row, k + t * k_stride, row * sizeof(float));
+            memcpy((float *)v_cache + slot * row, v + t * v_stride, row * sizeof(float));
+        }
     }
 }
 
+API void write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t tokens, int64_t row,
+              void *k_cache, void *v_cache, const int64_t *slots, int64_t kv_half) {
+    write_kv_share(k, k_stride, v, v_stride, tokens, row, k_cache, v_cache, slots, kv_half, 0, 1);
+}
+
 /* out[r, i] = silu(gate[r, i]) * up[r, i], gate_up = [gate | up] rows of 2*n. */
-API void silu_mul(const float *gate_up, int64_t rows, int64_t n, float *out) {
-    for (int64_t r = 0; r < rows; r++) {
+void silu_mul_share(const float *gate_up, int64_t rows, int64_t n, float *out, int me, int threads) {
+    int64_t begin, end;
+    team_share(rows, me, threads, &begin, &end);
+    for (int64_t r = begin; r < end; r++) {
         const float *g = gate_up + r * 2 * n;
         const float *u = g + n;
         float *o = out + r * n;
@@ -172,6 +226,17 @@ API void silu_mul(const float *gate_up, int64_t rows, int64_t n, float *out) {
 #pragma omp simd
         for (int64_t i = 0; i < n; i++) o[i] = (g[i] / (1.0f + o[i])) * u[i];
     }
+}
+
+API void silu_mul(const float *gate_up, int64_t rows, int64_t n, float *out) {
+    silu_mul_share(gate_up, rows, n, out, 0, 1);
+}
+
+/* Rows ``ids`` of a float32 table of rows of n, copied to out: an embedding lookup. */
+void embed_share(const float *table, int64_t n, const int64_t *ids, int64_t rows, float *out, int me, int threads) {
+    int64_t begin, end;
+    team_share(rows, me, threads, &begin, &end);
+    for (int64_t r = begin; r < end; r++) memcpy(out + r * n, table + ids[r] * n, n * sizeof(float));
 }
 
 static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int64_t n) {
@@ -197,104 +262,7 @@ static inline __attribute__((always_inline)) void softmax(float *s, int64_t n) {
     for (int64_t j = 0; j < n; j++) s[j] *= inv;
 }
 
-/* One decode's attention (see paged_decode_attention). Always inlined with a
- * constant head_dim for the common sizes, so that the dot products and the
- * value accumulation compile to fixed-length vector code. */
-static inline __attribute__((always_inline)) void decode_one(
-    const float *qd, float *od, const int32_t *table, int64_t len, int64_t kv_heads, int64_t group,
-    const int64_t head_dim, const float *k_cache, const float *v_cache, int64_t block_size, float scale,
-    float *scratch) {
-    int64_t heads = kv_heads * group;
-    int64_t kv_row = kv_heads * head_dim;
-    /* scores[h][j] = scale * q_h . k_j, walking the blocks (no division per key) */
-    for (int64_t j0 = 0, b = 0; j0 < len; j0 += block_size, b++) {
-        const float *block = k_cache + (int64_t)table[b] * block_size * kv_row;
-        int64_t n = len - j0 < block_size ? len - j0 : block_size;
-        for (int64_t t = 0; t < n; t++) {
-            const float *row = block + t * kv_row;
-            for (int64_t kh = 0, h = 0; kh < kv_heads; kh++)
-                for (int64_t g = 0; g < group; g++, h++)
-                    scratch[h * len + j0 + t] = dot(qd + h * head_dim, row + kh * head_dim, head_dim) * scale;
-        }
-    }
-    for (int64_t h = 0; h < heads; h++) softmax(scratch + h * len, len);
-    memset(od, 0, sizeof(float) * heads * head_dim);
-    for (int64_t j0 = 0, b = 0; j0 < len; j0 += block_size, b++) {  /* out_h = sum_j p[h][j] * v_j */
-        const float *block = v_cache + (int64_t)table[b] * block_size * kv_row;
-        int64_t n = len - j0 < block_size ? len - j0 : block_size;
-        for (int64_t t = 0; t < n; t++) {
-            const float *row = block + t * kv_row;
-            for (int64_t kh = 0, h = 0; kh < kv_heads; kh++) {
-                const float *v = row + kh * head_dim;
-                for (int64_t g = 0; g < group; g++, h++) {
-                    float p = scratch[h * len + j0 + t];
-                    float *o = od + h * head_dim;
-#pragma omp simd
-                    for (int64_t i = 0; i < head_dim; i++) o[i] += p * v[i];
-                }
-            }
-        }
-    }
-}
-
-/* This OpenMP thread's share of a scratch buffer (all of it without OpenMP). */
-static inline float *thread_scratch(float *base, int64_t stride) {
-#ifdef _OPENMP
-    return base + omp_get_thread_num() * stride;
-#else
-    (void)stride;
-    return base;
-#endif
-}
-
-/* Below this many multiply-adds (keys x query heads x head_dim, summed over
- * the decodes) attention runs on the calling thread alone: waking a second
- * thread costs more than it saves. */
-#define PARALLEL_MIN_WORK (1 << 19)
-
-/* Attention of one-token queries over their paged contexts, read in place.
- *
- * Decode d is query row q_rows[d] (heads of head_dim at q + row*q_stride)
- * and attends to the first seq_lens[d] tokens of the blocks listed at
- * block_tables + tables[d]*table_stride (int32 block ids); its output goes to
- * out + q_rows[d]*out_stride. The caches are [blocks, block_size, kv_heads,
- * head_dim]; each cached row (all KV heads of one token) is read once, for
- * every query head, walking the request's blocks. Large batches are shared
- * among up to `threads` OpenMP threads, a decode at a time; thread i uses
- * scratch + i*scratch_stride, which holds at least heads * max(seq_lens)
- * floats.
- */
-API void paged_decode_attention(const float *q, int64_t q_stride, const int64_t *q_rows, int64_t num_decodes,
-                            int64_t heads, int64_t kv_heads, int64_t head_dim, const float *k_cache,
-                            const float *v_cache, int64_t block_size, const int32_t *block_tables,
-                            int64_t table_stride, const int64_t *tables, const int64_t *seq_lens, float scale,
-                            float *out, int64_t out_stride, float *scratch, int64_t scratch_stride,
-                            int64_t threads) {
-    int64_t group = heads / kv_heads;
-    int64_t keys = 0;
-    for (int64_t d = 0; d < num_decodes; d++) keys += seq_lens[d];
-    int parallel = threads > 1 && num_decodes > 1 && keys * heads * head_dim >= PARALLEL_MIN_WORK;
-    (void)parallel;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (parallel)
-    for (int64_t d = 0; d < num_decodes; d++) {
-        float *scr = thread_scratch(scratch, scratch_stride);
-        const float *qd = q + q_rows[d] * q_stride;
-        float *od = out + q_rows[d] * out_stride;
-        const int32_t *table = block_tables + tables[d] * table_stride;
-#define DECODE(D) decode_one(qd, od, table, seq_lens[d], kv_heads, group, D, k_cache, v_cache, block_size, scale, scr)
-        switch (head_dim) {
-            case 8: DECODE(8); break;
-            case 16: DECODE(16); break;
-            case 32: DECODE(32); break;
-            case 64: DECODE(64); break;
-            case 128: DECODE(128); break;
-            default: DECODE(head_dim);
-        }
-#undef DECODE
-    }
-}
-
-/* Vector helpers for the prefill kernel: unaligned loads and stores, a
+/* Vector helpers for the attention kernels: unaligned loads and stores, a
  * lane-wise select, and the lanes' max and sum. */
 static inline vfloat vload(const float *p) {
     vfloat v;
@@ -303,10 +271,6 @@ static inline vfloat vload(const float *p) {
 }
 
 static inline void vstore(float *p, vfloat v) { memcpy(p, &v, sizeof v); }
-
-/* The prefill kernel's key count for a context of n keys: whole vectors, the
- * padding zeroed. Callers size its scratch with it (kernels/cpu/__init__.py). */
-API int64_t padded_keys(int64_t n) { return (n + VLANES - 1) / VLANES * VLANES; }
 
 static inline vfloat vblend(vint mask, vfloat a, vfloat b) {
     return (vfloat)(((vint)a & mask) | ((vint)b & ~mask));
@@ -323,6 +287,164 @@ static inline float vsum_lanes(vfloat v) {
     for (int i = 0; i < VLANES; i++) t += v[i];
     return t;
 }
+
+/* The largest head_dim the kernels take (a converted half-precision cache row lives on the stack). */
+#define MAX_HEAD_DIM 1024
+
+/* Key or value ``t`` of block ``block`` for KV head ``kh``, as float32: in place, or
+ * converted from half into ``buf``. */
+static inline const float *cache_row(const void *cache, int64_t kv_half, int64_t block, int64_t block_size,
+                                     int64_t t, int64_t kv_row, int64_t offset, int64_t head_dim, float *buf) {
+    int64_t at = (block * block_size + t) * kv_row + offset;
+    if (!kv_half) return (const float *)cache + at;
+    halves_to_floats((const uint16_t *)cache + at, buf, head_dim);
+    return buf;
+}
+
+/* One decode's attention for the ``group`` query heads of KV head ``kh`` (see
+ * paged_decode_attention). Always inlined with a constant head_dim for the
+ * common sizes, so that the dot products and the value accumulation compile
+ * to fixed-length vector code; each head's output is summed in registers over
+ * the keys (its head_dim floats in vectors) and stored once. scratch holds
+ * group * len scores. Multiply-adds may fuse (as in the prefill kernel). */
+static inline __attribute__((always_inline)) void decode_group(
+    const float *qd, float *od, const int32_t *table, int64_t len, int64_t kh, int64_t kv_heads, int64_t group,
+    const int64_t head_dim, const void *k_cache, const void *v_cache, int64_t kv_half, int64_t block_size,
+    float scale, float *scratch) {
+    int64_t kv_row = kv_heads * head_dim, offset = kh * head_dim;
+    const float *q = qd + kh * group * head_dim;
+    float *o = od + kh * group * head_dim;
+    float buf[4][MAX_HEAD_DIM];
+    const int vectors_only = head_dim % VLANES == 0 && head_dim <= MAX_HEAD_DIM;
+    /* scores[g][j] = scale * q_g . k_j, walking the blocks (no division per key); four keys
+     * at a time where head_dim is whole vectors, so that four sums run side by side */
+    for (int64_t j0 = 0, b = 0; j0 < len; j0 += block_size, b++) {
+        int64_t n = len - j0 < block_size ? len - j0 : block_size, t = 0;
+        if (vectors_only)
+            for (; t + 4 <= n; t += 4) {
+                const float *k[4];
+                for (int x = 0; x < 4; x++)
+                    k[x] = cache_row(k_cache, kv_half, table[b], block_size, t + x, kv_row, offset, head_dim, buf[x]);
+                for (int64_t g = 0; g < group; g++) {
+                    const float *qg = q + g * head_dim;
+                    vfloat a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                    for (int64_t c = 0; c < head_dim; c += VLANES) {
+                        vfloat qv = vload(qg + c);
+                        a0 += qv * vload(k[0] + c);
+                        a1 += qv * vload(k[1] + c);
+                        a2 += qv * vload(k[2] + c);
+                        a3 += qv * vload(k[3] + c);
+                    }
+                    float *sg = scratch + g * len + j0 + t;
+                    sg[0] = vsum_lanes(a0) * scale;
+                    sg[1] = vsum_lanes(a1) * scale;
+                    sg[2] = vsum_lanes(a2) * scale;
+                    sg[3] = vsum_lanes(a3) * scale;
+                }
+            }
+        for (; t < n; t++) {
+            const float *k = cache_row(k_cache, kv_half, table[b], block_size, t, kv_row, offset, head_dim, buf[0]);
+            for (int64_t g = 0; g < group; g++) scratch[g * len + j0 + t] = dot(q + g * head_dim, k, head_dim) * scale;
+        }
+    }
+    for (int64_t g = 0; g < group; g++) softmax(scratch + g * len, len);
+    if (vectors_only) {
+        for (int64_t g = 0; g < group; g++) { /* out_g = sum_j p[g][j] * v_j, in registers */
+            vfloat acc[MAX_HEAD_DIM / VLANES];
+            const int64_t vectors = head_dim / VLANES;
+            for (int64_t c = 0; c < vectors; c++) acc[c] = (vfloat){0};
+            const float *p = scratch + g * len;
+            for (int64_t j0 = 0, b = 0; j0 < len; j0 += block_size, b++) {
+                int64_t n = len - j0 < block_size ? len - j0 : block_size;
+                for (int64_t t = 0; t < n; t++) {
+                    const float *v =
+                        cache_row(v_cache, kv_half, table[b], block_size, t, kv_row, offset, head_dim, buf[0]);
+                    float w = p[j0 + t];
+                    for (int64_t c = 0; c < vectors; c++) acc[c] += w * vload(v + c * VLANES);
+                }
+            }
+            for (int64_t c = 0; c < vectors; c++) vstore(o + g * head_dim + c * VLANES, acc[c]);
+        }
+        return;
+    }
+    memset(o, 0, sizeof(float) * group * head_dim);
+    for (int64_t j0 = 0, b = 0; j0 < len; j0 += block_size, b++) { /* any other head_dim */
+        int64_t n = len - j0 < block_size ? len - j0 : block_size;
+        for (int64_t t = 0; t < n; t++) {
+            const float *v = cache_row(v_cache, kv_half, table[b], block_size, t, kv_row, offset, head_dim, buf[0]);
+            for (int64_t g = 0; g < group; g++) {
+                float p = scratch[g * len + j0 + t];
+                float *og = o + g * head_dim;
+#pragma omp simd
+                for (int64_t i = 0; i < head_dim; i++) og[i] += p * v[i];
+            }
+        }
+    }
+}
+
+/* Below this many multiply-adds (keys x query heads x head_dim, summed over
+ * the decodes) attention runs on the calling thread alone: waking a second
+ * thread costs more than it saves. */
+#define PARALLEL_MIN_WORK (1 << 19)
+
+/* Attention of one-token queries over their paged contexts, read in place.
+ *
+ * Decode d is query row q_rows[d] (heads of head_dim at q + row*q_stride)
+ * and attends to the first seq_lens[d] tokens of the blocks listed at
+ * block_tables + tables[d]*table_stride (int32 block ids); its output goes to
+ * out + q_rows[d]*out_stride. The caches are [blocks, block_size, kv_heads,
+ * head_dim]; each cached row (one KV head of one token) is read once for the
+ * query heads that share it. The work items, a (decode, KV head) each, are
+ * dealt round the team; thread i uses scratch + i*scratch_stride, which holds
+ * at least heads * max(seq_lens) floats.
+ */
+__attribute__((optimize("fp-contract=fast"))) void decode_attention_share(
+                            const float *q, int64_t q_stride, const int64_t *q_rows, int64_t num_decodes,
+                            int64_t heads, int64_t kv_heads, int64_t head_dim, const void *k_cache,
+                            const void *v_cache, int64_t kv_half, int64_t block_size, const int32_t *block_tables,
+                            int64_t table_stride, const int64_t *tables, const int64_t *seq_lens, float scale,
+                            float *out, int64_t out_stride, float *scratch, int64_t scratch_stride, int me,
+                            int threads) {
+    int64_t group = heads / kv_heads, items = num_decodes * kv_heads;
+    float *scr = scratch + me * scratch_stride;
+    for (int64_t item = me; item < items; item += threads) {
+        int64_t d = item / kv_heads, kh = item % kv_heads;
+        const float *qd = q + q_rows[d] * q_stride;
+        float *od = out + q_rows[d] * out_stride;
+        const int32_t *table = block_tables + tables[d] * table_stride;
+#define DECODE(D) \
+    decode_group(qd, od, table, seq_lens[d], kh, kv_heads, group, D, k_cache, v_cache, kv_half, block_size, scale, scr)
+        switch (head_dim) {
+            case 8: DECODE(8); break;
+            case 16: DECODE(16); break;
+            case 32: DECODE(32); break;
+            case 64: DECODE(64); break;
+            case 128: DECODE(128); break;
+            default: DECODE(head_dim);
+        }
+#undef DECODE
+    }
+}
+
+API void paged_decode_attention(const float *q, int64_t q_stride, const int64_t *q_rows, int64_t num_decodes,
+                            int64_t heads, int64_t kv_heads, int64_t head_dim, const void *k_cache,
+                            const void *v_cache, int64_t kv_half, int64_t block_size, const int32_t *block_tables,
+                            int64_t table_stride, const int64_t *tables, const int64_t *seq_lens, float scale,
+                            float *out, int64_t out_stride, float *scratch, int64_t scratch_stride,
+                            int64_t threads) {
+    int64_t keys = 0;
+    for (int64_t d = 0; d < num_decodes; d++) keys += seq_lens[d];
+    int parallel = threads > 1 && num_decodes * kv_heads > 1 && keys * heads * head_dim >= PARALLEL_MIN_WORK;
+    (void)parallel;
+#pragma omp parallel num_threads(threads) if (parallel)
+    decode_attention_share(q, q_stride, q_rows, num_decodes, heads, kv_heads, head_dim, k_cache, v_cache, kv_half,
+                           block_size, block_tables, table_stride, tables, seq_lens, scale, out, out_stride, scratch,
+                           scratch_stride, team_me(), team_size());
+}
+
+/* The prefill kernel's key count for a context of n keys: whole vectors, the
+ * padding zeroed. Callers size its scratch with it (kernels/cpu/__init__.py). */
+API int64_t padded_keys(int64_t n) { return (n + VLANES - 1) / VLANES * VLANES; }
 
 /* One query head of a prefill chunk over keys and values stored transposed
  * ([head_dim][stride], stride a multiple of VLANES, zeros past the last key);
@@ -367,44 +489,48 @@ static inline __attribute__((always_inline)) void prefill_query_head(
  * Query i (row q + i*q_stride, heads of head_dim) sits at position
  * seq_len - n + i and attends to the request's cached tokens 0 .. its own
  * position; its output goes to out + i*out_stride. The request's first
- * seq_len keys and values are first copied transposed, per KV head
- * [head_dim][stride] with stride = padded_keys(seq_len) (zeros after
- * the last key), into kv_scratch (2 * kv_heads * head_dim * stride floats): all
- * n queries read them, and a query's scores and its output are then vector
+ * seq_len keys and values are first copied transposed (as float32), per KV
+ * head [head_dim][stride] with stride = padded_keys(seq_len) (zeros after the
+ * last key), into kv_scratch (2 * kv_heads * head_dim * stride floats): all n
+ * queries read them, and a query's scores and its output are then vector
  * operations along the keys instead of one short dot product per key (which
  * is what the decode kernel does, and what costs there for small head
- * dimensions). The queries are shared among up to `threads` OpenMP threads;
- * thread t keeps its scores at score_scratch + t*stride. Unlike the rest of
- * this file, multiply-adds may fuse here: attention agrees with torch's to
- * rounding either way, and fused it is faster.
+ * dimensions). The team shares the copy (by channel), meets at ``barrier``,
+ * then deals the queries round; thread t keeps its scores at
+ * score_scratch + t*stride. Unlike the rest of this file, multiply-adds may
+ * fuse here: attention agrees with torch's to rounding either way, and fused
+ * it is faster.
  */
-API __attribute__((optimize("fp-contract=fast"))) void paged_prefill_attention(
+__attribute__((optimize("fp-contract=fast"))) void prefill_attention_share(
     const float *q, int64_t q_stride, int64_t n, int64_t heads, int64_t kv_heads, int64_t head_dim,
-    const float *k_cache, const float *v_cache, int64_t block_size, const int32_t *table, int64_t seq_len, float scale,
-    float *out, int64_t out_stride, float *kv_scratch, float *score_scratch, int64_t threads) {
+    const void *k_cache, const void *v_cache, int64_t kv_half, int64_t block_size, const int32_t *table,
+    int64_t seq_len, float scale, float *out, int64_t out_stride, float *kv_scratch, float *score_scratch,
+    team_barrier *barrier, int me, int threads) {
     int64_t group = heads / kv_heads;
     int64_t kv_row = kv_heads * head_dim;
     int64_t stride = padded_keys(seq_len);
     float *kt = kv_scratch;
     float *vt = kv_scratch + kv_row * stride;
+    int64_t c0, c1;
+    team_share(kv_row, me, threads, &c0, &c1);
     for (int64_t j0 = 0, b = 0; j0 < seq_len; j0 += block_size, b++) {
         int64_t m = seq_len - j0 < block_size ? seq_len - j0 : block_size;
-        const float *kb = k_cache + (int64_t)table[b] * block_size * kv_row;
-        const float *vb = v_cache + (int64_t)table[b] * block_size * kv_row;
-        for (int64_t t = 0; t < m; t++)
-            for (int64_t c = 0; c < kv_row; c++) {
-                kt[c * stride + j0 + t] = kb[t * kv_row + c];
-                vt[c * stride + j0 + t] = vb[t * kv_row + c];
+        for (int64_t t = 0; t < m; t++) {
+            int64_t at = ((int64_t)table[b] * block_size + t) * kv_row;
+            for (int64_t c = c0; c < c1; c++) {
+                kt[c * stride + j0 + t] = kv_half ? half_to_float(((const uint16_t *)k_cache)[at + c])
+                                                  : ((const float *)k_cache)[at + c];
+                vt[c * stride + j0 + t] = kv_half ? half_to_float(((const uint16_t *)v_cache)[at + c])
+                                                  : ((const float *)v_cache)[at + c];
             }
+        }
     }
-    for (int64_t c = 0; c < kv_row; c++)
+    for (int64_t c = c0; c < c1; c++)
         for (int64_t j = seq_len; j < stride; j++) kt[c * stride + j] = vt[c * stride + j] = 0.0f;
+    team_sync(barrier, threads);
     int64_t first = seq_len - n;
-    int parallel = threads > 1 && n > 1 && n * (first + n / 2) * heads * head_dim >= PARALLEL_MIN_WORK;
-    (void)parallel;
-#pragma omp parallel for schedule(dynamic, 4) num_threads(threads) if (parallel)
-    for (int64_t i = 0; i < n; i++) {
-        float *s = thread_scratch(score_scratch, stride);
+    float *s = score_scratch + me * stride;
+    for (int64_t i = me; i < n; i += threads) {
         int64_t len = first + i + 1;
         const float *qi = q + i * q_stride;
         float *oi = out + i * out_stride;
@@ -420,6 +546,19 @@ API __attribute__((optimize("fp-contract=fast"))) void paged_prefill_attention(
 #undef PREFILL
         }
     }
+}
+
+API void paged_prefill_attention(const float *q, int64_t q_stride, int64_t n, int64_t heads, int64_t kv_heads,
+                                 int64_t head_dim, const void *k_cache, const void *v_cache, int64_t kv_half,
+                                 int64_t block_size, const int32_t *table, int64_t seq_len, float scale, float *out,
+                                 int64_t out_stride, float *kv_scratch, float *score_scratch, int64_t threads) {
+    team_barrier barrier = {0, 0};
+    int parallel = threads > 1 && n > 1 && n * (seq_len - n / 2) * heads * head_dim >= PARALLEL_MIN_WORK;
+    (void)parallel;
+#pragma omp parallel num_threads(threads) if (parallel)
+    prefill_attention_share(q, q_stride, n, heads, kv_heads, head_dim, k_cache, v_cache, kv_half, block_size, table,
+                            seq_len, scale, out, out_stride, kv_scratch, score_scratch, &barrier, team_me(),
+                            team_size());
 }
 
 /* The instruction-set extensions this build may use, bit k for ISA_FLAGS[k] in

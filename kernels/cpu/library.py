@@ -113,9 +113,11 @@ class NativeLibrary:
     """``sources`` compiled into one shared library, tried with each of ``variants``
     (extra flags) in order; ``load()`` returns it typed, or None where it cannot be built."""
 
-    def __init__(self, name: str, sources: Sequence[Path], flags: Sequence[str], variants: Sequence[Sequence[str]]) -> None:
+    def __init__(self, name: str, sources: Sequence[Path], flags: Sequence[str], variants: Sequence[Sequence[str]],
+                 headers: Sequence[Path] = ()) -> None:
         self.name = name
         self.sources = list(sources)
+        self.headers = list(headers)  # included by the sources: part of the cache key
         self.flags = list(flags)
         self.variants = [list(v) for v in variants]
         self._lock = threading.Lock()
@@ -125,7 +127,7 @@ class NativeLibrary:
     def path(self, compiler: str, flags: Sequence[str], target: str) -> Path:
         """Where the library for these sources, compiler, flags and CPU target is cached."""
         digest = hashlib.sha256()
-        for source in self.sources:
+        for source in [*self.sources, *self.headers]:
             digest.update(source.read_bytes())
         digest.update("\0".join([compiler, *flags, target]).encode())
         return Path(settings.cache_dir) / "kernels" / f"{self.name}-{digest.hexdigest()[:16]}.so"

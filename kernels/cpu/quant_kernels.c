@@ -2,31 +2,45 @@
  * Q5_0 (blocks of 32 values), Q4_K and Q6_K (super-blocks of 256).
  *
  * As llama.cpp computes them: each activation row is quantized per block to
- * int8 with one scale (Q8_0 for the 32-value formats, Q8_K with its 16-value
- * sums for the K formats), each block's dot product is taken in integers, and
- * the scaled block sums are accumulated in float32. ``quant_matmul_f32`` is
- * the same product with float32 activations and each weight block expanded to
- * float32 first: no activation rounding, for checking against a float32
- * reference (kernels.settings.quantize_activations off).
+ * int8 with one scale (per 32 values for the 32-value formats, per 256 with
+ * sums of each 16 for the K formats), each block's dot product is taken in
+ * integers, and the scaled block sums are accumulated in float32.
  *
- * A weight matrix is ``m`` rows of ``k`` values, each row its blocks back to
- * back (the layout of a GGUF tensor). Products run ``n`` activation rows at
- * once: every weight block is expanded once and used for all of them, so a
- * decode batch or a prefill chunk reads the weights once per step. Output rows
- * are shared among up to ``threads`` OpenMP threads. Types are the GGML type
- * ids (GGUF's): 2 Q4_0, 6 Q5_0, 8 Q8_0, 12 Q4_K, 14 Q6_K.
+ * Weights are repacked once, at load (``pack_matrix``), from GGUF's layout
+ * (each row's blocks back to back) into tiles of 16 rows: for each block, the
+ * 16 rows' values sit four at a time in the 32-bit lanes of one 64-byte
+ * vector, so one integer multiply-add instruction (AVX-512 VNNI's vpdpbusd)
+ * takes four values of 16 rows at once against one broadcast group of four
+ * activations, with no horizontal sums; scales and minimums sit beside them
+ * as 16-row vectors. The packed form is as large as the file's (Q4_K: 3 %
+ * larger). Products run up to ``ROWS_AT_ONCE`` activation rows per pass over
+ * a tile, so a decode batch or a prefill chunk reads each weight byte once
+ * per pass and expands it once for all of them.
+ *
+ * The vector code is chosen when this file is compiled, for the CPU that
+ * compiles it (``-march=native``; kernels/cpu/library.py): AVX-512 (with
+ * VNNI, or its multiply-adds emulated with vpmaddubsw), AVX2 (with AVX-VNNI
+ * or emulated), or portable C. Every path computes the same integers and the
+ * same float32 operations in the same order per output, so all produce the
+ * same bits (tests/test_quant_kernels.py builds each and compares).
+ *
+ * ``quant_matmul_f32`` is the product with float32 activations and each
+ * weight row expanded to float32 first: no activation rounding, for checking
+ * against a float32 reference (kernels.settings.quantize_activations off).
+ * Types are the GGML type ids (GGUF's): 2 Q4_0, 6 Q5_0, 8 Q8_0, 12 Q4_K, 14 Q6_K.
  */
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
-#define API __attribute__((visibility("default")))
+#include "cpu_common.h"
 
+#define INLINE static inline __attribute__((always_inline))
+
+#define TYPE_F32 0
+#define TYPE_F16 1
 #define TYPE_Q4_0 2
 #define TYPE_Q5_0 6
 #define TYPE_Q8_0 8
@@ -35,79 +49,537 @@
 
 #define QK 32    /* values per block of the 32-value formats */
 #define QK_K 256 /* values per super-block of the K formats */
+#define TILE 16  /* weight rows per tile */
 
+/* GGUF's blocks (the file's layout, read by pack_matrix). */
 typedef struct { uint16_t d; uint8_t qs[QK / 2]; } block_q4_0;                  /* 18 bytes */
 typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[QK / 2]; } block_q5_0;   /* 22 bytes */
 typedef struct { uint16_t d; int8_t qs[QK]; } block_q8_0;                       /* 34 bytes */
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[QK_K / 2]; } block_q4_k; /* 144 bytes */
 typedef struct { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16]; uint16_t d; } block_q6_k; /* 210 */
-typedef struct { float d; int8_t qs[QK_K]; int16_t bsums[QK_K / 16]; } block_q8_k; /* 292 bytes */
 
 _Static_assert(sizeof(block_q4_0) == 18, "Q4_0 block");
 _Static_assert(sizeof(block_q5_0) == 22, "Q5_0 block");
 _Static_assert(sizeof(block_q8_0) == 34, "Q8_0 block");
 _Static_assert(sizeof(block_q4_k) == 144, "Q4_K block");
 _Static_assert(sizeof(block_q6_k) == 210, "Q6_K block");
-_Static_assert(sizeof(block_q8_k) == 292, "Q8_K block");
 
-/* IEEE half <-> float, exactly (subnormals, infinities and NaN included). */
-static inline float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000 | (mant << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (mant << 13);
-    } else if (mant == 0) {
-        bits = sign;
-    } else { /* subnormal: normalise */
-        exp = 113;
-        while (!(mant & 0x400)) {
-            mant <<= 1;
-            exp--;
+/* Quantized activations (our own layout): the scale, the block's sum (the 32-value
+ * formats' offsets are subtracted through it) or the sums of each 16, and the values. */
+typedef struct { float d; int32_t sum; int8_t qs[QK]; } act_q8_0;                    /* 40 bytes */
+typedef struct { float d; int16_t bsums[QK_K / 16]; int8_t qs[QK_K]; } act_q8_k;     /* 292 bytes */
+
+/* A tile's block: 16 rows' values in 64-byte groups (row r's four values at bytes 4r..4r+3),
+ * then the rows' scales. Offsets of each part within a tile block: */
+#define Q8_0_TILE 544  /* 8 groups of values (w + 128 as bytes) | 16 half scales */
+#define Q4_0_TILE 288  /* 4 groups of nibble pairs | 16 half scales */
+#define Q5_0_TILE 352  /* 4 groups of nibble pairs | 8 masks of fifth bits (64 bits each) | 16 half scales */
+#define Q4_K_TILE 2368 /* 32 groups of nibble pairs | scales [8][16] | minimum pairs [4][16][2] | 16 d | 16 dmin */
+#define Q6_K_TILE 3360 /* 32 groups of low nibble pairs | 16 groups of high bits | scales [16][16] | 16 d */
+#define F32_TILE 64    /* one column: 16 floats */
+#define F16_TILE 32    /* one column: 16 halves */
+
+static inline uint16_t load_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline int32_t load_i32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* ------------------------------------------------------------------ vectors of 16 lanes
+ *
+ * vi: 16 int32 lanes, one per row of a tile (a zmm, two ymm, or an array); vf: the same
+ * as float32. vi_dot adds to each lane the dot product of its four unsigned bytes (at most
+ * 63) with the four signed bytes broadcast from ``a4``; vi_dot_q8 does it for Q8_0's
+ * bytes (w + 128), whose sum comes out offset by Q8_OFFSET times the activations' sum. */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__) && defined(__F16C__)
+#define VEC_AVX512 1
+typedef __m512i vi;
+typedef __m512 vf;
+
+INLINE vi vi_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+INLINE vi vi_set1(int32_t x) { return _mm512_set1_epi32(x); }
+INLINE vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
+INLINE vi vi_mul(vi a, vi b) { return _mm512_mullo_epi32(a, b); }
+INLINE vi vi_lo4(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
+INLINE vi vi_hi4(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f)); }
+INLINE vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
+/* Bits 4-5 of each byte from bits (4 - shift)... of ``v``: (v << shift) & 0x30 for shift in -4..4. */
+INLINE vi vi_bits45(vi v, int shift) {
+    vi s = shift >= 0 ? _mm512_slli_epi16(v, shift) : _mm512_srli_epi16(v, -shift);
+    return _mm512_and_si512(s, _mm512_set1_epi8(0x30));
+}
+/* Adds 16 to the bytes whose bit is set in ``mask`` (Q5_0's fifth bits). */
+INLINE vi vi_add16_masked(vi v, uint64_t mask) { return _mm512_mask_add_epi8(v, mask, v, _mm512_set1_epi8(16)); }
+INLINE vi vi_u8_to_i32(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+INLINE vi vi_s8_to_i32(const int8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+/* Each lane: u8 pair at p[2l], p[2l+1] times the int16 pair packed in ``pair``, summed. */
+INLINE vi vi_madd_u8_pairs(vi acc, const uint8_t *p, int32_t pair) {
+    vi wide = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(wide, _mm512_set1_epi32(pair)));
+}
+#ifdef __AVX512VNNI__
+#define Q8_OFFSET 128
+INLINE vi vi_dot(vi acc, vi w, int32_t a4) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(a4)); }
+INLINE vi vi_dot_q8(vi acc, vi w, int32_t a4) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(a4)); }
+#else
+#define Q8_OFFSET 0
+INLINE vi vi_dot(vi acc, vi w, int32_t a4) {
+    vi pairs = _mm512_maddubs_epi16(w, _mm512_set1_epi32(a4));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+}
+INLINE vi vi_dot_q8(vi acc, vi w, int32_t a4) { /* signed weights: |w| times a with w's sign */
+    vi s = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+    vi a = _mm512_set1_epi32(a4);
+    a = _mm512_mask_sub_epi8(a, _mm512_movepi8_mask(s), _mm512_setzero_si512(), a);
+    vi pairs = _mm512_maddubs_epi16(_mm512_abs_epi8(s), a);
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+}
+#endif
+INLINE vf vf_zero(void) { return _mm512_setzero_ps(); }
+INLINE vf vf_set1(float x) { return _mm512_set1_ps(x); }
+INLINE vf vf_from(vi v) { return _mm512_cvtepi32_ps(v); }
+INLINE vf vf_halves(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+INLINE vf vf_floats(const uint8_t *p) { return _mm512_loadu_ps((const float *)p); }
+INLINE vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+INLINE vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+INLINE vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE void vf_store(float *out, vf v, const float *bias, int count) {
+    __mmask16 m = (__mmask16)((1u << count) - 1);
+    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias));
+    _mm512_mask_storeu_ps(out, m, v);
+}
+#define ROWS_AT_ONCE 4
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define VEC_AVX2 1
+typedef struct { __m256i l, h; } vi;
+typedef struct { __m256 l, h; } vf;
+
+INLINE vi vi_load(const uint8_t *p) {
+    return (vi){_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 32))};
+}
+INLINE vi vi_set1(int32_t x) { return (vi){_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; }
+INLINE vi vi_add(vi a, vi b) { return (vi){_mm256_add_epi32(a.l, b.l), _mm256_add_epi32(a.h, b.h)}; }
+INLINE vi vi_mul(vi a, vi b) { return (vi){_mm256_mullo_epi32(a.l, b.l), _mm256_mullo_epi32(a.h, b.h)}; }
+INLINE vi vi_lo4(vi v) {
+    __m256i m = _mm256_set1_epi8(0x0f);
+    return (vi){_mm256_and_si256(v.l, m), _mm256_and_si256(v.h, m)};
+}
+INLINE vi vi_hi4(vi v) {
+    __m256i m = _mm256_set1_epi8(0x0f);
+    return (vi){_mm256_and_si256(_mm256_srli_epi16(v.l, 4), m), _mm256_and_si256(_mm256_srli_epi16(v.h, 4), m)};
+}
+INLINE vi vi_or(vi a, vi b) { return (vi){_mm256_or_si256(a.l, b.l), _mm256_or_si256(a.h, b.h)}; }
+INLINE __m256i bits45_half(__m256i v, int shift) {
+    __m256i s = shift >= 0 ? _mm256_slli_epi16(v, shift) : _mm256_srli_epi16(v, -shift);
+    return _mm256_and_si256(s, _mm256_set1_epi8(0x30));
+}
+INLINE vi vi_bits45(vi v, int shift) { return (vi){bits45_half(v.l, shift), bits45_half(v.h, shift)}; }
+/* 32 mask bits -> 32 bytes of 16 where set (byte i takes bit i). */
+INLINE __m256i bits_to_16s(uint32_t bits) {
+    __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                         _mm256_setr_epi64x(0, 0x0101010101010101ll, 0x0202020202020202ll,
+                                                            0x0303030303030303ll));
+    __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+    return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+INLINE vi vi_add16_masked(vi v, uint64_t mask) {
+    return (vi){_mm256_add_epi8(v.l, bits_to_16s((uint32_t)mask)), _mm256_add_epi8(v.h, bits_to_16s((uint32_t)(mask >> 32)))};
+}
+INLINE vi vi_u8_to_i32(const uint8_t *p) {
+    return (vi){_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)),
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))};
+}
+INLINE vi vi_s8_to_i32(const int8_t *p) {
+    return (vi){_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)),
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))};
+}
+INLINE vi vi_madd_u8_pairs(vi acc, const uint8_t *p, int32_t pair) {
+    __m256i b = _mm256_set1_epi32(pair);
+    __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    __m256i hi = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)));
+    return (vi){_mm256_add_epi32(acc.l, _mm256_madd_epi16(lo, b)), _mm256_add_epi32(acc.h, _mm256_madd_epi16(hi, b))};
+}
+#ifdef __AVXVNNI__
+#define Q8_OFFSET 128
+INLINE vi vi_dot(vi acc, vi w, int32_t a4) {
+    __m256i a = _mm256_set1_epi32(a4);
+    return (vi){_mm256_dpbusd_avx_epi32(acc.l, w.l, a), _mm256_dpbusd_avx_epi32(acc.h, w.h, a)};
+}
+INLINE vi vi_dot_q8(vi acc, vi w, int32_t a4) { return vi_dot(acc, w, a4); }
+#else
+#define Q8_OFFSET 0
+INLINE __m256i dot_half(__m256i acc, __m256i w, __m256i a) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)));
+}
+INLINE vi vi_dot(vi acc, vi w, int32_t a4) {
+    __m256i a = _mm256_set1_epi32(a4);
+    return (vi){dot_half(acc.l, w.l, a), dot_half(acc.h, w.h, a)};
+}
+INLINE __m256i dot_q8_half(__m256i acc, __m256i w, __m256i a) {
+    __m256i s = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+    return dot_half(acc, _mm256_sign_epi8(s, s), _mm256_sign_epi8(a, s));
+}
+INLINE vi vi_dot_q8(vi acc, vi w, int32_t a4) {
+    __m256i a = _mm256_set1_epi32(a4);
+    return (vi){dot_q8_half(acc.l, w.l, a), dot_q8_half(acc.h, w.h, a)};
+}
+#endif
+INLINE vf vf_zero(void) { return (vf){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+INLINE vf vf_set1(float x) { return (vf){_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+INLINE vf vf_from(vi v) { return (vf){_mm256_cvtepi32_ps(v.l), _mm256_cvtepi32_ps(v.h)}; }
+INLINE vf vf_halves(const uint8_t *p) {
+    return (vf){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))};
+}
+INLINE vf vf_floats(const uint8_t *p) {
+    return (vf){_mm256_loadu_ps((const float *)p), _mm256_loadu_ps((const float *)(p + 32))};
+}
+INLINE vf vf_add(vf a, vf b) { return (vf){_mm256_add_ps(a.l, b.l), _mm256_add_ps(a.h, b.h)}; }
+INLINE vf vf_mul(vf a, vf b) { return (vf){_mm256_mul_ps(a.l, b.l), _mm256_mul_ps(a.h, b.h)}; }
+INLINE vf vf_fma(vf a, vf b, vf c) { return (vf){_mm256_fmadd_ps(a.l, b.l, c.l), _mm256_fmadd_ps(a.h, b.h, c.h)}; }
+INLINE void vf_store(float *out, vf v, const float *bias, int count) {
+    float tmp[16];
+    _mm256_storeu_ps(tmp, v.l);
+    _mm256_storeu_ps(tmp + 8, v.h);
+    for (int l = 0; l < count; l++) out[l] = bias ? tmp[l] + bias[l] : tmp[l];
+}
+#define ROWS_AT_ONCE 2
+
+#else
+#define VEC_PORTABLE 1
+typedef struct { int32_t v[TILE]; } vi;
+typedef struct { float v[TILE]; } vf;
+
+INLINE vi vi_load(const uint8_t *p) {
+    vi r;
+    memcpy(r.v, p, sizeof r.v);
+    return r;
+}
+INLINE vi vi_set1(int32_t x) {
+    vi r;
+    for (int l = 0; l < TILE; l++) r.v[l] = x;
+    return r;
+}
+#define LANEWISE(expr)                            \
+    vi r;                                         \
+    for (int l = 0; l < TILE; l++) r.v[l] = expr; \
+    return r
+INLINE vi vi_add(vi a, vi b) { LANEWISE(a.v[l] + b.v[l]); }
+INLINE vi vi_mul(vi a, vi b) { LANEWISE((int32_t)((uint32_t)a.v[l] * (uint32_t)b.v[l])); }
+INLINE vi vi_lo4(vi v) { LANEWISE((int32_t)((uint32_t)v.v[l] & 0x0f0f0f0fu)); }
+INLINE vi vi_hi4(vi v) { LANEWISE((int32_t)(((uint32_t)v.v[l] >> 4) & 0x0f0f0f0fu)); }
+INLINE vi vi_or(vi a, vi b) { LANEWISE(a.v[l] | b.v[l]); }
+INLINE vi vi_bits45(vi v, int shift) {
+    LANEWISE((int32_t)((shift >= 0 ? (uint32_t)v.v[l] << shift : (uint32_t)v.v[l] >> -shift) & 0x30303030u));
+}
+INLINE vi vi_add16_masked(vi v, uint64_t mask) {
+    vi r;
+    for (int l = 0; l < TILE; l++) {
+        uint32_t x = (uint32_t)v.v[l];
+        for (int j = 0; j < 4; j++)
+            if (mask >> (4 * l + j) & 1) x += 16u << (8 * j); /* bytes at most 15: no carry */
+        r.v[l] = (int32_t)x;
+    }
+    return r;
+}
+INLINE vi vi_u8_to_i32(const uint8_t *p) { LANEWISE(p[l]); }
+INLINE vi vi_s8_to_i32(const int8_t *p) { LANEWISE(p[l]); }
+INLINE vi vi_madd_u8_pairs(vi acc, const uint8_t *p, int32_t pair) {
+    int16_t b0 = (int16_t)(pair & 0xffff), b1 = (int16_t)((uint32_t)pair >> 16);
+    LANEWISE(acc.v[l] + p[2 * l] * b0 + p[2 * l + 1] * b1);
+}
+#define Q8_OFFSET 128
+INLINE vi vi_dot(vi acc, vi w, int32_t a4) {
+    vi r;
+    int8_t a[4];
+    memcpy(a, &a4, 4);
+    for (int l = 0; l < TILE; l++) {
+        uint32_t x = (uint32_t)w.v[l];
+        r.v[l] = acc.v[l] + (int32_t)(x & 0xff) * a[0] + (int32_t)(x >> 8 & 0xff) * a[1] +
+                 (int32_t)(x >> 16 & 0xff) * a[2] + (int32_t)(x >> 24) * a[3];
+    }
+    return r;
+}
+INLINE vi vi_dot_q8(vi acc, vi w, int32_t a4) { return vi_dot(acc, w, a4); }
+INLINE vf vf_zero(void) {
+    vf r = {{0}};
+    return r;
+}
+#define LANEWISE_F(expr)                          \
+    vf r;                                         \
+    for (int l = 0; l < TILE; l++) r.v[l] = expr; \
+    return r
+INLINE vf vf_set1(float x) { LANEWISE_F(x); }
+INLINE vf vf_from(vi v) { LANEWISE_F((float)v.v[l]); }
+INLINE vf vf_halves(const uint8_t *p) { LANEWISE_F(half_to_float(load_u16(p + 2 * l))); }
+INLINE vf vf_floats(const uint8_t *p) {
+    vf r;
+    memcpy(r.v, p, sizeof r.v);
+    return r;
+}
+INLINE vf vf_add(vf a, vf b) { LANEWISE_F(a.v[l] + b.v[l]); }
+INLINE vf vf_mul(vf a, vf b) { LANEWISE_F(a.v[l] * b.v[l]); }
+INLINE vf vf_fma(vf a, vf b, vf c) { LANEWISE_F(fmaf(a.v[l], b.v[l], c.v[l])); }
+INLINE void vf_store(float *out, vf v, const float *bias, int count) {
+    for (int l = 0; l < count; l++) out[l] = bias ? v.v[l] + bias[l] : v.v[l];
+}
+#define ROWS_AT_ONCE 2
+#endif
+
+/* Which of the paths above this build runs: 0 portable, 1 AVX2, 2 AVX2 + AVX-VNNI,
+ * 3 AVX-512, 4 AVX-512 VNNI. */
+API int64_t quant_vector_path(void) {
+#if defined(VEC_AVX512)
+    return Q8_OFFSET ? 4 : 3;
+#elif defined(VEC_AVX2)
+    return Q8_OFFSET ? 2 : 1;
+#else
+    return 0;
+#endif
+}
+
+/* ------------------------------------------------------------------ sizes */
+
+static int float_format(int64_t type) { return type == TYPE_F32 || type == TYPE_F16; }
+
+/* Values per block: 32, 256 for the K formats, 1 for F32 and F16 (a "block" is one value). */
+API int64_t block_values(int64_t type) {
+    return type == TYPE_Q4_K || type == TYPE_Q6_K ? QK_K : float_format(type) ? 1 : QK;
+}
+
+/* Bytes of one GGUF block. */
+API int64_t block_bytes(int64_t type) {
+    switch (type) {
+        case TYPE_F32: return 4;
+        case TYPE_F16: return 2;
+        case TYPE_Q4_0: return sizeof(block_q4_0);
+        case TYPE_Q5_0: return sizeof(block_q5_0);
+        case TYPE_Q8_0: return sizeof(block_q8_0);
+        case TYPE_Q4_K: return sizeof(block_q4_k);
+        case TYPE_Q6_K: return sizeof(block_q6_k);
+        default: return 0;
+    }
+}
+
+static int64_t tile_block_bytes(int64_t type) {
+    switch (type) {
+        case TYPE_F32: return F32_TILE;
+        case TYPE_F16: return F16_TILE;
+        case TYPE_Q4_0: return Q4_0_TILE;
+        case TYPE_Q5_0: return Q5_0_TILE;
+        case TYPE_Q8_0: return Q8_0_TILE;
+        case TYPE_Q4_K: return Q4_K_TILE;
+        case TYPE_Q6_K: return Q6_K_TILE;
+        default: return 0;
+    }
+}
+
+/* Bytes of a packed ``rows`` x ``k`` matrix (rows rounded up to whole tiles). */
+API int64_t packed_bytes(int64_t type, int64_t rows, int64_t k) {
+    return (rows + TILE - 1) / TILE * (k / block_values(type)) * tile_block_bytes(type);
+}
+
+/* ------------------------------------------------------------------ packing */
+
+static void q4_k_scale_min(const uint8_t *s, int j, uint8_t *scale, uint8_t *min) {
+    if (j < 4) {
+        *scale = s[j] & 63;
+        *min = s[j + 4] & 63;
+    } else {
+        *scale = (uint8_t)((s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4));
+        *min = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+/* One tile block from the rows' GGUF blocks (``src[r]`` NULL: a padding row of zeros). */
+static void pack_tile_block(int64_t type, const uint8_t *const *src, uint8_t *dst) {
+    int64_t size = tile_block_bytes(type);
+    memset(dst, 0, (size_t)size);
+    for (int r = 0; r < TILE; r++) {
+        const uint8_t *s = src[r];
+        if (float_format(type)) {
+            if (s) memcpy(dst + r * block_bytes(type), s, (size_t)block_bytes(type));
+        } else if (type == TYPE_Q8_0) {
+            const block_q8_0 *b = (const block_q8_0 *)s;
+            for (int g = 0; g < 8; g++)
+                for (int j = 0; j < 4; j++) dst[g * 64 + r * 4 + j] = (uint8_t)((s ? b->qs[4 * g + j] : 0) ^ 0x80);
+            if (s) memcpy(dst + 512 + 2 * r, &b->d, 2);
+        } else if (!s) {
+            continue;
+        } else if (type == TYPE_Q4_0 || type == TYPE_Q5_0) {
+            const uint8_t *qs = type == TYPE_Q4_0 ? ((const block_q4_0 *)s)->qs : ((const block_q5_0 *)s)->qs;
+            for (int c = 0; c < 4; c++) memcpy(dst + c * 64 + r * 4, qs + 4 * c, 4);
+            if (type == TYPE_Q4_0) {
+                memcpy(dst + 256 + 2 * r, &((const block_q4_0 *)s)->d, 2);
+            } else {
+                const block_q5_0 *b = (const block_q5_0 *)s;
+                uint32_t qh;
+                memcpy(&qh, b->qh, 4);
+                for (int c = 0; c < 4; c++)
+                    for (int j = 0; j < 4; j++) {
+                        uint64_t lo = qh >> (4 * c + j) & 1, hi = qh >> (16 + 4 * c + j) & 1;
+                        uint64_t masks[2];
+                        memcpy(masks, dst + 256 + 16 * c, 16);
+                        masks[0] |= lo << (4 * r + j);
+                        masks[1] |= hi << (4 * r + j);
+                        memcpy(dst + 256 + 16 * c, masks, 16);
+                    }
+                memcpy(dst + 320 + 2 * r, &b->d, 2);
+            }
+        } else if (type == TYPE_Q4_K) {
+            const block_q4_k *b = (const block_q4_k *)s;
+            for (int c = 0; c < 4; c++)
+                for (int l4 = 0; l4 < 8; l4++) memcpy(dst + (c * 8 + l4) * 64 + r * 4, b->qs + c * 32 + 4 * l4, 4);
+            for (int j = 0; j < 8; j++) {
+                uint8_t scale, min;
+                q4_k_scale_min(b->scales, j, &scale, &min);
+                dst[2048 + j * 16 + r] = scale;
+                dst[2176 + ((j / 2) * 16 + r) * 2 + j % 2] = min;
+            }
+            memcpy(dst + 2304 + 2 * r, &b->d, 2);
+            memcpy(dst + 2336 + 2 * r, &b->dmin, 2);
+        } else { /* Q6_K */
+            const block_q6_k *b = (const block_q6_k *)s;
+            for (int h = 0; h < 2; h++)
+                for (int l4 = 0; l4 < 8; l4++) {
+                    memcpy(dst + (h * 16 + l4) * 64 + r * 4, b->ql + h * 64 + 4 * l4, 4);
+                    memcpy(dst + (h * 16 + 8 + l4) * 64 + r * 4, b->ql + h * 64 + 32 + 4 * l4, 4);
+                    memcpy(dst + 2048 + (h * 8 + l4) * 64 + r * 4, b->qh + h * 32 + 4 * l4, 4);
+                }
+            for (int j = 0; j < 16; j++) dst[3072 + j * 16 + r] = (uint8_t)b->scales[j];
+            memcpy(dst + 3328 + 2 * r, &b->d, 2);
         }
-        bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
     }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
 }
 
-static inline uint16_t float_to_half(float f) { /* round to nearest even, as numpy does */
-    uint32_t x;
-    memcpy(&x, &f, sizeof x);
-    uint32_t sign = (x >> 16) & 0x8000, exp = (x >> 23) & 0xff, mant = x & 0x7fffff;
-    if (exp == 0xff) return (uint16_t)(sign | 0x7c00 | (mant ? 0x200 : 0));
-    int32_t e = (int32_t)exp - 127 + 15;
-    if (e >= 0x1f) return (uint16_t)(sign | 0x7c00);
-    if (e <= 0) {
-        if (e < -10) return (uint16_t)sign;
-        mant |= 0x800000;
-        uint32_t shift = (uint32_t)(14 - e), half = mant >> shift, rest = mant & ((1u << shift) - 1);
-        uint32_t mid = 1u << (shift - 1);
-        if (rest > mid || (rest == mid && (half & 1))) half++;
-        return (uint16_t)(sign | half);
+/* ``rows`` x ``k`` GGUF blocks at ``src`` into tiles at ``dst`` (packed_bytes of them);
+ * packed row i is source row order[i] (order NULL: row i). */
+API void pack_matrix(int64_t type, const void *src, int64_t rows, int64_t k, const int64_t *order, void *dst,
+                     int64_t threads) {
+    int64_t nb = k / block_values(type), bb = block_bytes(type), tb = tile_block_bytes(type);
+    int64_t tiles = (rows + TILE - 1) / TILE, row_bytes = nb * bb;
+    (void)threads;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows * k >= (1 << 20))
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *blocks[TILE];
+        for (int64_t b = 0; b < nb; b++) {
+            for (int r = 0; r < TILE; r++) {
+                int64_t row = t * TILE + r;
+                blocks[r] = row < rows ? (const uint8_t *)src + (order ? order[row] : row) * row_bytes + b * bb : NULL;
+            }
+            pack_tile_block(type, blocks, (uint8_t *)dst + (t * nb + b) * tb);
+        }
     }
-    uint32_t half = (uint32_t)(e << 10) | (mant >> 13), rest = mant & 0x1fff;
-    if (rest > 0x1000 || (rest == 0x1000 && (half & 1))) half++;
-    return (uint16_t)(sign | half);
 }
 
-/* ---------------------------------------------------------------- activations */
+/* ------------------------------------------------------------------ unpacking */
 
-/* Q8_0: per 32 values, d = max|x| / 127 (stored as half), q = round(x / d). */
-static void quantize_row_q8_0(const float *x, block_q8_0 *y, int64_t k) {
+/* Row ``row`` of a packed matrix as float32 (the embedding lookup; the reference product). */
+static void unpack_row(int64_t type, const uint8_t *w, int64_t k, int64_t row, float *y) {
+    int64_t nb = k / block_values(type), tb = tile_block_bytes(type);
+    int r = (int)(row % TILE);
+    const uint8_t *tile = w + row / TILE * nb * tb;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *t = tile + b * tb;
+        if (type == TYPE_F32) {
+            memcpy(y + b, t + 4 * r, 4);
+        } else if (type == TYPE_F16) {
+            y[b] = half_to_float(load_u16(t + 2 * r));
+        } else if (type == TYPE_Q8_0) {
+            float d = half_to_float(load_u16(t + 512 + 2 * r));
+            for (int j = 0; j < QK; j++) y[b * QK + j] = d * (float)((int)t[(j / 4) * 64 + r * 4 + j % 4] - 128);
+        } else if (type == TYPE_Q4_0 || type == TYPE_Q5_0) {
+            float d = half_to_float(load_u16(t + (type == TYPE_Q4_0 ? 256 : 320) + 2 * r));
+            for (int c = 0; c < 4; c++)
+                for (int j = 0; j < 4; j++) {
+                    uint8_t q = t[c * 64 + r * 4 + j];
+                    int lo = q & 0x0f, hi = q >> 4, offset = 8;
+                    if (type == TYPE_Q5_0) {
+                        uint64_t masks[2];
+                        memcpy(masks, t + 256 + 16 * c, 16);
+                        lo |= (int)(masks[0] >> (4 * r + j) & 1) << 4;
+                        hi |= (int)(masks[1] >> (4 * r + j) & 1) << 4;
+                        offset = 16;
+                    }
+                    y[b * QK + 4 * c + j] = d * (float)(lo - offset);
+                    y[b * QK + 16 + 4 * c + j] = d * (float)(hi - offset);
+                }
+        } else if (type == TYPE_Q4_K) {
+            float d = half_to_float(load_u16(t + 2304 + 2 * r)), dmin = half_to_float(load_u16(t + 2336 + 2 * r));
+            for (int c = 0; c < 4; c++)
+                for (int l = 0; l < 32; l++) {
+                    uint8_t q = t[(c * 8 + l / 4) * 64 + r * 4 + l % 4];
+                    for (int half = 0; half < 2; half++) {
+                        int s = 2 * c + half;
+                        float scale = d * (float)t[2048 + s * 16 + r];
+                        float min = dmin * (float)t[2176 + ((s / 2) * 16 + r) * 2 + s % 2];
+                        y[b * QK_K + c * 64 + 32 * half + l] = scale * (float)(half ? q >> 4 : q & 0x0f) - min;
+                    }
+                }
+        } else { /* Q6_K */
+            float d = half_to_float(load_u16(t + 3328 + 2 * r));
+            for (int h = 0; h < 2; h++)
+                for (int l = 0; l < 32; l++) {
+                    int g = l / 4, j = l % 4;
+                    uint8_t a = t[(h * 16 + g) * 64 + r * 4 + j], c = t[(h * 16 + 8 + g) * 64 + r * 4 + j];
+                    uint8_t qh = t[2048 + (h * 8 + g) * 64 + r * 4 + j];
+                    int q[4] = {(a & 0x0f) | (qh & 3) << 4, (c & 0x0f) | (qh >> 2 & 3) << 4,
+                                (a >> 4) | (qh >> 4 & 3) << 4, (c >> 4) | (qh >> 6 & 3) << 4};
+                    for (int part = 0; part < 4; part++) {
+                        int v = h * 128 + part * 32 + l;
+                        float scale = d * (float)(int8_t)t[3072 + (v / 16) * 16 + r];
+                        y[b * QK_K + v] = scale * (float)(q[part] - 32);
+                    }
+                }
+        }
+    }
+}
+
+/* Rows ``ids`` of a packed matrix of ``k`` columns, as float32 rows of ``out`` (an
+ * embedding lookup), shared among the team by rows. */
+void packed_rows_share(int64_t type, const void *w, int64_t k, const int64_t *ids, int64_t n, float *out, int me,
+                       int threads) {
+    int64_t begin, end;
+    team_share(n, me, threads, &begin, &end);
+    for (int64_t i = begin; i < end; i++) unpack_row(type, (const uint8_t *)w, k, ids[i], out + i * k);
+}
+
+API void dequantize_rows(int64_t type, const void *w, int64_t k, const int64_t *ids, int64_t n, float *out) {
+    packed_rows_share(type, w, k, ids, n, out, 0, 1);
+}
+
+/* ------------------------------------------------------------------ activations */
+
+/* Q8_0: per 32 values, d = max|x| / 127 (stored as float), q = round(x / d) (ties to even). */
+static void quantize_row_q8_0(const float *x, act_q8_0 *y, int64_t k) {
     for (int64_t b = 0; b < k / QK; b++, x += QK) {
         float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(x[j]));
-        float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        y[b].d = float_to_half(d);
-        for (int j = 0; j < QK; j++) y[b].qs[j] = (int8_t)roundf(x[j] * id);
+        float d = amax / 127.0f, id = d != 0.0f ? 127.0f / amax : 0.0f;
+        int sum = 0;
+#pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < QK; j++) {
+            int q = (int)nearbyintf(x[j] * id);
+            y[b].qs[j] = (int8_t)q;
+            sum += q;
+        }
+        y[b].d = d;
+        y[b].sum = sum;
     }
 }
 
 /* Q8_K: per 256 values, the scale makes the value of largest magnitude -127 or 127;
- * the sums of each 16 quantized values come with it (for the K formats' minimums). */
-static void quantize_row_q8_k(const float *x, block_q8_k *y, int64_t k) {
+ * the sums of each 16 quantized values come with it. */
+static void quantize_row_q8_k(const float *x, act_q8_k *y, int64_t k) {
     for (int64_t b = 0; b < k / QK_K; b++, x += QK_K) {
         float amax = 0.0f, max = 0.0f;
         for (int j = 0; j < QK_K; j++) {
@@ -122,6 +594,7 @@ static void quantize_row_q8_k(const float *x, block_q8_k *y, int64_t k) {
             continue;
         }
         float iscale = -127.0f / max;
+#pragma omp simd
         for (int j = 0; j < QK_K; j++) {
             int v = (int)nearbyintf(iscale * x[j]);
             y[b].qs[j] = (int8_t)(v > 127 ? 127 : v);
@@ -135,234 +608,350 @@ static void quantize_row_q8_k(const float *x, block_q8_k *y, int64_t k) {
     }
 }
 
+static int k_format(int64_t type) { return type == TYPE_Q4_K || type == TYPE_Q6_K; }
+
 API int64_t activation_row_bytes(int64_t type, int64_t k) {
-    return type == TYPE_Q4_K || type == TYPE_Q6_K ? k / QK_K * (int64_t)sizeof(block_q8_k)
-                                                  : k / QK * (int64_t)sizeof(block_q8_0);
+    return k_format(type) ? k / QK_K * (int64_t)sizeof(act_q8_k) : k / QK * (int64_t)sizeof(act_q8_0);
+}
+
+/* Thread me of ``threads``' share of quantizing ``rows`` activation rows of ``k`` values. */
+static void quantize_share(int64_t type, const float *x, int64_t rows, int64_t k, void *out, int me, int threads) {
+    int64_t row_bytes = activation_row_bytes(type, k), begin, end;
+    team_share(rows, me, threads, &begin, &end);
+    for (int64_t r = begin; r < end; r++) {
+        uint8_t *y = (uint8_t *)out + r * row_bytes;
+        if (k_format(type))
+            quantize_row_q8_k(x + r * k, (act_q8_k *)y, k);
+        else
+            quantize_row_q8_0(x + r * k, (act_q8_0 *)y, k);
+    }
 }
 
 /* ``rows`` activation rows of ``k`` values, quantized as ``type``'s products want them. */
-API void quantize_activations(int64_t type, const float *x, int64_t rows, int64_t k, void *out) {
-    int64_t row_bytes = activation_row_bytes(type, k);
-    for (int64_t r = 0; r < rows; r++) {
-        uint8_t *y = (uint8_t *)out + r * row_bytes;
-        if (type == TYPE_Q4_K || type == TYPE_Q6_K)
-            quantize_row_q8_k(x + r * k, (block_q8_k *)y, k);
-        else
-            quantize_row_q8_0(x + r * k, (block_q8_0 *)y, k);
-    }
+API void quantize_activations(int64_t type, const float *x, int64_t rows, int64_t k, void *out, int64_t threads) {
+    int parallel = threads > 1 && rows * k >= (1 << 16);
+    (void)parallel;
+#pragma omp parallel num_threads(threads) if (parallel)
+    quantize_share(type, x, rows, k, out, team_me(), team_size());
 }
 
-/* ---------------------------------------------------------------- expansion */
+/* ------------------------------------------------------------------ tile products
+ *
+ * Each adds to acc[i] (16 rows of the tile) the products with activation rows a[i], i < R,
+ * over the tile's nb blocks. R is a constant where they are inlined (tile_product). */
 
-/* One block as int8 values (Q4_K's and Q6_K's sub-block scales and minimums apart). */
-static inline float expand_q4_0(const block_q4_0 *b, int8_t *q) {
-    for (int j = 0; j < QK / 2; j++) {
-        q[j] = (int8_t)((b->qs[j] & 0x0f) - 8);
-        q[j + QK / 2] = (int8_t)((b->qs[j] >> 4) - 8);
-    }
-    return half_to_float(b->d);
-}
-
-static inline float expand_q5_0(const block_q5_0 *b, int8_t *q) {
-    uint32_t qh;
-    memcpy(&qh, b->qh, sizeof qh);
-    for (int j = 0; j < QK / 2; j++) {
-        int lo = (b->qs[j] & 0x0f) | (int)(((qh >> j) << 4) & 0x10);
-        int hi = (b->qs[j] >> 4) | (int)((qh >> (j + 12)) & 0x10);
-        q[j] = (int8_t)(lo - 16);
-        q[j + QK / 2] = (int8_t)(hi - 16);
-    }
-    return half_to_float(b->d);
-}
-
-static inline float expand_q8_0(const block_q8_0 *b, int8_t *q) {
-    memcpy(q, b->qs, QK);
-    return half_to_float(b->d);
-}
-
-/* Q4_K: 8 sub-blocks of 32 with 6-bit scales and minimums packed in 12 bytes. */
-static inline void q4_k_scale_min(const uint8_t *s, int j, int *scale, int *min) {
-    if (j < 4) {
-        *scale = s[j] & 63;
-        *min = s[j + 4] & 63;
-    } else {
-        *scale = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
-        *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-}
-
-static inline void expand_q4_k(const block_q4_k *b, uint8_t *q, int *scales, int *mins) {
-    for (int j = 0; j < 8; j++) q4_k_scale_min(b->scales, j, &scales[j], &mins[j]);
-    for (int c = 0; c < 4; c++) /* 64 values per 32 bytes: low nibbles, then high */
-        for (int l = 0; l < 32; l++) {
-            q[c * 64 + l] = b->qs[c * 32 + l] & 0x0f;
-            q[c * 64 + 32 + l] = b->qs[c * 32 + l] >> 4;
+INLINE void tile_q8_0(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
+    for (int64_t b = 0; b < nb; b++, tile += Q8_0_TILE) {
+        vf d = vf_halves(tile + 512);
+        vi sum[ROWS_AT_ONCE], odd[ROWS_AT_ONCE]; /* two chains each: the sums' latency overlaps */
+        for (int i = 0; i < R; i++) {
+            sum[i] = vi_set1(-Q8_OFFSET * ((const act_q8_0 *)a[i])[b].sum);
+            odd[i] = vi_set1(0);
         }
-}
-
-/* Q6_K: 16 sub-blocks of 16 with int8 scales; values are 6 bits (4 in ql, 2 in qh) less 32. */
-static inline void expand_q6_k(const block_q6_k *b, int8_t *q) {
-    for (int h = 0; h < 2; h++) {
-        const uint8_t *ql = b->ql + h * 64, *qh = b->qh + h * 32;
-        int8_t *y = q + h * 128;
-        for (int l = 0; l < 32; l++) {
-            y[l] = (int8_t)(((ql[l] & 0x0f) | (((qh[l] >> 0) & 3) << 4)) - 32);
-            y[l + 32] = (int8_t)(((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32);
-            y[l + 64] = (int8_t)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
-            y[l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+        for (int g = 0; g < 8; g += 2) {
+            vi w = vi_load(tile + 64 * g), w2 = vi_load(tile + 64 * (g + 1));
+            for (int i = 0; i < R; i++) {
+                const int8_t *q = ((const act_q8_0 *)a[i])[b].qs + 4 * g;
+                sum[i] = vi_dot_q8(sum[i], w, load_i32(q));
+                odd[i] = vi_dot_q8(odd[i], w2, load_i32(q + 4));
+            }
         }
+        for (int i = 0; i < R; i++)
+            acc[i] = vf_fma(vf_from(vi_add(sum[i], odd[i])), vf_mul(d, vf_set1(((const act_q8_0 *)a[i])[b].d)), acc[i]);
     }
 }
 
-API int64_t block_values(int64_t type) { return type == TYPE_Q4_K || type == TYPE_Q6_K ? QK_K : QK; }
-
-API int64_t block_bytes(int64_t type) {
-    switch (type) {
-        case TYPE_Q4_0: return sizeof(block_q4_0);
-        case TYPE_Q5_0: return sizeof(block_q5_0);
-        case TYPE_Q8_0: return sizeof(block_q8_0);
-        case TYPE_Q4_K: return sizeof(block_q4_k);
-        case TYPE_Q6_K: return sizeof(block_q6_k);
-        default: return 0;
-    }
-}
-
-/* Row ``r``'s values as float32 (the embedding lookup; the reference product). */
-static void dequantize_row(int64_t type, const uint8_t *row, int64_t k, float *y) {
-    int64_t nb = k / block_values(type), bb = block_bytes(type);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * bb;
-        if (type == TYPE_Q4_K) {
-            const block_q4_k *x = (const block_q4_k *)blk;
-            uint8_t q[QK_K];
-            int sc[8], mn[8];
-            expand_q4_k(x, q, sc, mn);
-            float d = half_to_float(x->d), dmin = half_to_float(x->dmin);
-            for (int j = 0; j < QK_K; j++) y[b * QK_K + j] = d * (float)sc[j / 32] * q[j] - dmin * (float)mn[j / 32];
-        } else if (type == TYPE_Q6_K) {
-            const block_q6_k *x = (const block_q6_k *)blk;
-            int8_t q[QK_K];
-            expand_q6_k(x, q);
-            float d = half_to_float(x->d);
-            for (int j = 0; j < QK_K; j++) y[b * QK_K + j] = d * (float)x->scales[j / 16] * q[j];
-        } else {
-            int8_t q[QK];
-            float d = type == TYPE_Q4_0   ? expand_q4_0((const block_q4_0 *)blk, q)
-                      : type == TYPE_Q5_0 ? expand_q5_0((const block_q5_0 *)blk, q)
-                                          : expand_q8_0((const block_q8_0 *)blk, q);
-            for (int j = 0; j < QK; j++) y[b * QK + j] = d * q[j];
+/* Q4_0 and Q5_0: nibbles (plus fifth bits for Q5_0) less 8 (16). */
+INLINE void tile_q4_q5(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc, int five) {
+    const int64_t size = five ? Q5_0_TILE : Q4_0_TILE;
+    const int offset = five ? 16 : 8;
+    for (int64_t b = 0; b < nb; b++, tile += size) {
+        vf d = vf_halves(tile + (five ? 320 : 256));
+        vi sum[ROWS_AT_ONCE], high[ROWS_AT_ONCE]; /* low and high nibbles: two chains */
+        for (int i = 0; i < R; i++) {
+            sum[i] = vi_set1(-offset * ((const act_q8_0 *)a[i])[b].sum);
+            high[i] = vi_set1(0);
         }
+        for (int c = 0; c < 4; c++) {
+            vi w = vi_load(tile + 64 * c), lo = vi_lo4(w), hi = vi_hi4(w);
+            if (five) {
+                uint64_t masks[2];
+                memcpy(masks, tile + 256 + 16 * c, 16);
+                lo = vi_add16_masked(lo, masks[0]);
+                hi = vi_add16_masked(hi, masks[1]);
+            }
+            for (int i = 0; i < R; i++) {
+                const int8_t *q = ((const act_q8_0 *)a[i])[b].qs;
+                sum[i] = vi_dot(sum[i], lo, load_i32(q + 4 * c));
+                high[i] = vi_dot(high[i], hi, load_i32(q + 16 + 4 * c));
+            }
+        }
+        for (int i = 0; i < R; i++) acc[i] = vf_fma(vf_from(vi_add(sum[i], high[i])), vf_mul(d, vf_set1(((const act_q8_0 *)a[i])[b].d)), acc[i]);
     }
 }
 
-/* Rows ``ids`` of a quantized matrix of ``k`` columns, as float32 rows of ``out``. */
-API void dequantize_rows(int64_t type, const void *w, int64_t k, const int64_t *ids, int64_t n, float *out) {
-    int64_t row_bytes = k / block_values(type) * block_bytes(type);
-    for (int64_t i = 0; i < n; i++) dequantize_row(type, (const uint8_t *)w + ids[i] * row_bytes, k, out + i * k);
-}
-
-/* ---------------------------------------------------------------- products */
-
-static inline int dot_i8(const int8_t *a, const int8_t *b, int len) {
-    int sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int j = 0; j < len; j++) sum += a[j] * b[j];
-    return sum;
-}
-
-static inline int dot_u8_i8(const uint8_t *a, const int8_t *b, int len) {
-    int sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int j = 0; j < len; j++) sum += a[j] * b[j];
-    return sum;
-}
-
-/* Adds to acc[i] (i < n) weight row ``row``'s product with activation row i. */
-static void row_times_activations(int64_t type, const uint8_t *row, int64_t k, const uint8_t *xq, int64_t x_bytes,
-                                  int64_t n, float *acc) {
-    int64_t nb = k / block_values(type), bb = block_bytes(type);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * bb;
-        if (type == TYPE_Q4_K) {
-            const block_q4_k *x = (const block_q4_k *)blk;
-            uint8_t q[QK_K];
-            int sc[8], mn[8];
-            expand_q4_k(x, q, sc, mn);
-            float d = half_to_float(x->d), dmin = half_to_float(x->dmin);
-            for (int64_t i = 0; i < n; i++) {
-                const block_q8_k *a = (const block_q8_k *)(xq + i * x_bytes) + b;
-                int sumi = 0, summ = 0;
-                for (int s = 0; s < 8; s++) {
-                    sumi += sc[s] * dot_u8_i8(q + 32 * s, a->qs + 32 * s, 32);
-                    summ += mn[s] * (a->bsums[2 * s] + a->bsums[2 * s + 1]);
+/* Q4_K: d * scale_s * q - dmin * min_s for the 8 sub-blocks s of 32. */
+INLINE void tile_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
+    for (int64_t b = 0; b < nb; b++, tile += Q4_K_TILE) {
+        vi total[ROWS_AT_ONCE], mins[ROWS_AT_ONCE];
+        for (int i = 0; i < R; i++) total[i] = mins[i] = vi_set1(0);
+        for (int c = 0; c < 4; c++) {
+            vi lo[ROWS_AT_ONCE], hi[ROWS_AT_ONCE], lo2[ROWS_AT_ONCE], hi2[ROWS_AT_ONCE];
+            for (int i = 0; i < R; i++) lo[i] = hi[i] = lo2[i] = hi2[i] = vi_set1(0);
+            for (int l4 = 0; l4 < 8; l4 += 2) { /* two chains each: the sums' latency overlaps */
+                vi w = vi_load(tile + (c * 8 + l4) * 64), wl = vi_lo4(w), wh = vi_hi4(w);
+                vi w2 = vi_load(tile + (c * 8 + l4 + 1) * 64), wl2 = vi_lo4(w2), wh2 = vi_hi4(w2);
+                for (int i = 0; i < R; i++) {
+                    const int8_t *q = ((const act_q8_k *)a[i])[b].qs + c * 64 + 4 * l4;
+                    lo[i] = vi_dot(lo[i], wl, load_i32(q));
+                    hi[i] = vi_dot(hi[i], wh, load_i32(q + 32));
+                    lo2[i] = vi_dot(lo2[i], wl2, load_i32(q + 4));
+                    hi2[i] = vi_dot(hi2[i], wh2, load_i32(q + 36));
                 }
-                acc[i] += a->d * (d * (float)sumi - dmin * (float)summ);
             }
-        } else if (type == TYPE_Q6_K) {
-            const block_q6_k *x = (const block_q6_k *)blk;
-            int8_t q[QK_K];
-            expand_q6_k(x, q);
-            float d = half_to_float(x->d);
-            for (int64_t i = 0; i < n; i++) {
-                const block_q8_k *a = (const block_q8_k *)(xq + i * x_bytes) + b;
-                int sumi = 0;
-                for (int s = 0; s < 16; s++) sumi += x->scales[s] * dot_i8(q + 16 * s, a->qs + 16 * s, 16);
-                acc[i] += d * a->d * (float)sumi;
+            for (int i = 0; i < R; i++) {
+                lo[i] = vi_add(lo[i], lo2[i]);
+                hi[i] = vi_add(hi[i], hi2[i]);
             }
-        } else {
-            int8_t q[QK];
-            float d = type == TYPE_Q4_0   ? expand_q4_0((const block_q4_0 *)blk, q)
-                      : type == TYPE_Q5_0 ? expand_q5_0((const block_q5_0 *)blk, q)
-                                          : expand_q8_0((const block_q8_0 *)blk, q);
-            for (int64_t i = 0; i < n; i++) {
-                const block_q8_0 *a = (const block_q8_0 *)(xq + i * x_bytes) + b;
-                acc[i] += d * half_to_float(a->d) * (float)dot_i8(q, a->qs, QK);
+            vi s_lo = vi_u8_to_i32(tile + 2048 + (2 * c) * 16), s_hi = vi_u8_to_i32(tile + 2048 + (2 * c + 1) * 16);
+            for (int i = 0; i < R; i++) total[i] = vi_add(total[i], vi_add(vi_mul(lo[i], s_lo), vi_mul(hi[i], s_hi)));
+        }
+        for (int p = 0; p < 4; p++)
+            for (int i = 0; i < R; i++) {
+                const int16_t *bs = ((const act_q8_k *)a[i])[b].bsums + 4 * p;
+                int32_t s0 = bs[0] + bs[1], s1 = bs[2] + bs[3]; /* the activations' sums of sub-blocks 2p, 2p+1 */
+                mins[i] = vi_madd_u8_pairs(mins[i], tile + 2176 + p * 32, (int32_t)((uint32_t)(uint16_t)s0 | (uint32_t)s1 << 16));
+            }
+        vf d = vf_halves(tile + 2304), dmin = vf_halves(tile + 2336);
+        for (int i = 0; i < R; i++) {
+            float ad = ((const act_q8_k *)a[i])[b].d;
+            acc[i] = vf_fma(vf_from(total[i]), vf_mul(d, vf_set1(ad)), acc[i]);
+            acc[i] = vf_fma(vf_from(mins[i]), vf_mul(dmin, vf_set1(-ad)), acc[i]);
+        }
+    }
+}
+
+/* Q6_K: d * scale_s * (q - 32) for the 16 sub-blocks s of 16. */
+INLINE void tile_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
+    for (int64_t b = 0; b < nb; b++, tile += Q6_K_TILE) {
+        vi total[ROWS_AT_ONCE];
+        for (int i = 0; i < R; i++) total[i] = vi_set1(0);
+        for (int h = 0; h < 2; h++)
+            for (int quad = 0; quad < 2; quad++) {
+                vi part[4][ROWS_AT_ONCE];
+                for (int p = 0; p < 4; p++)
+                    for (int i = 0; i < R; i++) part[p][i] = vi_set1(0);
+                for (int g = quad * 4; g < quad * 4 + 4; g++) {
+                    vi lo = vi_load(tile + (h * 16 + g) * 64), hi = vi_load(tile + (h * 16 + 8 + g) * 64);
+                    vi qh = vi_load(tile + 2048 + (h * 8 + g) * 64);
+                    vi v[4] = {vi_or(vi_lo4(lo), vi_bits45(qh, 4)), vi_or(vi_lo4(hi), vi_bits45(qh, 2)),
+                               vi_or(vi_hi4(lo), vi_bits45(qh, 0)), vi_or(vi_hi4(hi), vi_bits45(qh, -2))};
+                    for (int i = 0; i < R; i++) {
+                        const int8_t *q = ((const act_q8_k *)a[i])[b].qs + h * 128 + 4 * g;
+                        for (int p = 0; p < 4; p++) part[p][i] = vi_dot(part[p][i], v[p], load_i32(q + 32 * p));
+                    }
+                }
+                for (int p = 0; p < 4; p++) {
+                    int s = h * 8 + 2 * p + quad; /* values h*128 + 32p + 16quad .. +16 */
+                    vi scale = vi_s8_to_i32((const int8_t *)tile + 3072 + s * 16);
+                    for (int i = 0; i < R; i++) {
+                        vi centred = vi_add(part[p][i], vi_set1(-32 * ((const act_q8_k *)a[i])[b].bsums[s]));
+                        total[i] = vi_add(total[i], vi_mul(centred, scale));
+                    }
+                }
+            }
+        vf d = vf_halves(tile + 3328);
+        for (int i = 0; i < R; i++) acc[i] = vf_fma(vf_from(total[i]), vf_mul(d, vf_set1(((const act_q8_k *)a[i])[b].d)), acc[i]);
+    }
+}
+
+/* F32 and F16: float32 activations, two chains of multiply-adds (even and odd columns). */
+INLINE void tile_float(const uint8_t *tile, int64_t k, const uint8_t *const *a, int R, vf *acc, int half) {
+    const int64_t size = half ? F16_TILE : F32_TILE;
+    vf odd[ROWS_AT_ONCE];
+    for (int i = 0; i < R; i++) odd[i] = vf_zero();
+    int64_t j = 0;
+    for (; j + 2 <= k; j += 2, tile += 2 * size) {
+        vf w = half ? vf_halves(tile) : vf_floats(tile), w2 = half ? vf_halves(tile + size) : vf_floats(tile + size);
+        for (int i = 0; i < R; i++) {
+            const float *x = (const float *)a[i] + j;
+            acc[i] = vf_fma(w, vf_set1(x[0]), acc[i]);
+            odd[i] = vf_fma(w2, vf_set1(x[1]), odd[i]);
+        }
+    }
+    if (j < k) {
+        vf w = half ? vf_halves(tile) : vf_floats(tile);
+        for (int i = 0; i < R; i++) acc[i] = vf_fma(w, vf_set1(((const float *)a[i])[j]), acc[i]);
+    }
+    for (int i = 0; i < R; i++) acc[i] = vf_add(acc[i], odd[i]);
+}
+
+INLINE void tile_product(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
+    switch (type) {
+        case TYPE_F32: tile_float(tile, nb, a, R, acc, 0); break;
+        case TYPE_F16: tile_float(tile, nb, a, R, acc, 1); break;
+        case TYPE_Q8_0: tile_q8_0(tile, nb, a, R, acc); break;
+        case TYPE_Q4_0: tile_q4_q5(tile, nb, a, R, acc, 0); break;
+        case TYPE_Q5_0: tile_q4_q5(tile, nb, a, R, acc, 1); break;
+        case TYPE_Q4_K: tile_q4_k(tile, nb, a, R, acc); break;
+        case TYPE_Q6_K: tile_q6_k(tile, nb, a, R, acc); break;
+    }
+}
+
+/* The tile product for R activation rows, R a constant in each case (registers, unrolling). */
+static void tile_rows(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
+    switch (R) {
+        case 1: tile_product(type, tile, nb, a, 1, acc); break;
+        case 2: tile_product(type, tile, nb, a, 2, acc); break;
+#if ROWS_AT_ONCE >= 4
+        case 3: tile_product(type, tile, nb, a, 3, acc); break;
+        case 4: tile_product(type, tile, nb, a, 4, acc); break;
+#endif
+    }
+}
+
+/* Activation rows per pass over the weights: enough to keep each pass's activations in
+ * this core's caches while the weights stream through. */
+#define ROWS_PER_PASS 64
+
+/* The activation row bytes a product of ``type`` reads: quantized, or float32. */
+static int64_t input_row_bytes(int64_t type, int64_t k) {
+    return float_format(type) ? k * (int64_t)sizeof(float) : activation_row_bytes(type, k);
+}
+
+/* Thread me of ``threads``' share (a contiguous run of tiles) of
+ * out[i * out_stride + r] = (row r of W) . (activation row i) (+ bias[r]), r < m, i < n:
+ * ``w`` packed (pack_matrix); ``x`` the activations as ``type`` takes them (quantized by
+ * quantize_activations, or float32 rows for F32 and F16). */
+static void matmul_share(int64_t type, const void *w, int64_t m, int64_t k, const void *x, int64_t n, float *out,
+                         int64_t out_stride, const float *bias, int me, int threads) {
+    int64_t nb = k / block_values(type), tb = tile_block_bytes(type), tiles = (m + TILE - 1) / TILE;
+    int64_t x_bytes = input_row_bytes(type, k), first, last;
+    team_share(tiles, me, threads, &first, &last);
+    for (int64_t i_pass = 0; i_pass < n; i_pass += ROWS_PER_PASS) {
+        int64_t pass_end = i_pass + ROWS_PER_PASS < n ? i_pass + ROWS_PER_PASS : n;
+        for (int64_t t = first; t < last; t++) {
+            const uint8_t *tile = (const uint8_t *)w + t * nb * tb;
+            int rows = m - t * TILE < TILE ? (int)(m - t * TILE) : TILE;
+            for (int64_t i0 = i_pass; i0 < pass_end; i0 += ROWS_AT_ONCE) {
+                int R = pass_end - i0 < ROWS_AT_ONCE ? (int)(pass_end - i0) : ROWS_AT_ONCE;
+                const uint8_t *a[ROWS_AT_ONCE];
+                vf acc[ROWS_AT_ONCE];
+                for (int i = 0; i < R; i++) {
+                    a[i] = (const uint8_t *)x + (i0 + i) * x_bytes;
+                    acc[i] = vf_zero();
+                }
+                tile_rows(type, tile, nb, a, R, acc);
+                for (int i = 0; i < R; i++)
+                    vf_store(out + (i0 + i) * out_stride + t * TILE, acc[i], bias ? bias + t * TILE : NULL, rows);
             }
         }
     }
 }
 
-/* out[i * out_stride + r] = (row r of W) . (activation row i) (+ bias[r]), for r < m, i < n;
- * ``xq`` holds the activations quantized by quantize_activations for this ``type``. */
-API void quant_matmul(int64_t type, const void *w, int64_t m, int64_t k, const void *xq, int64_t n, float *out,
+/* Whether a product is worth a second thread (waking one costs microseconds). */
+static int worth_threads(int64_t m, int64_t n, int64_t k, int64_t threads) {
+    return threads > 1 && m > TILE && m * n * k >= (1 << 17);
+}
+
+/* The product above on up to ``threads`` threads. */
+API void quant_matmul(int64_t type, const void *w, int64_t m, int64_t k, const void *x, int64_t n, float *out,
                       int64_t out_stride, const float *bias, int64_t threads) {
-    int64_t row_bytes = k / block_values(type) * block_bytes(type), x_bytes = activation_row_bytes(type, k);
-    int parallel = threads > 1 && m * n * k >= (1 << 18);
+    int parallel = worth_threads(m, n, k, threads);
     (void)parallel;
 #pragma omp parallel num_threads(threads) if (parallel)
-    {
-        float *acc = malloc((size_t)n * sizeof(float));
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++) {
-            memset(acc, 0, (size_t)n * sizeof(float));
-            row_times_activations(type, (const uint8_t *)w + r * row_bytes, k, (const uint8_t *)xq, x_bytes, n, acc);
-            float b = bias ? bias[r] : 0.0f;
-            for (int64_t i = 0; i < n; i++) out[i * out_stride + r] = acc[i] + b;
+    matmul_share(type, w, m, k, x, n, out, out_stride, bias, team_me(), team_size());
+}
+
+/* Thread me's share (rows of W) of the product with float32 activations, each weight row
+ * expanded to float32 first (``row`` holds k floats of this thread's). */
+static void matmul_f32_share(int64_t type, const void *w, int64_t m, int64_t k, const float *x, int64_t n,
+                             float *out, int64_t out_stride, const float *bias, float *row, int me, int threads) {
+    int64_t begin, end;
+    team_share(m, me, threads, &begin, &end);
+    for (int64_t r = begin; r < end; r++) {
+        unpack_row(type, (const uint8_t *)w, k, r, row);
+        for (int64_t i = 0; i < n; i++) {
+            const float *xi = x + i * k;
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < k; j++) sum += row[j] * xi[j];
+            out[i * out_stride + r] = sum + (bias ? bias[r] : 0.0f);
         }
-        free(acc);
     }
 }
 
-/* The same product with float32 activations, each weight row expanded to float32 first. */
-API void quant_matmul_f32(int64_t type, const void *w, int64_t m, int64_t k, const float *x, int64_t n, float *out,
-                          int64_t out_stride, const float *bias, int64_t threads) {
-    int64_t row_bytes = k / block_values(type) * block_bytes(type);
-    int parallel = threads > 1 && m * n * k >= (1 << 18);
+/* ------------------------------------------------------------------ dense layers */
+
+/* A dense layer: ``layer[0]`` parts stacked by rows (a fused q/k/v whose parts are in
+ * different formats), of layer[1] columns each; part p is four int64 at layer + 2 + 4p:
+ * its type, its packed data, its rows and its bias (0: none). */
+typedef struct {
+    int64_t type, data, rows, bias;
+} layer_part;
+
+/* Bytes of scratch linear_share needs for n rows: each activation format's copy of them. */
+API int64_t linear_scratch_bytes(const int64_t *layer, int64_t n) {
+    int64_t k = layer[1];
+    return n * (activation_row_bytes(TYPE_Q8_0, k) + activation_row_bytes(TYPE_Q4_K, k)) + k * (int64_t)sizeof(float);
+}
+
+/* Thread me of ``threads``' share of out[i * out_stride + column] = layer(x row i), i < n
+ * (x float32, C-contiguous): each activation format the parts need quantized once into
+ * ``scratch`` (linear_scratch_bytes of it, shared by the team; then a barrier), the
+ * parts' tiles shared among the threads. ``quantize`` 0: activations left in float32,
+ * each weight row expanded instead (the test-only reference product; the team's threads
+ * then need a row of k floats each, past the shared scratch: use one thread). */
+void linear_share(const int64_t *layer, const float *x, int64_t n, float *out, int64_t out_stride,
+                  int64_t quantize, uint8_t *scratch, team_barrier *barrier, int me, int threads) {
+    int64_t count = layer[0], k = layer[1];
+    const layer_part *parts = (const layer_part *)(layer + 2);
+    uint8_t *xq[2] = {scratch, scratch + n * activation_row_bytes(TYPE_Q8_0, k)}; /* 32-value, K formats */
+    if (quantize) {
+        int need[2] = {0, 0};
+        for (int64_t p = 0; p < count; p++)
+            if (!float_format(parts[p].type)) need[k_format(parts[p].type)] = 1;
+        for (int f = 0; f < 2; f++)
+            if (need[f]) quantize_share(f ? TYPE_Q4_K : TYPE_Q8_0, x, n, k, xq[f], me, threads);
+        if (need[0] || need[1]) team_sync(barrier, threads);
+    }
+    int64_t column = 0;
+    for (int64_t p = 0; p < count; p++) {
+        const layer_part *part = &parts[p];
+        const void *w = (const void *)(intptr_t)part->data;
+        const float *bias = part->bias ? (const float *)(intptr_t)part->bias : NULL;
+        if (float_format(part->type))
+            matmul_share(part->type, w, part->rows, k, x, n, out + column, out_stride, bias, me, threads);
+        else if (quantize)
+            matmul_share(part->type, w, part->rows, k, xq[k_format(part->type)], n, out + column, out_stride, bias,
+                         me, threads);
+        else
+            matmul_f32_share(part->type, w, part->rows, k, x, n, out + column, out_stride, bias,
+                             (float *)(scratch + linear_scratch_bytes(layer, n) - k * (int64_t)sizeof(float)), me,
+                             threads);
+        column += part->rows;
+    }
+}
+
+/* The dense layer above, on its own: scratch from this thread's growing buffer, and up to
+ * ``threads`` threads where the product is large enough. */
+API void quant_linear(const int64_t *layer, const float *x, int64_t n, float *out, int64_t out_stride,
+                      int64_t quantize, int64_t threads) {
+    static __thread uint8_t *scratch;
+    static __thread size_t scratch_size;
+    size_t need = (size_t)linear_scratch_bytes(layer, n);
+    if (need > scratch_size) {
+        free(scratch);
+        scratch = malloc(need);
+        scratch_size = scratch ? need : 0;
+        if (!scratch) return; /* out of memory: nothing to compute with */
+    }
+    int64_t rows = 0;
+    for (int64_t p = 0; p < layer[0]; p++) rows += layer[2 + 4 * p + 2];
+    team_barrier barrier = {0, 0};
+    uint8_t *shared = scratch; /* the team's view of this thread's buffer (each thread has its own ``scratch``) */
+    int parallel = quantize && worth_threads(rows, n, layer[1], threads);
     (void)parallel;
 #pragma omp parallel num_threads(threads) if (parallel)
-    {
-        float *wr = malloc((size_t)k * sizeof(float));
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++) {
-            dequantize_row(type, (const uint8_t *)w + r * row_bytes, k, wr);
-            for (int64_t i = 0; i < n; i++) {
-                const float *xi = x + i * k;
-                float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t j = 0; j < k; j++) sum += wr[j] * xi[j];
-                out[i * out_stride + r] = sum + (bias ? bias[r] : 0.0f);
-            }
-        }
-        free(wr);
-    }
+    linear_share(layer, x, n, out, out_stride, quantize, shared, &barrier, team_me(), team_size());
 }
