@@ -301,10 +301,7 @@ class EngineCore:
         and are recomputed after ``wake_up``."""
         if not self.config.enable_sleep_mode:
             raise ValueError("sleep mode is off; start the server with --enable-sleep-mode")
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level}")
-        if self.model_executor.sleep_level:
-            raise ValueError("the engine is already asleep")
+        self.model_executor.check_sleep(level)
         self._check_pause_mode(mode)
         self._report_aborted(self.scheduler.pause(mode))
 

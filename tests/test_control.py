@@ -8,6 +8,7 @@ server process, whose engine's resident memory is read from /proc.
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 
 import httpx
@@ -15,6 +16,7 @@ import msgspec
 import openai
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from app.async_llm import AsyncLLM
 from core.model_config import ModelConfig
@@ -359,3 +361,46 @@ def test_scheduler_pause_modes_hold_new_requests_and_keep_outputs_exact(pipeline
     run()
     assert h.results["d"].token_ids == expected_outputs("d", 3, 2)
     h.assert_no_leak()
+
+
+async def test_a_quantized_model_reloads_its_weights_and_sleeps_at_level_2(stories_dir, tmp_path) -> None:
+    """Block-format weights are not parameters: a reload must still replace them (checked by
+    serving a changed checkpoint, then the original again), sleep level 1 (a copy of the
+    float parameters) is refused in OpenAI's error shape, and level 2 drops and reloads them."""
+    changed = tmp_path / "changed"
+    shutil.copytree(stories_dir, changed)
+    tensors = load_file(changed / "model.safetensors")
+    for name in tensors:
+        if ".mlp." in name:
+            tensors[name] = -tensors[name]
+    save_file(tensors, changed / "model.safetensors")
+
+    engine = make_engine(stories_dir, quantization="q8_0", enable_sleep_mode=True)
+    async with running_server(engine, enable_sleep_mode=True, enable_dev_endpoints=True) as (client, _base):
+        oa = openai_client(_base)
+
+        async def greedy() -> str:
+            return (await oa.completions.create(**GREEDY)).choices[0].text
+
+        async def reload(model_dir: Path | str) -> None:
+            await client.post("/pause", params={"mode": "wait"})
+            rpc = await client.post("/collective_rpc", json={"method": "reload_weights",
+                                                             "kwargs": {"model_dir": str(model_dir)}})
+            assert rpc.status_code == 200, rpc.text
+            await client.post("/resume")
+
+        reference = await greedy()
+        await reload(changed)
+        assert await greedy() != reference
+        await reload(stories_dir)
+        assert await greedy() == reference
+
+        refused = await client.post("/sleep", params={"level": 1})
+        assert refused.status_code == 400 and "use level 2" in refused.json()["error"]["message"]
+        assert (await client.get("/is_sleeping")).json() == {"is_sleeping": False}
+        asleep = await client.post("/sleep", params={"level": 2})
+        assert asleep.status_code == 200, asleep.text
+        memory = asleep.json()["memory"]
+        assert memory["before"]["weights_bytes"] > 0 and memory["after"]["weights_bytes"] == 0
+        assert (await client.post("/wake_up")).status_code == 200
+        assert await greedy() == reference

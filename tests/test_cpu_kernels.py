@@ -67,14 +67,39 @@ def test_write_kv_skips_padding_slots_and_copies_exactly() -> None:
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
-def test_silu_mul() -> None:
-    gate_up = torch.randn(5, 2 * 96, generator=_gen()) * 4
-    torch.testing.assert_close(cpu.silu_mul(gate_up), torch_ref.silu_mul(gate_up), rtol=1e-6, atol=1e-6)
-
-
 # Enough decodes (and work) that the C kernel shares them among threads, with a
 # short prefill chunk among them.
 _LARGE_BATCH = ([1] * 24 + [12], [100 + 7 * i for i in range(24)] + [30], 4, 3, 64, 16)
+
+
+def test_write_kv_to_float16_caches_rounds_as_torch_does() -> None:
+    qkv = torch.randn(3, 6, 8, generator=_gen()) * 100
+    key, value = qkv[:, 2:4], qkv[:, 4:6]
+    caches = [torch.zeros(4, 4, 2, 8, dtype=torch.float16) for _ in range(4)]
+    slots = torch.tensor([9, -1, 2])
+    cpu.write_kv(key, value, caches[0], caches[1], slots)
+    torch_ref.write_kv_cache(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(([1, 1, 1, 1], [4, 17, 0, 9], 2, 4, 16, 4), id="batched-decodes-gqa"),
+    pytest.param(_LARGE_BATCH, id="batch-large-enough-for-threads"),
+    pytest.param(([40, 1, 17], [0, 9, 30], 2, 2, 8, 16), id="prefill-chunks-head-dim-8"),
+    pytest.param(([130], [0], 4, 2, 64, 16), id="prefill-chunk-head-dim-64"),
+])
+def test_attention_over_float16_caches(case) -> None:
+    """float16 KV caches (``--kv-cache-dtype float16``): the C kernels widen each key and value
+    as they read it, and agree with dense float64 attention over the rounded keys and values,
+    and with the torch reference reading the same caches."""
+    ours = run_case(*case, attention=kernels.paged_attention, cache_dtype=torch.float16)
+    reference = run_case(*case, attention=torch_ref.paged_attention, cache_dtype=torch.float16)
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_silu_mul() -> None:
+    gate_up = torch.randn(5, 2 * 96, generator=_gen()) * 4
+    torch.testing.assert_close(cpu.silu_mul(gate_up), torch_ref.silu_mul(gate_up), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(

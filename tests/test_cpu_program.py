@@ -17,6 +17,7 @@ import torch
 from core.config import EngineArgs
 from core.engine_core import EngineCore
 from core.protocol import EngineCoreRequest, SamplingParams
+from core.worker.cpu_program import CpuStepProgram, NativeStepProgram
 from kernels import cpu
 
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason="no C compiler to build kernels/cpu with")
@@ -50,7 +51,9 @@ def _engine(model: str, stories_dir: str, llama, qwen_dirs, **config) -> EngineC
     if quantization:
         config["quantization"] = quantization
     engine = EngineCore(EngineArgs(model=path, max_model_len=128, max_num_seqs=8, block_size=4, **config).resolve())
-    assert engine.model_executor.runner.cpu_program is not None
+    # Block formats run as one native program a step; float32 weights through the Python one.
+    expected = NativeStepProgram if quantization else CpuStepProgram
+    assert type(engine.model_executor.runner.cpu_program) is expected
     return engine
 
 

@@ -19,9 +19,12 @@ import torch
 import transformers
 
 from core.config import EngineArgs
+from core.engine_core import EngineCore
 from core.models.default_model import DEFAULT_MODEL_DIR
 from core.models.gguf_checkpoint import GGUFCheckpoint
 from core.models.loader import load_model
+from core.protocol import EngineCoreOutputs, EngineCoreRequest, SamplingParams
+from core.worker.cpu_program import NativeStepProgram
 from kernels import cpu
 from kernels.settings import settings
 from tests.support.gguf_files import write_gguf
@@ -179,3 +182,37 @@ def test_the_tokenizer_from_the_files_metadata_equals_the_original(stories_gguf)
         ids = original.encode(text)
         assert ours.decode(ids) == original.decode(ids)
     assert (ours.bos_token_id, ours.eos_token_id) == (original.bos_token_id, original.eos_token_id)
+
+
+@pytest.mark.parametrize("name", ["qwen2-q8_0", "qwen3-q4_k_m"])
+def test_the_engine_steps_through_the_native_program_and_writes_transformers_tokens(
+    name, qwen_gguf, monkeypatch
+) -> None:
+    """Served, every decode step and lone prefill chunk of a GGUF model is one native program
+    call (core/worker/cpu_program.py); with float activations its greedy tokens are the
+    oracle's, batched at different lengths."""
+    monkeypatch.setattr(settings, "quantize_activations", False)
+    path = qwen_gguf[name]
+    engine = EngineCore(EngineArgs(model=str(path), max_model_len=128, max_num_seqs=4, block_size=4).resolve())
+    runner = engine.model_executor.runner
+    assert type(runner.cpu_program) is NativeStepProgram
+    decodes = []
+    run = runner.cpu_program.run
+    monkeypatch.setattr(runner.cpu_program, "run", lambda n: decodes.append(n) or run(n))
+    prompts = [[1, *range(40, 40 + n)] for n in (5, 19, 33)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        request = EngineCoreRequest(request_id=f"r{i}", prompt_token_ids=prompt, sampling_params=params)
+        engine.add_request(engine.preprocess_add_request(request))
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.scheduler.has_requests():
+        for output in engine.step()[0].get(0, EngineCoreOutputs()).outputs:
+            tokens[output.request_id] += output.new_token_ids
+    engine.shutdown()
+    assert sum(decodes) == 3 * 11  # every decode step: 11 after each prompt's first token
+    oracle = _oracle(path)
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            expected = oracle.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert tokens[f"r{i}"] == expected, i

@@ -46,7 +46,9 @@ from core.worker.sleep import (
     drop_weights,
     release_freed_memory,
     resident_bytes,
+    block_weights,
     tensor_bytes,
+    weight_bytes,
 )
 
 T = TypeVar("T")
@@ -132,12 +134,21 @@ class UniProcExecutor:
     def sleep_level(self) -> int:
         return self._sleep_level
 
-    def sleep(self, level: int) -> None:
-        """Free the KV cache; level 1 also moves the weights off the device, level 2 drops them."""
+    def check_sleep(self, level: int) -> None:
+        """Raise ValueError unless the engine can go to sleep at ``level`` now."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if self._sleep_level:
             raise ValueError(f"the engine is already asleep (level {self._sleep_level})")
+        if level == 1 and self.runner.model is not None and block_weights(self.runner.model):
+            raise ValueError(
+                "sleep level 1 keeps a copy of float weights only, and this model's are in a block format "
+                "(GGUF or --quantization): use level 2, which loads them again on wake-up"
+            )
+
+    def sleep(self, level: int) -> None:
+        """Free the KV cache; level 1 also moves the weights off the device, level 2 drops them."""
+        self.check_sleep(level)
 
         def go() -> None:
             runner = self.runner
@@ -180,12 +191,11 @@ class UniProcExecutor:
     def memory_usage(self) -> MemoryUsage:
         runner = self.runner
         caches = [t for pair in runner.kv_caches for t in pair]
-        weights = list(runner.model.parameters()) if runner.model is not None else []
         return MemoryUsage(
             rss_bytes=resident_bytes(),
             device_bytes=device_bytes(runner.device),
             kv_cache_bytes=tensor_bytes(caches),
-            weights_bytes=tensor_bytes(weights),
+            weights_bytes=weight_bytes(runner.model) if runner.model is not None else 0,
         )
 
     # ---------------------------------------------------------- collective RPC
@@ -213,19 +223,27 @@ class UniProcExecutor:
         return msgspec.structs.asdict(self.memory_usage())
 
     def _rpc_reload_weights(self, model_dir: str | None = None) -> dict[str, Any]:
-        """Load a checkpoint of the same architecture into the running model, in place
-        (the parameters keep their storage: CUDA graphs stay valid). For weight
-        updates between a pause and a resume."""
+        """Load a checkpoint of the same architecture into the running model. For weight
+        updates between a pause and a resume.
+
+        Float parameters are copied in place (they keep their storage: CUDA graphs
+        stay valid). Block-format weights (GGUF, ``--quantization``) are numpy arrays
+        the layers hold, not parameters: the model loaded from the checkpoint then
+        replaces the running one, and the CPU step program is rebuilt over it."""
         if self._sleep_level:
             raise RuntimeError("the engine is asleep: wake it up before reloading weights")
         runner = self.runner
         assert runner.model is not None
         start = time.perf_counter()
         config = runner.config if model_dir is None else msgspec.structs.replace(runner.config, model=model_dir)
-        fresh = dict(load_model(config, runner.device, runner.dtype).named_parameters())
-        for name, param in runner.model.named_parameters():
-            param.data.copy_(fresh[name])
-        runner.model.prepare_for_inference()
+        model = load_model(config, runner.device, runner.dtype)
+        if block_weights(model) or block_weights(runner.model):
+            runner.replace_model(model)
+        else:
+            fresh = dict(model.named_parameters())
+            for name, param in runner.model.named_parameters():
+                param.data.copy_(fresh[name])
+            runner.model.prepare_for_inference()
         return {"model": config.model, "seconds": round(time.perf_counter() - start, 3)}
 
     def shutdown(self) -> None:

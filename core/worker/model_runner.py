@@ -54,6 +54,7 @@ from core.worker.input_buffers import InputBuffers
 from core.worker.prompt_logprobs import PromptLogprobs
 from core.worker.sampler import Sampler, SamplerOutput
 from core.worker.sampling_batch import sampling_metadata
+from core.worker.sleep import release_freed_memory
 from kernels.linear import all_small
 from kernels.metadata import AttentionMetadata
 from kernels.settings import configure as kernels_configure
@@ -251,6 +252,17 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(sizes)
         if capture:
             self.capture_decode_graphs()
+
+    def replace_model(self, model: torch.nn.Module) -> None:
+        """Serve ``model`` (same architecture) from the next step on; the CPU step
+        program, which holds the old weights' addresses, is rebuilt over the new ones."""
+        if self.decode_graphs is not None and self.device.type == "cuda":
+            raise RuntimeError("a captured model's weights are replaced in place, not swapped")
+        self.cpu_program = None
+        self.model = model
+        release_freed_memory(self.device)
+        if self.kv_caches and self.device.type == "cpu" and not self.emulate_gpu_paths:
+            self.cpu_program = CpuStepProgram.build(self.model, self.kv_caches, self.buffers, self.max_model_len)
 
     @torch.inference_mode()
     def capture_decode_graphs(self) -> None:

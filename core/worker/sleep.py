@@ -8,6 +8,10 @@ kernel may drop). Level 2 keeps no copy: waking up loads the checkpoint
 again. Both drop the KV cache, which is re-created (zeroed) on wake-up; the
 scheduler has freed every block before, so no request expects its contents.
 
+Weights in block formats (kernels/quant.py: GGUF files, ``--quantization``)
+are numpy arrays beside the parameters. Level 2 drops them with the rest;
+level 1 has no copy of them to put back and is refused for such a model.
+
 The model object stays: its parameters get zero-size storage, and
 ``prepare_for_inference`` runs after every change of weights, so that the
 model's fast-path views (``kernels.linear.CpuWeight``) neither keep the old
@@ -21,6 +25,7 @@ import gc
 import os
 import shutil
 import tempfile
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -63,10 +68,30 @@ def release_freed_memory(device: torch.device) -> None:
         pass
 
 
+def block_weights(model: nn.Module) -> list[Any]:
+    """The model's weights in block formats (the layers' ``quantized``), each listed once
+    (a head tied to its embedding shares the embedding's matrix)."""
+    held: dict[int, Any] = {}
+    for module in model.modules():
+        weight = getattr(module, "quantized", None)
+        for matrix in getattr(weight, "parts", [weight] if weight is not None else []):
+            held[id(matrix)] = matrix
+    return list(held.values())
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """The bytes of the model's weights: its parameters and its block-format matrices."""
+    return tensor_bytes(list(model.parameters())) + sum(m.nbytes for m in block_weights(model))
+
+
 def drop_weights(model: nn.Module) -> None:
-    """Replace every parameter's storage with an empty tensor of the same rank and dtype."""
+    """Replace every parameter's storage with an empty tensor of the same rank and dtype,
+    and let go of the block-format weights."""
     for param in model.parameters():  # tied weights are one Parameter, listed once
         param.data = torch.empty([0] * param.dim(), dtype=param.dtype, device=param.device)
+    for module in model.modules():
+        if getattr(module, "quantized", None) is not None:
+            module.quantized = None
     model.prepare_for_inference()
 
 

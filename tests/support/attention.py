@@ -24,9 +24,12 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 def run_case(
-    query_lens, context_lens, kv_heads, group, head_dim, block_size, seed=0, attention=torch_ref.paged_attention
+    query_lens, context_lens, kv_heads, group, head_dim, block_size, seed=0, attention=torch_ref.paged_attention,
+    cache_dtype=torch.float32,
 ) -> torch.Tensor:
-    """Checks ``attention`` on one batch against dense float64 attention; returns its output."""
+    """Checks ``attention`` on one batch against dense float64 attention; returns its output.
+    With a float16 ``cache_dtype`` the dense reference takes the keys and values as the cache
+    holds them (rounded to float16)."""
     gen = torch.Generator().manual_seed(seed)
     heads = kv_heads * group
     seq_lens = [c + q for q, c in zip(query_lens, context_lens)]
@@ -36,7 +39,7 @@ def run_case(
     tables = torch.zeros(len(seq_lens), max(blocks_needed), dtype=torch.int32)
     # Unwritten slots (and block 0, which pads the tables) hold a large finite
     # value: reading one would visibly skew the result.
-    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), 1e3)
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), 1e3, dtype=cache_dtype)
     v_cache = torch.full_like(k_cache, 1e3)
     keys, values, slots = [], [], []
     for r, s in enumerate(seq_lens):
@@ -65,7 +68,8 @@ def run_case(
     scale = head_dim**-0.5
     out = attention(query, k_cache, v_cache, meta, scale)
     for r in range(len(seq_lens)):
-        expected = dense_attention(query[qsl[r] : qsl[r + 1]], keys[r], values[r], scale)
+        stored_keys, stored_values = (t.to(cache_dtype).float() for t in (keys[r], values[r]))
+        expected = dense_attention(query[qsl[r] : qsl[r + 1]], stored_keys, stored_values, scale)
         torch.testing.assert_close(out[qsl[r] : qsl[r + 1]].double(), expected, atol=1e-5, rtol=1e-5)
     return out
 
