@@ -81,7 +81,7 @@ class AsyncLLM:
                 "block_size": config.block_size,
                 "num_gpu_blocks": self.engine_core.num_gpu_blocks,
                 "enable_prefix_caching": config.enable_prefix_caching,
-                "cache_dtype": config.dtype,
+                "cache_dtype": config.kv_cache_dtype,
                 "gpu_memory_utilization": config.gpu_memory_utilization,
             },
             self.engine_core.transport_stats,

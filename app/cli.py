@@ -44,7 +44,7 @@ UNBOUNDED_WHITESPACE = -1  # --structured-outputs-max-whitespace none
 
 # EngineArgs fields that map one to one onto an option of the same name.
 _ENGINE_FIELDS = (
-    "tokenizer", "dtype", "device", "load_format", "quantization", "seed", "max_model_len",
+    "tokenizer", "dtype", "kv_cache_dtype", "device", "load_format", "quantization", "seed", "max_model_len",
     "block_size", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
     "enable_prefix_caching", "num_gpu_blocks_override", "kv_cache_memory",
     "gpu_memory_utilization", "enforce_eager", "transport", "scheduling_policy", "enable_prompt_embeds",
@@ -105,6 +105,11 @@ def make_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--dtype", type=_dtype, choices=["auto", "float32", "float16", "bfloat16"],
         help="compute dtype (default auto: float32 on a CPU, the checkpoint's dtype on a GPU)",
+    )
+    model.add_argument(
+        "--kv-cache-dtype", choices=["auto", "float32", "float16"],
+        help="what the KV cache holds (default auto: the compute dtype); float16 on a CPU halves its "
+        "memory and what attention reads, as llama.cpp's default f16 cache does",
     )
     model.add_argument(
         "--device", choices=["auto", "cpu", "cuda"], help="where the model runs (default auto: a GPU if any)"

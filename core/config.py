@@ -24,6 +24,7 @@ DEFAULT_KV_CACHE_MEMORY = 256 * 1024 * 1024  # bytes of CPU memory for the KV ca
 DEFAULT_JSON_MAX_WHITESPACE = 2
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 QUANTIZATIONS = ("q8_0", "q4_0")
+KV_CACHE_DTYPES = ("auto", "float32", "float16")
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
 
 
@@ -35,6 +36,9 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
     served_model_name: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    # What the KV cache holds: auto (the compute dtype) | float32 | float16 (CPU: half the
+    # memory and the bytes attention reads, keys and values rounded as llama.cpp's are).
+    kv_cache_dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     load_format: str = "auto"  # auto | safetensors | gguf | dummy (a GGUF file is read as gguf)
     # Quantize a Hugging Face checkpoint's dense layers and embedding at load (GGUF block formats).
@@ -93,6 +97,8 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
         A GGUF file (``model`` names it, or a directory holding one) is checked whole
         first; its config and tokenizer are read from its metadata (core/models/gguf_checkpoint.py)."""
         model, tokenizer, load_format = self.model, self.tokenizer, self.load_format
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         path = gguf_file(model)

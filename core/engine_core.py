@@ -404,6 +404,7 @@ class EngineCoreProc(EngineCore):
             max_model_len=self.config.max_model_len,
             block_size=self.config.block_size,
             dtype=str(self.model_executor.runner.dtype).removeprefix("torch."),
+            kv_cache_dtype=str(self.model_executor.runner.kv_dtype).removeprefix("torch."),
             device=str(self.model_executor.runner.device),
         )
         self.publish_load()  # before READY: a router never reads a previous engine's row

@@ -462,6 +462,7 @@ class HandshakeReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     max_model_len: int
     block_size: int
     dtype: str = ""  # the model's compute dtype, e.g. "float32" (for the start-up banner)
+    kv_cache_dtype: str = ""  # what the KV cache holds, e.g. "float16"
     device: str = ""  # e.g. "cpu", "cuda:0"
 
 

@@ -88,13 +88,14 @@ def test_default_model_and_served_names() -> None:
 
 
 def test_banner() -> None:
-    ready = HandshakeReady("READY", num_gpu_blocks=100, max_model_len=512, block_size=16, dtype="float32", device="cpu")
+    ready = HandshakeReady("READY", num_gpu_blocks=100, max_model_len=512, block_size=16, dtype="float32",
+                           kv_cache_dtype="float16", device="cpu")
     text = format_banner(
         model="/m", served_names=["stories260K", "ringllm-default"], ready=ready, transport="shm",
         host="0.0.0.0", port=8000, routes={"/", "/v1/models"},
     )
     assert text.splitlines()[0] == "ringllm is ready" and len(text.splitlines()) == 7
-    assert "100 blocks x 16 tokens = 1,600 tokens" in text and "float32 on cpu" in text
+    assert "100 blocks x 16 tokens = 1,600 tokens of float16;" in text and "float32 on cpu" in text
     assert "chat page  http://127.0.0.1:8000/" in text and "API        http://127.0.0.1:8000/v1" in text
     assert "metrics" not in text
     bare = format_banner(
@@ -173,3 +174,10 @@ def test_the_json_whitespace_bound_flag() -> None:
     for bad in ("0", "-1", "many"):
         result = run_app("--structured-outputs-max-whitespace", bad)
         assert result.returncode == 2 and "not a count of characters (at least 1) or 'none'" in result.stderr
+
+
+def test_the_kv_cache_dtype_flag() -> None:
+    assert build_engine_args(parse_args([])).kv_cache_dtype == "auto"
+    assert build_engine_args(parse_args(["--kv-cache-dtype", "float16"])).kv_cache_dtype == "float16"
+    result = run_app("--kv-cache-dtype", "int8")
+    assert result.returncode == 2 and "--kv-cache-dtype" in result.stderr

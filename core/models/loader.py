@@ -24,7 +24,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from core.config import EngineConfig
+from core.config import KV_CACHE_DTYPES, EngineConfig
 from core.model_config import ModelConfig
 from core.models.gguf_checkpoint import GGUFCheckpoint
 from core.models.layers import Linear
@@ -71,6 +71,19 @@ def resolve_dtype(dtype: str | torch.dtype, model_config: ModelConfig, device: t
         return torch.float32
     ckpt = model_config.dtype or "bfloat16"
     return _DTYPES[ckpt] if ckpt in ("float16", "bfloat16") else torch.bfloat16
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """What the KV cache holds: ``"auto"`` is the compute ``dtype``. A CPU's attention
+    kernels also read a float16 cache under float32 compute (widening as they read);
+    the GPU kernels read the compute dtype only."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    kv_dtype = dtype if kv_cache_dtype == "auto" else _DTYPES[kv_cache_dtype]
+    if device.type != "cpu" and kv_dtype != dtype:
+        raise ValueError(f"on a GPU the KV cache holds the compute dtype ({str(dtype)[6:]}): "
+                         "leave --kv-cache-dtype at auto")
+    return kv_dtype
 
 
 @contextmanager

@@ -33,7 +33,7 @@ import torch
 
 from core import envs
 from core.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
-from core.models.loader import load_model, resolve_dtype
+from core.models.loader import load_model, resolve_dtype, resolve_kv_dtype
 from core.protocol import LogprobsArrays, SamplingParams
 from core.sched.output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
@@ -124,6 +124,7 @@ class ModelRunner:
             # Triton launches on the current device, whatever the tensors' device.
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
         self.max_blocks_per_req = math.ceil(self.max_model_len / self.block_size)
@@ -162,7 +163,7 @@ class ModelRunner:
         return self.model_config.kv_block_shape(self.block_size)
 
     def kv_bytes_per_block(self) -> int:
-        return self.model_config.kv_bytes_per_block(self.block_size, self.dtype.itemsize)
+        return self.model_config.kv_bytes_per_block(self.block_size, self.kv_dtype.itemsize)
 
     def determine_num_blocks(self) -> int:
         """Blocks for the KV cache: the override, else the memory budget.
@@ -228,7 +229,7 @@ class ModelRunner:
         input_ids, positions = b.input_ids.to_device(total), b.positions.to_device(total)
         logits_indices = b.logits_indices.to_device(num_reqs)
         b.copies_issued()
-        scratch = torch.zeros((1, *self._kv_shape()), dtype=self.dtype, device=self.device)
+        scratch = torch.zeros((1, *self._kv_shape()), dtype=self.kv_dtype, device=self.device)
         caches = [(scratch, scratch)] * self.model_config.num_layers
         hidden = self.model(input_ids, positions, caches, meta)
         logits = self.model.compute_logits(hidden[logits_indices])
@@ -239,8 +240,8 @@ class ModelRunner:
         shape = (num_blocks, *self._kv_shape())
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
             )
             for _ in range(self.model_config.num_layers)
         ]
