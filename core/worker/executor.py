@@ -42,11 +42,11 @@ from core.worker.faults import fault_injector_from_env
 from core.worker.model_runner import ModelRunner
 from core.worker.sleep import (
     WeightStash,
+    block_weights,
     device_bytes,
     drop_weights,
     release_freed_memory,
     resident_bytes,
-    block_weights,
     tensor_bytes,
     weight_bytes,
 )
