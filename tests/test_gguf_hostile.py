@@ -156,3 +156,10 @@ def test_the_command_line_exits_2_without_a_traceback(tmp_path: Path, good: Path
     result = run_app("--model", str(bad), "--port", "0")
     assert result.returncode == 2, result.stderr
     assert "truncated or corrupt" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_metadata_transformers_cannot_read_is_named(tmp_path: Path) -> None:
+    """No tokenizer, no sizes: what transformers (run in a child process, so that the frontend
+    never imports it) could not read comes back as the refusal."""
+    message = _refused(_small_file(tmp_path / "bare.gguf"))
+    assert "bare.gguf" in message and "transformers could not read its config or tokenizer" in message

@@ -27,6 +27,8 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,6 +85,17 @@ def _type_name(ggml_type: int) -> str:
         return gguf.GGMLQuantizationType(ggml_type).name
     except ValueError:
         return f"an unknown type (id {ggml_type})"
+
+
+# The child process of ``GGUFCheckpoint.metadata_dir``: argv = [file, output directory].
+_WRITE_METADATA = """
+import sys
+from core.models.gguf_checkpoint import GGUFCheckpoint, GGUFError
+try:
+    GGUFCheckpoint(sys.argv[1]).write_metadata(sys.argv[2])
+except GGUFError as exc:
+    sys.exit(str(exc))
+"""
 
 
 class GGUFCheckpoint:
@@ -156,7 +169,15 @@ class GGUFCheckpoint:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
         try:
-            self._write_metadata(staging)
+            # transformers (and torch beneath it) read the metadata in a child process: the
+            # frontend resolves configs too, and would otherwise carry both for its whole life.
+            child = subprocess.run(
+                [sys.executable, "-c", _WRITE_METADATA, self.path, str(staging)], capture_output=True, text=True,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},  # this one's imports
+            )
+            if child.returncode:
+                lines = child.stderr.strip().splitlines()
+                raise GGUFError(lines[-1] if lines else f"{self.path}: reading its metadata failed ({child.returncode})")
             try:
                 os.replace(staging, target)
             except OSError:  # made meanwhile by another process: theirs is the same
@@ -166,7 +187,9 @@ class GGUFCheckpoint:
             shutil.rmtree(staging, ignore_errors=True)
         return target
 
-    def _write_metadata(self, out: Path) -> None:
+    def write_metadata(self, out: Path) -> None:
+        """Write this file's config, tokenizer and generation config to ``out`` as Hugging
+        Face files (what ``metadata_dir`` runs in a child process)."""
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
         folder, name = os.path.split(os.path.abspath(self.path))
