@@ -179,3 +179,19 @@ def test_free_returns_every_block_tail_first() -> None:
 def test_without_prefix_caching_nothing_is_computed() -> None:
     manager = KVCacheManager(num_blocks=4, block_size=4)
     assert manager.get_computed_blocks(make_request("a", 9)) == ([], 0)
+
+
+def test_the_default_cpu_budget_holds_at_least_one_full_length_request(stories_dir, monkeypatch) -> None:
+    """A long-context model (GGUF files say 32k and more) starts with the default budget: the
+    cache then holds one request of max_model_len. An explicit budget too small still refuses."""
+    from core.config import EngineArgs
+    from core.worker import model_runner
+    from core.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(EngineArgs(model=stories_dir, max_model_len=512, block_size=16).resolve())
+    monkeypatch.setattr(model_runner, "DEFAULT_KV_CACHE_MEMORY", runner.kv_bytes_per_block())
+    assert runner.determine_num_blocks() == 512 // 16 + 1
+    small = ModelRunner(EngineArgs(model=stories_dir, max_model_len=512, block_size=16,
+                                   kv_cache_memory=10 * runner.kv_bytes_per_block()).resolve())
+    with pytest.raises(ValueError, match="KV cache too small"):
+        small.determine_num_blocks()

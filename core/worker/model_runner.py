@@ -169,8 +169,8 @@ class ModelRunner:
         """Blocks for the KV cache: the override, else the memory budget.
 
         The budget is ``kv_cache_memory`` bytes when given. Otherwise, on CPU
-        it is DEFAULT_KV_CACHE_MEMORY capped at what ``max_num_seqs``
-        full-length requests could ever use; on a GPU it is what
+        it is DEFAULT_KV_CACHE_MEMORY (or one full-length request, if more) capped
+        at what ``max_num_seqs`` full-length requests could ever use; on a GPU it is what
         ``gpu_memory_utilization`` leaves after the weights and the profiled
         peak of the largest step (core/worker/gpu_memory.py). Data-parallel
         engines on one host take one share each (the budget, or the GPU's
@@ -186,7 +186,9 @@ class ModelRunner:
             utilization = self.config.gpu_memory_utilization / share
             budget = gpu_kv_cache_budget(self.device, utilization, self.profile_run)
         else:
-            budget = DEFAULT_KV_CACHE_MEMORY // share
+            # Never less than one request of max_model_len: a model whose context is long (a
+            # GGUF file's, 32k and more) serves out of the box, one full-length request at a time.
+            budget = max(DEFAULT_KV_CACHE_MEMORY // share, (self.max_blocks_per_req + 1) * per_block)
         num_blocks = max(budget, 0) // per_block
         cap = self.config.max_num_seqs * self.max_blocks_per_req + 1
         if self.config.kv_cache_memory is None and self.device.type == "cpu":
