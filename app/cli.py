@@ -190,7 +190,9 @@ def make_parser() -> argparse.ArgumentParser:
     )
     cache.add_argument(
         "--kv-cache-memory", type=parse_size, metavar="BYTES",
-        help="bytes for the KV cache, e.g. 512MiB (default: 256 MiB on a CPU, measured on a GPU)",
+        help="bytes for the KV cache, e.g. 512MiB (default on a CPU: 4 GiB, at most a quarter of the memory "
+        "available after the weights, at least 256 MiB and one max_model_len request, at most what max_num_seqs "
+        "full-length requests use; on a GPU: measured)",
     )
     cache.add_argument(
         "--gpu-memory-utilization", type=float,

@@ -17,7 +17,10 @@ import msgspec
 from core.model_config import ModelConfig
 from core.models.gguf_checkpoint import GGUFCheckpoint, gguf_file
 
-DEFAULT_KV_CACHE_MEMORY = 256 * 1024 * 1024  # bytes of CPU memory for the KV cache
+# The CPU KV cache by default: vLLM's CPU default (4 GiB) where the machine has room for it, else a
+# quarter of the memory available once the weights are loaded, and never below the minimum.
+CPU_KV_CACHE_MEMORY = 4 << 30
+CPU_KV_CACHE_MIN_MEMORY = 256 << 20
 # The longest run of whitespace a JSON grammar allows between two elements, unless a request
 # says otherwise: room for a newline and indentation, not for a model that never stops
 # writing newlines (bench/README.md has the measurements behind it).
@@ -51,7 +54,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
-    kv_cache_memory: int | None = None  # bytes for the KV cache (default: CPU 256 MiB, GPU profiled)
+    kv_cache_memory: int | None = None  # bytes for the KV cache (default: CPU default_cpu_kv_budget, GPU profiled)
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     transport: str = "shm"  # shm | zmq

@@ -200,11 +200,12 @@ async def test_reload_weights_between_pause_and_resume(stories_dir) -> None:
         assert (await oa.completions.create(**GREEDY)).choices[0].text == reference
 
 
-def _rss(pid: int) -> int:
+def _status(pid: int, field: str) -> int:
+    """A size from /proc/PID/status, in bytes (VmRSS: resident; VmSize: mapped)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+    raise AssertionError(f"no {field}")
 
 
 def test_sleep_frees_the_kv_cache_and_wake_up_serves_the_same_output(server_factory, stories_dir) -> None:
@@ -222,11 +223,14 @@ def test_sleep_frees_the_kv_cache_and_wake_up_serves_the_same_output(server_fact
     pid = server.engine_pid()
 
     for level in (1, 2):
-        awake = _rss(pid)
+        # The CPU KV cache is an anonymous mapping, resident only where requests wrote: sleeping
+        # unmaps all of it (its resident part with it), and resident memory does not grow.
+        awake, awake_rss = _status(pid, "VmSize"), _status(pid, "VmRSS")
         response = httpx.post(base + "/sleep", params={"level": level}, timeout=60)
         assert response.status_code == 200 and response.json()["level"] == level
-        asleep = _rss(pid)
+        asleep = _status(pid, "VmSize")
         assert awake - asleep >= kv_bytes, (level, awake, asleep, kv_bytes)
+        assert _status(pid, "VmRSS") < awake_rss
         memory = response.json()["memory"]
         assert memory["before"]["kv_cache_bytes"] == kv_bytes and memory["after"]["kv_cache_bytes"] == 0
         assert memory["after"]["weights_bytes"] == 0

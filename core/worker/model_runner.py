@@ -25,14 +25,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import mmap
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
 
 from core import envs
-from core.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from core.config import CPU_KV_CACHE_MEMORY, CPU_KV_CACHE_MIN_MEMORY, EngineConfig
 from core.models.loader import load_model, resolve_dtype, resolve_kv_dtype
 from core.protocol import LogprobsArrays, SamplingParams
 from core.sched.output import (
@@ -110,6 +112,26 @@ class _StepInputs:
     decode_size: int | None  # padded batch size of a decode-only step, None otherwise
 
 
+def _mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros in an anonymous mapping of its own: the kernel's zero pages,
+    made resident only as the KV cache fills (no memset of gigabytes at start-up, no memory
+    held that no request uses), and unmapped whole when the tensor goes (sleep mode)."""
+    count = math.prod(shape)
+    return torch.frombuffer(mmap.mmap(-1, max(count * dtype.itemsize, 1)), dtype=dtype, count=count).view(shape)
+
+
+def default_cpu_kv_budget() -> int:
+    """The CPU KV cache's default size: CPU_KV_CACHE_MEMORY (vLLM's CPU default), at most a
+    quarter of the memory the system has available now (the weights are loaded by then, and
+    the rest is left to other processes and the page cache), at least CPU_KV_CACHE_MIN_MEMORY."""
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):  # not Linux: the minimum
+        return CPU_KV_CACHE_MIN_MEMORY
+    return max(CPU_KV_CACHE_MIN_MEMORY, min(CPU_KV_CACHE_MEMORY, available // 4))
+
+
 class ModelRunner:
     # Tests switch this on to run the GPU path's padded decode batches (without
     # capture) and deferred sampled tokens on the CPU; on a GPU they are always on.
@@ -169,8 +191,8 @@ class ModelRunner:
         """Blocks for the KV cache: the override, else the memory budget.
 
         The budget is ``kv_cache_memory`` bytes when given. Otherwise, on CPU
-        it is DEFAULT_KV_CACHE_MEMORY (or one full-length request, if more) capped
-        at what ``max_num_seqs`` full-length requests could ever use; on a GPU it is what
+        it is ``default_cpu_kv_budget()`` (or one full-length request, if more)
+        capped at what ``max_num_seqs`` full-length requests could ever use; on a GPU it is what
         ``gpu_memory_utilization`` leaves after the weights and the profiled
         peak of the largest step (core/worker/gpu_memory.py). Data-parallel
         engines on one host take one share each (the budget, or the GPU's
@@ -188,7 +210,7 @@ class ModelRunner:
         else:
             # Never less than one request of max_model_len: a model whose context is long (a
             # GGUF file's, 32k and more) serves out of the box, one full-length request at a time.
-            budget = max(DEFAULT_KV_CACHE_MEMORY // share, (self.max_blocks_per_req + 1) * per_block)
+            budget = max(default_cpu_kv_budget() // share, (self.max_blocks_per_req + 1) * per_block)
         num_blocks = max(budget, 0) // per_block
         cap = self.config.max_num_seqs * self.max_blocks_per_req + 1
         if self.config.kv_cache_memory is None and self.device.type == "cpu":
@@ -240,11 +262,9 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = (num_blocks, *self._kv_shape())
+        zeros = _mapped_zeros if self.device.type == "cpu" else partial(torch.zeros, device=self.device)
         self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-            )
+            (zeros(shape, dtype=self.kv_dtype), zeros(shape, dtype=self.kv_dtype))
             for _ in range(self.model_config.num_layers)
         ]
         if self.device.type == "cpu" and not self.emulate_gpu_paths:
