@@ -63,7 +63,7 @@ def rotary(
     qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin_signed: torch.Tensor, positions: torch.Tensor
 ) -> None:
     """Rotate heads ``:heads`` of qkv [T, H, D] in place by the rotary tables' rows at ``positions``."""
-    if cpu.usable(qkv) and qkv.stride(2) == 1 and qkv.stride(1) == qkv.shape[2]:
+    if cpu.usable(qkv) and qkv.stride(2) == 1 and qkv.stride(1) == qkv.shape[2] and qkv.shape[2] <= cpu.MAX_HEAD_DIM:
         cpu.rotary(qkv, heads, cos, sin_signed, positions)
     else:
         torch_ref.rotary(qkv, heads, cos, sin_signed, positions)

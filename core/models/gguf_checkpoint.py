@@ -177,7 +177,9 @@ class GGUFCheckpoint:
             )
             if child.returncode:
                 lines = child.stderr.strip().splitlines()
-                raise GGUFError(lines[-1] if lines else f"{self.path}: reading its metadata failed ({child.returncode})")
+                raise GGUFError(
+                    lines[-1] if lines else f"{self.path}: reading its metadata failed (exit {child.returncode})"
+                )
             try:
                 os.replace(staging, target)
             except OSError:  # made meanwhile by another process: theirs is the same

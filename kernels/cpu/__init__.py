@@ -67,15 +67,22 @@ def prefill_scratch(seq_len: int, kv_heads: int, head_dim: int, threads: int) ->
     return 2 * kv_heads * head_dim * stride, threads * stride
 
 
+# The largest head size the C kernels take (their per-row buffers live on the stack; MAX_HEAD_DIM in C).
+MAX_HEAD_DIM = 1024
+
+
 def usable(*tensors: torch.Tensor, cache: torch.Tensor | None = None) -> bool:
     """True if the C kernels are enabled and built, every tensor is a float32 CPU tensor,
-    and ``cache`` (a KV cache, when given) a float32 or float16 one."""
+    and ``cache`` (a KV cache, when given) a float32 or float16 one of heads of at most
+    MAX_HEAD_DIM."""
     if not settings.cpu_kernels or (_lib is None and load() is None):
         return False
     for t in tensors:
         if t.dtype is not torch.float32 or t.is_cuda or not t.is_cpu:
             return False
-    return cache is None or (cache.dtype in (torch.float32, torch.float16) and cache.is_cpu)
+    return cache is None or (
+        cache.dtype in (torch.float32, torch.float16) and cache.is_cpu and cache.shape[-1] <= MAX_HEAD_DIM
+    )
 
 
 def _half(cache: torch.Tensor) -> int:

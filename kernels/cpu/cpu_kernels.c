@@ -154,13 +154,17 @@ API void add_rms_norm(const float *x, float *residual, const float *w, float *ou
     add_rms_norm_share(x, residual, w, out, rows, n, eps, 0, 1);
 }
 
+/* The largest head_dim the kernels take (rows being rotated or widened from half precision live
+ * on the stack); kernels/cpu/__init__.py's MAX_HEAD_DIM keeps larger heads on torch's kernels. */
+#define MAX_HEAD_DIM 1024
+
 /* Rotate, in place, the first `heads` heads of each token's row of qkv by the
  * token's position: x*cos + roll(x, half)*sin_signed, where sin_signed has its
  * first half negated (that is x*cos + rotate_half(x)*sin, term by term). */
 void rotary_share(float *qkv, int64_t tokens, int64_t tok_stride, int64_t heads, int64_t head_dim,
                   const float *cos_table, const float *sin_table, const int64_t *positions, int me, int threads) {
     int64_t half = head_dim / 2, begin, end;
-    float tmp[1024];
+    float tmp[MAX_HEAD_DIM];
     team_share(tokens, me, threads, &begin, &end);
     for (int64_t t = begin; t < end; t++) {
         const float *c = cos_table + positions[t] * head_dim;
@@ -287,9 +291,6 @@ static inline float vsum_lanes(vfloat v) {
     for (int i = 0; i < VLANES; i++) t += v[i];
     return t;
 }
-
-/* The largest head_dim the kernels take (a converted half-precision cache row lives on the stack). */
-#define MAX_HEAD_DIM 1024
 
 /* Key or value ``t`` of block ``block`` for KV head ``kh``, as float32: in place, or
  * converted from half into ``buf``. */
