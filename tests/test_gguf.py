@@ -11,6 +11,7 @@ more than 1,000 positions and bounded.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from kernels import cpu
 from kernels.settings import settings
 from tests.support.gguf_files import write_gguf
 from tests.support.paged import single_prefill
+from tests.support.servers import start_server, stop_server
 from tests.test_quant_kernels import random_blocks
 
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason="no C compiler to build kernels/cpu with")
@@ -216,3 +218,47 @@ def test_the_engine_steps_through_the_native_program_and_writes_transformers_tok
             expected = oracle.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
                                        eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert tokens[f"r{i}"] == expected, i
+
+
+def test_a_gguf_file_served_to_the_openai_client(stories_gguf, tmp_path) -> None:
+    """`python -m app --model FILE.gguf`, as a user runs it: greedy completions (whole and
+    streamed) equal transformers' continuations of the same file (F32 tiles take float
+    activations, so the products are float32 ones), their logprobs agree, and a JSON-schema
+    request on the Q4_0 file gives what jsonschema accepts."""
+    import jsonschema
+
+    path = stories_gguf["f32"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    oracle = _oracle(path)
+    server = start_server(["--model", str(path), "--served-model-name", "s"], tmp_path / "f32.log")
+    try:
+        client = server.openai()
+        for prompt in STORY_PROMPTS[:3]:
+            ids = tokenizer(prompt).input_ids
+            with torch.no_grad():
+                out = oracle.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0)[0]
+                logprobs = oracle(out[None]).logits[0, len(ids) - 1 : -1].log_softmax(-1)
+            # What a client sees: the whole decode less the prompt's own.
+            prompt_text = tokenizer.decode(ids, skip_special_tokens=True)
+            expected = tokenizer.decode(out, skip_special_tokens=True)[len(prompt_text):]
+            body = dict(model="s", prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+            whole = client.completions.create(**body, logprobs=1).choices[0]
+            streamed = "".join(c.choices[0].text for c in client.completions.create(**body, stream=True) if c.choices)
+            assert whole.text == streamed == expected, prompt
+            chosen = logprobs.gather(1, out[len(ids):, None])[:, 0]
+            assert torch.allclose(torch.tensor(whole.logprobs.token_logprobs), chosen, atol=1e-4), prompt
+    finally:
+        stop_server(server)
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}}, "required": ["name", "age"]}
+    server = start_server(["--model", str(stories_gguf["q4_0"]), "--served-model-name", "s"], tmp_path / "q4.log")
+    try:
+        reply = server.openai().completions.create(
+            model="s", prompt="Once upon a time", max_tokens=60, temperature=0.8, seed=3,
+            extra_body={"structured_outputs": {"json": schema}},
+        ).choices[0]
+        jsonschema.validate(json.loads(reply.text), schema)
+    finally:
+        stop_server(server)
