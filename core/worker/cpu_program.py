@@ -270,14 +270,12 @@ class NativeStepProgram(CpuStepProgram):
     def takes(parts: DecoderParts) -> bool:
         """Whether every product of ``parts`` has a tiled weight and its embedding a table
         the program can read."""
-        linears = [parts.lm_head, *(getattr(layer, name) for layer in parts.layers
-                                    for name in ("qkv", "o", "gate_up", "down"))]
         embedding = parts.embedding
         readable = isinstance(embedding, QuantizedMatrix) or (
             isinstance(embedding, DenseRows) and embedding.table.dtype == np.float32
             and embedding.table.flags.c_contiguous
         )
-        return readable and all(isinstance(linear.cpu_weight, QuantizedWeight) for linear in linears)
+        return readable and all(isinstance(weight, QuantizedWeight) for weight in _product_weights(parts))
 
     def __init__(
         self, parts: DecoderParts, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], buffers: InputBuffers,
@@ -285,11 +283,9 @@ class NativeStepProgram(CpuStepProgram):
     ) -> None:
         self._programs: dict[str, Program] = {}
         self._scratch = np.zeros(0, np.uint8)
-        linears = [parts.lm_head, *(getattr(layer, name) for layer in parts.layers
-                                    for name in ("qkv", "o", "gate_up", "down"))]
         # What the programs point into, kept alive here. A weight reload replaces them: the
-        # runner then builds a new program (ModelRunner.rebuild_cpu_program).
-        self._weights = [linear.cpu_weight for linear in linears]
+        # runner then builds a new program (ModelRunner.replace_model).
+        self._weights = _product_weights(parts)
         small = all(weight.nbytes <= SMALL_WEIGHT_BYTES for weight in self._weights)
         # A small model's step is over before a second thread would be awake: one thread.
         super().__init__(parts, kv_caches, buffers, max_model_len, threads=1 if small else None)
@@ -299,9 +295,7 @@ class NativeStepProgram(CpuStepProgram):
             return
         super()._reserve(rows)
         self._programs.clear()  # the buffers moved
-        layers = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        need = max(cpu.load().linear_scratch_bytes(linear.cpu_weight.desc_address, rows)
-                   for linear in [*layers, self.lm_head])
+        need = max(self.lib.linear_scratch_bytes(weight.desc_address, rows) for weight in self._weights)
         self._scratch = np.zeros(need, np.uint8)
 
     def run(self, n: int) -> torch.Tensor:
@@ -381,3 +375,9 @@ class NativeStepProgram(CpuStepProgram):
             vocab = self.logits.shape[1]
             self._linear(program, self.lm_head, p["normed"], self.logits.ctypes.data, vocab, last_row=chunk)
         return program
+
+
+def _product_weights(parts: DecoderParts) -> list:
+    """The CPU weights of every product of the model: each layer's four, then the head's."""
+    layers = [getattr(layer, name) for layer in parts.layers for name in ("qkv", "o", "gate_up", "down")]
+    return [linear.cpu_weight for linear in (*layers, parts.lm_head)]
