@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
 
 from tests.support.metrics import parse_metrics, value
 from tests.support.servers import segments
+from tests.support.waiting import DEADLINE_S
 
 pytestmark = pytest.mark.slow
 
@@ -48,11 +50,12 @@ def test_two_api_servers_share_the_port_and_both_engines(server_factory) -> None
     async def wave(start: int) -> list[tuple[str, str, int]]:
         return await asyncio.gather(*(_stream_on_new_connection(base, start + i) for i in range(16)))
 
+    # Waves until both processes have answered (usually the first): /health is ready once one
+    # API server accepts, and the other may still be importing, so the bound is a deadline.
     results: list[tuple[str, str, int]] = []
-    for start in range(0, 160, 16):  # until both processes have answered (usually the first wave)
-        results += asyncio.run(wave(start))
-        if len({r[0] for r in results}) == 2:
-            break
+    deadline = time.monotonic() + DEADLINE_S
+    while len({r[0] for r in results}) < 2 and time.monotonic() < deadline:
+        results += asyncio.run(wave(len(results)))
     servers = {r[0] for r in results}
     assert len(servers) == 2, servers
     indices = {s.split()[0] for s in servers}
