@@ -13,6 +13,8 @@ import json
 import os
 import re
 
+import msgspec
+
 from app.frontend_config import (
     DEFAULT_BACKLOG,
     DEFAULT_DP_RPC_PORT,
@@ -26,7 +28,7 @@ from app.frontend_config import (
     ScaleOutConfig,
 )
 from core import envs
-from core.config import DEFAULT_JSON_MAX_WHITESPACE, EngineArgs
+from core.config import DEFAULT_JSON_MAX_WHITESPACE, EngineArgs, SpeculativeConfig
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -49,7 +51,7 @@ _ENGINE_FIELDS = (
     "enable_prefix_caching", "num_gpu_blocks_override", "kv_cache_memory",
     "gpu_memory_utilization", "enforce_eager", "transport", "scheduling_policy", "enable_prompt_embeds",
     "async_scheduling", "enable_sleep_mode", "logprobs_mode", "structured_outputs_backend", "engine_cpu",
-    "data_parallel_size", "engine_threads", "data_parallel_size_local",
+    "data_parallel_size", "engine_threads", "data_parallel_size_local", "speculative_config",
 )
 
 
@@ -69,6 +71,13 @@ def _whitespace_bound(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"not a count of characters (at least 1) or 'none': {text!r}")
     return int(text)
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return msgspec.json.decode(text, type=SpeculativeConfig).resolved()
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"invalid speculative config {text!r}: {exc}") from None
 
 
 def _dtype(text: str) -> str:
@@ -181,6 +190,13 @@ def make_parser() -> argparse.ArgumentParser:
     sched.add_argument(
         "--async-scheduling", action="store_true", default=None,
         help="schedule the next batch while the model runs the current one",
+    )
+    sched.add_argument(
+        "--speculative-config", type=_speculative_config, metavar="JSON",
+        help='speculative decoding, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5} proposes tokens that followed the same '
+        "n-gram earlier in the request and verifies them in one step; disable_by_batch_size pauses it "
+        "for batches that large (default: off)",
     )
 
     cache = p.add_argument_group("cache", "the paged KV cache")

@@ -56,6 +56,7 @@ from core.protocol import (
     EngineCoreRequest,
     EngineStats,
     SchedulerStats,
+    SpecDecodingStats,
     TransportStats,
 )
 
@@ -235,6 +236,8 @@ class _Family:
                                         "Seconds the engine's busy loop has waited for work.", LABELS, registry=r)
             self.loop_seconds = Counter("ringllm:engine_busy_loop_seconds",
                                         "Seconds the engine's busy loop has run (idle or not).", LABELS, registry=r)
+        self.registry = r
+        self._spec: tuple[Counter, Counter, Counter, Counter] | None = None
         # Transport series: the frontend's own counters are kept whatever --disable-log-stats says.
         direction = (*LABELS, "direction")
         self.messages = Counter("ringllm:transport_messages", "Messages between frontend and engine.",
@@ -251,6 +254,20 @@ class _Family:
         self.doorbell_wakeups = Counter("ringllm:transport_doorbell_wakeups",
                                         "Doorbell rings that woke a sleeping peer (one syscall each).",
                                         (*LABELS, "woken"), registry=r)
+
+
+    def spec_decode(self) -> tuple[Counter, Counter, Counter, Counter]:
+        """vLLM's speculative decoding counters, registered when an engine first reports them."""
+        if self._spec is None:
+            r = self.registry
+            self._spec = (
+                Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", LABELS, registry=r),
+                Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", LABELS, registry=r),
+                Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", LABELS, registry=r),
+                Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                        "Accepted tokens per draft position.", (*LABELS, "position"), registry=r),
+            )
+        return self._spec
 
 
 class _EngineSeries:
@@ -310,12 +327,26 @@ class _EngineSeries:
             self.prompt_hist, self.generation_hist, self.iteration_tokens, self.max_tokens,
         ]
         self.success: dict[str, Counter] = {}
+        self.spec_totals: list[_Total] | None = None  # drafts, draft tokens, accepted, then per position
 
     def count_success(self, finish_reason: str) -> None:
         child = self.success.get(finish_reason)
         if child is None:
             child = self.success[finish_reason] = self.family.request_success.labels(*self.labels, finish_reason)
         child.inc()
+
+    def _flush_spec(self, spec: SpecDecodingStats) -> None:
+        totals = self.spec_totals
+        if totals is None:
+            drafts, draft_tokens, accepted, per_pos = self.family.spec_decode()
+            totals = self.spec_totals = [
+                _Total(drafts.labels(*self.labels)), _Total(draft_tokens.labels(*self.labels)),
+                _Total(accepted.labels(*self.labels)),
+                *(_Total(per_pos.labels(*self.labels, str(i))) for i in range(len(spec.num_accepted_tokens_per_pos))),
+            ]
+        values = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, *spec.num_accepted_tokens_per_pos)
+        for total, value in zip(totals, values):
+            total.update(value)
 
     def idle_window(self) -> IdleWindow | None:
         """The busy loop's idle and total seconds, carried forward to now: a waiting
@@ -350,6 +381,8 @@ class _EngineSeries:
             self.preemptions.update(stats.num_preemptions)
             self.prefix_queries.update(stats.prefix_cache_queries)
             self.prefix_hits.update(stats.prefix_cache_hits)
+            if stats.spec_decoding is not None:
+                self._flush_spec(stats.spec_decoding)
         window = self.idle_window()
         if window is not None:
             self.idle_total.update(window.idle_seconds)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from app.metrics import FrontendMetrics
 from core import envs
-from core.protocol import EngineCoreRequest
+from core.protocol import EngineCoreRequest, SpecDecodingStats
 
 logger = logging.getLogger("ringllm.stats")
 request_logger = logging.getLogger("ringllm.requests")
@@ -36,6 +36,7 @@ class _Mark:
     idle_seconds: float = 0.0
     loop_seconds: float = 0.0
     had_tokens: bool = False
+    spec: SpecDecodingStats | None = None
 
 
 class StatsLogger:
@@ -86,11 +87,37 @@ class StatsLogger:
                 )
                 logger.info("%s", line)
                 lines.append(line)
+                spec_line = _spec_line(engine, stats.spec_decoding if stats else None, mark.spec)
+                if spec_line is not None:
+                    logger.info("%s", spec_line)
+                    lines.append(spec_line)
             self._marks[engine] = _Mark(
                 now, series.prompt_tokens, series.generation_tokens, queries, hits,
                 window.idle_seconds if window else 0.0, window.loop_seconds if window else 0.0, had_tokens,
+                stats.spec_decoding if stats else None,
             )
         return lines
+
+
+def _spec_line(engine: int, spec: SpecDecodingStats | None, before: SpecDecodingStats | None) -> str | None:
+    """vLLM's speculative decoding line over the interval: None without verifications in it."""
+    if spec is None:
+        return None
+    before = before or SpecDecodingStats(num_accepted_tokens_per_pos=[0] * len(spec.num_accepted_tokens_per_pos))
+    drafts = spec.num_drafts - before.num_drafts
+    if drafts <= 0:
+        return None
+    drafted = spec.num_draft_tokens - before.num_draft_tokens
+    accepted = spec.num_accepted_tokens - before.num_accepted_tokens
+    per_pos = ", ".join(
+        f"{(now - then) / drafts:.3f}"
+        for now, then in zip(spec.num_accepted_tokens_per_pos, before.num_accepted_tokens_per_pos)
+    )
+    return (
+        f"Engine {engine:03d}: SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+        f"Draft acceptance rate: {accepted / max(drafted, 1) * 100:.1f}%, Accepted: {accepted} tokens, "
+        f"Drafted: {drafted} tokens, Per-position acceptance rate: {per_pos}"
+    )
 
 
 class RequestLogger:

@@ -29,6 +29,54 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 QUANTIZATIONS = ("q8_0", "q4_0")
 KV_CACHE_DTYPES = ("auto", "float32", "float16")
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# n-gram lookup without prompt_lookup_min/max: the longest suffix tried, and the shortest.
+DEFAULT_PROMPT_LOOKUP_MAX = 5
+DEFAULT_PROMPT_LOOKUP_MIN = 2
+MAX_SPECULATIVE_TOKENS = 16
+
+
+class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """``--speculative-config`` as vLLM takes it: who proposes draft tokens and how many.
+
+    ``ngram`` looks the request's last tokens up earlier in its own context (prompt
+    and output) and proposes what followed them there, trying suffixes from
+    ``prompt_lookup_max`` tokens down to ``prompt_lookup_min``. ``draft_model`` names
+    a smaller checkpoint that shares the target's tokenizer. Speculation pauses for
+    the steps whose batch has ``disable_by_batch_size`` requests or more, where the
+    engine is compute-bound and verifying drafts costs more than it saves.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None
+    disable_by_batch_size: int | None = None
+
+    def resolved(self) -> SpeculativeConfig:
+        """Checked (ValueError), with the n-gram window filled in."""
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}"
+            )
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
+            )
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 2:
+            raise ValueError(f"disable_by_batch_size must be >= 2, got {self.disable_by_batch_size}")
+        if self.method == "draft_model":
+            raise ValueError(
+                'speculative method "draft_model" is not implemented yet; use "ngram"'
+            )
+        if self.model is not None:
+            raise ValueError('"model" is for the draft_model method; ngram proposes from the request itself')
+        high = self.prompt_lookup_max or self.prompt_lookup_min or DEFAULT_PROMPT_LOOKUP_MAX
+        low = self.prompt_lookup_min or min(DEFAULT_PROMPT_LOOKUP_MIN, high)
+        if not 1 <= low <= high:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {low} and {high}")
+        return msgspec.structs.replace(self, prompt_lookup_min=low, prompt_lookup_max=high)
 
 
 class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
@@ -88,6 +136,8 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
     # Engines on this engine's host (default: all of them): what the host's cores and
     # memory budget are split between.
     data_parallel_size_local: int | None = None
+    # Speculative decoding (--speculative-config); None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     @property
     def engines_on_this_host(self) -> int:
@@ -157,6 +207,15 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"engine_threads must be >= 1, got {self.engine_threads}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        speculative = self.speculative_config
+        if speculative is not None:
+            speculative = speculative.resolved()
+            if self.async_scheduling:
+                # The proposer reads the tokens a step sampled before the next step is
+                # scheduled; a batch scheduled ahead of them would carry no drafts.
+                raise ValueError("--speculative-config does not work with --async-scheduling yet: choose one")
+            if speculative.num_speculative_tokens + 1 > self.max_num_batched_tokens:
+                raise ValueError("max_num_batched_tokens must leave room for one request's drafts and its token")
         return EngineConfig(
             **{
                 **msgspec.structs.asdict(self),
@@ -165,6 +224,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
                 "max_model_len": max_model_len,
                 "served_model_name": self.served_model_name or self.model,
                 "tokenizer": tokenizer or model,
+                "speculative_config": speculative,
             },
             model_config=model_config,
         )

@@ -95,6 +95,7 @@ class EngineCore:
         if self.batch_queue_size > 1:
             self.batch_queue = deque(maxlen=self.batch_queue_size)
         self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
+        self.use_spec_decode = config.speculative_config is not None
         # Control calls waiting for the engine to be idle, and outputs made
         # outside a step, which run_once hands to an in-process driver (emit_output).
         self._idle_waiters: list[tuple[Future, Callable[[], Any]]] = []
@@ -147,7 +148,18 @@ class EngineCore:
         self._process_aborts_queue()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         self.step_counter += 1
-        return outputs, scheduler_output.total_num_scheduled_tokens > 0
+        model_executed = scheduler_output.total_num_scheduled_tokens > 0
+        self.post_step(model_executed)
+        return outputs, model_executed
+
+    def post_step(self, model_executed: bool) -> None:
+        """Speculative decoding: hand the drafts proposed after this step to the
+        scheduler, which schedules them with the next one (async scheduling, which
+        schedules before this step's tokens are known, is refused with it)."""
+        if self.use_spec_decode and model_executed:
+            draft_token_ids = self.model_executor.take_draft_token_ids()
+            if draft_token_ids is not None:
+                self.scheduler.update_draft_token_ids(draft_token_ids)
 
     def step_with_batch_queue(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
         """Schedule and dispatch a new batch, then feed back the oldest one.

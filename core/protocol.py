@@ -341,6 +341,38 @@ class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     result: msgspec.Raw = msgspec.Raw(b"\xc0")  # msgpack nil
 
 
+class SpecDecodingStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Speculative decoding totals since the engine started (vLLM's spec_decode
+    counters): verifications, drafts proposed and accepted, and how often the
+    draft at each position was accepted (position 0 is the first draft)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+
+    @classmethod
+    def new(cls, config: Any) -> SpecDecodingStats | None:
+        """Zeroed totals for a ``SpeculativeConfig`` (None when speculation is off)."""
+        if config is None:
+            return None
+        return cls(num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One verification: ``num_accepted`` of its ``num_draft_tokens`` drafts accepted."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
+
+    def snapshot(self) -> SpecDecodingStats:
+        return SpecDecodingStats(
+            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.num_accepted_tokens_per_pos)
+        )
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A snapshot of the scheduler, attached to outputs for the frontend's metrics.
 
@@ -359,6 +391,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_preemptions: int = 0
     step_counter: int = 0  # steps whose outputs were processed so far
     num_batched_tokens: int = 0  # tokens the step that took this snapshot computed
+    spec_decoding: SpecDecodingStats | None = None  # with --speculative-config
 
 
 class TransportStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

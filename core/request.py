@@ -116,6 +116,9 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.num_output_placeholders = 0
+        # Draft tokens proposed for the step after the next one's sample (speculative
+        # decoding): scheduled after the known tokens, verified, and forgotten.
+        self.spec_token_ids: list[int] = []
         # step_id of the first SchedulerOutput created after the last
         # preemption: tokens from earlier batches (still in flight when it was
         # preempted) belong to a computation that was thrown away.

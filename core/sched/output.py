@@ -68,6 +68,18 @@ class SchedulerOutput:
     # token: xgrammar's layout), which the runner applies to their logits.
     grammar_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: torch.Tensor | None = None
+    # Speculative decoding: the draft tokens scheduled for verification, by request.
+    # They follow the request's known tokens and are counted in num_scheduled_tokens;
+    # the runner samples one more token than it was given drafts.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class DraftTokenIds:
+    """The proposer's drafts after a step: ``draft_token_ids[i]`` for ``req_ids[i]``."""
+
+    req_ids: list[str]
+    draft_token_ids: list[list[int]]
 
 
 @dataclass
@@ -75,7 +87,8 @@ class ModelRunnerOutput:
     """Sampled tokens per scheduled request, in the order of ``req_ids``.
 
     A request whose prefill chunk did not reach the end of its known tokens
-    gets an empty list: nothing was sampled for it. ``logprobs`` holds the
+    gets an empty list: nothing was sampled for it. A request that verified
+    drafts gets the ones accepted and the token sampled after them. ``logprobs`` holds the
     sampled tokens' logprobs of the requests that asked, a row each:
     ``logprobs_rows`` (index-aligned with ``req_ids``) gives the row, or -1.
     ``prompt_logprobs`` (by request id) comes in the step that samples the

@@ -28,6 +28,16 @@ PAUSED_NEW lets the requests already in the engine run to the end (the
 "wait" and "abort" modes); PAUSED_ALL schedules nothing at all ("keep"), so
 running requests keep their KV blocks and computed tokens, and continue
 exactly where they stopped.
+
+Speculative decoding: after a step the engine hands the proposer's draft
+tokens to ``update_draft_token_ids``; the next schedule gives a request its
+drafts after its known tokens, within the token budget (KV slots included),
+and lists them in ``scheduled_spec_decode_tokens``. The runner verifies them
+in the same pass and returns the accepted ones plus one token it sampled;
+``update_from_output`` then takes the rejected drafts back out of
+``num_computed_tokens``. Their KV slots hold stale values past the computed
+tokens, which the next steps overwrite, and no block is registered in the
+prefix cache before the tokens filling it are known (accepted).
 """
 
 from __future__ import annotations
@@ -44,10 +54,12 @@ from core.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     SchedulerStats,
+    SpecDecodingStats,
 )
 from core.request import Request, RequestStatus
 from core.sched.output import (
     CachedRequestData,
+    DraftTokenIds,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -69,11 +81,12 @@ class PauseState(enum.IntEnum):
 class _StepPlan:
     """What one schedule() call has decided so far, so preemption can undo it."""
 
-    __slots__ = ("token_budget", "num_scheduled_tokens", "new_block_ids", "running", "new", "preempted")
+    __slots__ = ("token_budget", "num_scheduled_tokens", "spec_tokens", "new_block_ids", "running", "new", "preempted")
 
     def __init__(self, token_budget: int) -> None:
         self.token_budget = token_budget
         self.num_scheduled_tokens: dict[str, int] = {}
+        self.spec_tokens: dict[str, list[int]] = {}  # drafts scheduled for verification
         self.new_block_ids: dict[str, Sequence[int]] = {}
         self.running: list[Request] = []  # scheduled requests the runner already holds
         self.new: list[Request] = []  # first-time and resumed requests
@@ -86,6 +99,7 @@ class _StepPlan:
             return
         self.token_budget += n
         self.new_block_ids.pop(request.request_id, None)
+        self.spec_tokens.pop(request.request_id, None)
         if request in self.new:
             self.new.remove(request)
         else:
@@ -137,6 +151,7 @@ class Scheduler:
         self.structured_output_manager = structured_output_manager or StructuredOutputManager(config)
         self.waiting_for_fsm: dict[str, Request] = {}
         self.grammar_errors: list[Request] = []
+        self.spec_stats = SpecDecodingStats.new(config.speculative_config)
 
     # ---------------------------------------------------------------- requests
 
@@ -258,6 +273,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=self.preempted_req_ids | {r.request_id for r in plan.preempted},
             step_id=self.step_id,
+            scheduled_spec_decode_tokens=plan.spec_tokens,
         )
         self.finished_req_ids = set()
         self.preempted_req_ids = set()
@@ -299,7 +315,8 @@ class Scheduler:
             ):
                 req_index += 1  # the token in flight is its last one
                 continue
-            num_new_tokens = min(num_tokens - request.num_computed_tokens, plan.token_budget)
+            drafts = request.spec_token_ids
+            num_new_tokens = min(num_tokens + len(drafts) - request.num_computed_tokens, plan.token_budget)
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
@@ -323,6 +340,11 @@ class Scheduler:
                 plan.new_block_ids[req_id] = [b.block_id for b in new_blocks]
             plan.num_scheduled_tokens[req_id] = num_new_tokens
             plan.token_budget -= num_new_tokens
+            if drafts:  # those the budget left room for follow the known tokens
+                num_drafts = request.num_computed_tokens + num_new_tokens - num_tokens
+                if num_drafts > 0:
+                    plan.spec_tokens[req_id] = drafts[:num_drafts]
+                request.spec_token_ids = []
             req_index += 1
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
@@ -395,6 +417,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0
+        request.spec_token_ids = []
         request.preempted_at_step = self.step_id
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -402,6 +425,22 @@ class Scheduler:
         self.waiting.prepend_request(request)
 
     # ---------------------------------------------------------------- update
+
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
+        """Keep the proposer's drafts for the next schedule, cut to what the request
+        may still produce: the drafts and the token sampled after them must fit in
+        max_tokens and max_model_len. Requests under a grammar take none (their
+        next bitmask depends on the token sampled; drafts are not checked against it)."""
+        requests = self.requests
+        max_model_len = self.max_model_len
+        for req_id, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
+            request = requests.get(req_id)
+            if request is None or request.status != _RUNNING or request.structured is not None:
+                continue  # finished in the step that proposed them, or preempted
+            room = min(
+                max_model_len - request.num_tokens, request.sampling_params.max_tokens - request.num_output_tokens
+            ) - 1
+            request.spec_token_ids = drafts[:room] if room > 0 else []
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -415,6 +454,7 @@ class Scheduler:
         prompt_logprobs = model_runner_output.prompt_logprobs
         requests = self.requests
         step_id = scheduler_output.step_id
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         stopped: set[str] = set()
         if self.grammar_errors:
             for request in self.grammar_errors:
@@ -436,7 +476,12 @@ class Scheduler:
             new_token_ids = sampled[i] if i is not None else None
             if not new_token_ids:
                 continue  # a prefill chunk short of the prompt's end
-            request.num_output_placeholders -= len(new_token_ids)
+            request.num_output_placeholders -= 1  # one sample per step, however many tokens it gave
+            if spec_tokens and (drafts := spec_tokens.get(req_id)):
+                # The accepted drafts' KV stays; the rejected ones' slots are past the computed tokens.
+                num_accepted = len(new_token_ids) - 1
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                self.spec_stats.observe(len(drafts), num_accepted)  # type: ignore[union-attr]
             structured = request.structured
             for k, token_id in enumerate(new_token_ids):
                 request.append_output_token_ids(token_id)
@@ -606,4 +651,5 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_stats.queries,
             prefix_cache_hits=kv.prefix_cache_stats.hits,
             num_preemptions=self.num_preemptions,
+            spec_decoding=None if self.spec_stats is None else self.spec_stats.snapshot(),
         )

@@ -10,7 +10,10 @@ fixed output arrays — reading the runner's persistent input buffers in place,
 as a replayed graph does. It takes the steps that are most often alone on
 the critical path: a decode-only step (one token per request, ``run``), and a
 step that is one request's prefill chunk (``run_chunk``: the first token of a
-request that arrived at an idle engine). Its results are those of
+request that arrived at an idle engine), and a verification step of
+speculative decoding (``run_queries``: each request's last token and its
+drafts, every query attending like a decode over the context up to its own
+position, all of them through each product at once). Its results are those of
 ``model.forward`` on the same step: the same kernels in the same order, the
 attention kernel chosen as the dispatcher in kernels/ chooses it
 (tests/test_cpu_program.py checks the logits bit for bit).
@@ -55,7 +58,8 @@ class _Layer:
 
 class CpuStepProgram:
     """``run(n)``: the logits of the n decodes staged in the runner's buffers;
-    ``run_chunk(n, sample)``: those of one request's staged prefill chunk of n tokens."""
+    ``run_chunk(n, sample)``: those of one request's staged prefill chunk of n tokens;
+    ``run_queries(n, table_rows, lens)``: those of n staged queries, each its own decode."""
 
     @classmethod
     def build(
@@ -95,7 +99,7 @@ class CpuStepProgram:
         self.cos, self.sin = (t.data_ptr() for t in self._tables)
         self.layers = [_Layer(layer, kv) for layer, kv in zip(parts.layers, kv_caches, strict=True)]
         self.qkv_width = (self.heads + 2 * self.kv_heads) * self.head_dim
-        self.logits = np.zeros((buffers.max_num_reqs, cfg.vocab_size), np.float32)
+        self.logits = np.zeros((buffers.max_num_reqs, cfg.vocab_size), np.float32)  # grown by run_queries
         self._logits_t: dict[int, torch.Tensor] = {}
         self.threads = threads or torch.get_num_threads()  # attention of large batches is shared among them
         self.kv_half = int(kv_caches[0][0].dtype == torch.float16)  # the kernels' flag for a float16 cache
@@ -127,10 +131,12 @@ class CpuStepProgram:
         self.row_ids = np.arange(rows, dtype=np.int64)  # decode d is row d and block-table row d
         self.chunk_tables = np.zeros(rows, np.int64)  # every query of a chunk reads block-table row 0
         self.chunk_lens = np.zeros(rows, np.int64)  # the context each query of a chunk sees
+        self.query_tables = np.zeros(rows, np.int64)  # run_queries: each query's block-table row
+        self.query_lens = np.zeros(rows, np.int64)  # and the context it sees
         # The buffers never move between growths: their addresses, and those of the staged inputs, are fixed.
         self._ptr = {name: getattr(self, name).ctypes.data for name in (
             "hidden", "normed", "qkv", "attn", "proj", "gate_up", "act", "scratch", "row_ids", "seq_lens",
-            "head_norms", "chunk_tables", "chunk_lens")}
+            "head_norms", "chunk_tables", "chunk_lens", "query_tables", "query_lens")}
         b = self.buffers
         self._ptr.update(
             positions=b.positions.np.ctypes.data, slots=b.slot_mapping.np.ctypes.data,
@@ -166,6 +172,38 @@ class CpuStepProgram:
                 qkv_p, width, rows_p, n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache, self.kv_half,
                 self.block_size, tables_p, table_stride, rows_p, lens_p, self.scale, attn_p, heads * head_dim,
                 scratch_p, self.scratch_stride, self.threads,
+            )
+
+        normed = self._layers(n, attend)
+        self.lm_head.cpu_weight.matmul(normed, self.logits[:n])
+        return self._logits(n)
+
+    def _reserve_logits(self, rows: int) -> bool:
+        """Room for ``rows`` rows of logits; True when the buffer moved."""
+        if rows <= self.logits.shape[0]:
+            return False
+        self.logits = np.zeros((rows, self.logits.shape[1]), np.float32)
+        self._logits_t.clear()
+        return True
+
+    def run_queries(self, n: int, table_rows: np.ndarray, lens: np.ndarray) -> torch.Tensor:
+        """Logits [n, vocab] of the n staged tokens, query i attending over the first
+        ``lens[i]`` tokens of block-table row ``table_rows[i]`` (a verification step:
+        a request's queries share its row and see one more token each)."""
+        self._reserve(n)
+        self._reserve_logits(n)
+        self.query_tables[:n] = table_rows
+        self.query_lens[:n] = lens
+        p = self._ptr
+        lib, table_stride = self.lib, self._table_stride
+        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
+        qkv_p, attn_p, width = p["qkv"], p["attn"], self.qkv_width
+
+        def attend(layer: _Layer) -> None:
+            lib.paged_decode_attention(
+                qkv_p, width, p["row_ids"], n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache,
+                self.kv_half, self.block_size, p["tables"], table_stride, p["query_tables"], p["query_lens"],
+                self.scale, attn_p, heads * head_dim, p["scratch"], self.scratch_stride, self.threads,
             )
 
         normed = self._layers(n, attend)
@@ -303,6 +341,15 @@ class NativeStepProgram(CpuStepProgram):
         self._program("decode").run(n, 0, self.threads)
         return self._logits(n)
 
+    def run_queries(self, n: int, table_rows: np.ndarray, lens: np.ndarray) -> torch.Tensor:
+        self._reserve(n)
+        if self._reserve_logits(n):
+            self._programs.clear()  # every program that computes logits points at the old buffer
+        self.query_tables[:n] = table_rows
+        self.query_lens[:n] = lens
+        self._program("queries").run(n, 0, self.threads)
+        return self._logits(n)
+
     def run_chunk(self, n: int, sample: bool) -> torch.Tensor | None:
         self._reserve(n)
         seq_len = int(self.buffers.seq_lens.np[0])
@@ -328,8 +375,10 @@ class NativeStepProgram(CpuStepProgram):
                     self._scratch.ctypes.data, int(last_row))
 
     def _write(self, kind: str) -> Program:
-        """The program of a decode step ("decode") or of a prefill chunk ("chunk", and
-        "chunk+sample", which also computes the last token's logits)."""
+        """The program of a decode step ("decode"), of independent queries ("queries": a
+        decode step whose queries name their block-table row and context length), or of
+        a prefill chunk ("chunk", and "chunk+sample", which also computes the last
+        token's logits)."""
         p, program = self._ptr, Program()
         size, eps, width, inter = self.hidden_size, self.eps, self.qkv_width, self.intermediate
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
@@ -339,7 +388,7 @@ class NativeStepProgram(CpuStepProgram):
             program.add(Op.EMBED_PACKED, table.data.ctypes.data, int(table.qtype), table.k, ids, p["hidden"])
         else:
             program.add(Op.EMBED_FLOAT, self.embedding.table.ctypes.data, size, ids, p["hidden"])
-        chunk = kind != "decode"
+        chunk = kind.startswith("chunk")
         if chunk and not self._chunk_kernel:
             program.add(Op.CHUNK_LENS, p["chunk_lens"])
         k_offset, v_offset = heads * head_dim * 4, (heads + kv_heads) * head_dim * 4
@@ -360,7 +409,9 @@ class NativeStepProgram(CpuStepProgram):
                             layer.v_cache, self.kv_half, self.block_size, p["tables"], self.scale, p["attn"],
                             heads * head_dim, self._kv_scratch.ctypes.data, p["scratch"])
             else:  # decodes, or a chunk's queries one at a time (each over the context to its position)
-                tables, lens = (p["chunk_tables"], p["chunk_lens"]) if chunk else (p["row_ids"], p["seq_lens"])
+                tables, lens = {
+                    "decode": (p["row_ids"], p["seq_lens"]), "queries": (p["query_tables"], p["query_lens"]),
+                }.get(kind, (p["chunk_tables"], p["chunk_lens"]))
                 program.add(Op.DECODE_ATTENTION, p["qkv"], width, p["row_ids"], heads, kv_heads, head_dim,
                             layer.k_cache, layer.v_cache, self.kv_half, self.block_size, p["tables"],
                             self._table_stride, tables, lens, self.scale, p["attn"], heads * head_dim, p["scratch"],

@@ -36,7 +36,7 @@ import msgspec
 from core.config import EngineConfig
 from core.models.loader import load_model
 from core.protocol import MemoryUsage
-from core.sched.output import ModelRunnerOutput, SchedulerOutput
+from core.sched.output import DraftTokenIds, ModelRunnerOutput, SchedulerOutput
 from core.worker.async_output import AsyncModelRunnerOutput
 from core.worker.faults import fault_injector_from_env
 from core.worker.model_runner import ModelRunner
@@ -121,6 +121,10 @@ class UniProcExecutor:
         except BaseException as exc:  # surfaced by future.result() in step()
             future.set_exception(exc)
         return future
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """The drafts the runner proposed after the last step (speculative decoding)."""
+        return self._on_runner_thread(self.runner.take_draft_token_ids)
 
     # ---------------------------------------------------------- runner calls
 

@@ -57,7 +57,8 @@ class InputBuffers:
         self.query_start_loc = StagedTensor((max_num_reqs + 1,), torch.int32, device)
         self.seq_lens = StagedTensor((max_num_reqs,), torch.int32, device)
         self.block_tables = StagedTensor((max_num_reqs, max_blocks_per_req), torch.int32, device)
-        self.logits_indices = StagedTensor((max_num_reqs,), torch.int64, device)
+        # A row per request that samples, or per draft and more when it verifies drafts.
+        self.logits_indices = StagedTensor((max_num_tokens,), torch.int64, device)
         # Deferred sampled tokens (core/worker/async_output.py): flat input
         # positions to fill on the device, and where each token sits in its
         # step's sampled-ids tensor.

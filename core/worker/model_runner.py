@@ -18,6 +18,12 @@ runner):
   ``enforce_eager``;
 - the KV cache gets the GPU memory left after weights and a profiled peak
   step (core/worker/gpu_memory.py).
+
+With speculative decoding the runner also proposes the next step's drafts
+(core/worker/ngram_proposer.py) from the tokens it just appended, and a
+request whose scheduled tokens run past its known ones is verifying drafts:
+it gets a logits row for its last known token and one per draft, and the
+rejection sampler (core/worker/rejection_sampler.py) decides what it emits.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from core.models.loader import load_model, resolve_dtype, resolve_kv_dtype
 from core.protocol import LogprobsArrays, SamplingParams
 from core.sched.output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
+    DraftTokenIds,
     ModelRunnerOutput,
     SchedulerOutput,
 )
@@ -53,8 +60,11 @@ from core.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
 from core.worker.gpu_memory import gpu_kv_cache_budget
 from core.worker.input_batch import InputBatch
 from core.worker.input_buffers import InputBuffers
+from core.worker.logprobs import gather_logprobs
+from core.worker.ngram_proposer import NgramProposer
 from core.worker.prompt_logprobs import PromptLogprobs
-from core.worker.sampler import Sampler, SamplerOutput
+from core.worker.rejection_sampler import rejection_sample
+from core.worker.sampler import Sampler, SamplerOutput, target_distribution
 from core.worker.sampling_batch import sampling_metadata
 from core.worker.sleep import release_freed_memory
 from kernels.linear import all_small
@@ -86,6 +96,9 @@ class _Staged:
     computed: np.ndarray  # tokens in the KV cache before this step
     seq_lens: np.ndarray  # context length of each request after this step
     sample: np.ndarray  # indices into req_ids of the requests that sample a token
+    # Drafts each of them verifies (None: no request verifies drafts this step). A request
+    # with k drafts has k + 1 logits rows.
+    num_drafts: np.ndarray | None
     total: int  # tokens scheduled
     max_query_len: int
     embeds_rows: list[tuple[int, int]]  # requests whose chunk covers prompt embeddings
@@ -98,6 +111,15 @@ class _Staged:
             self.max_query_len == 1 and self.sample.size == len(self.req_ids) and not self.embeds_rows
             and self.decode_size is None
         )
+
+    @property
+    def num_logits(self) -> int:
+        return self.sample.size if self.num_drafts is None else int(self.num_drafts.sum()) + self.sample.size
+
+    @property
+    def all_queries_sample(self) -> bool:
+        """Every token of the step is a logits row (a verification step): no prefill chunk."""
+        return self.num_logits == self.total and not self.embeds_rows and self.decode_size is None
 
 
 @dataclass
@@ -165,10 +187,15 @@ class ModelRunner:
             self.device,
         )
         self.sampler = Sampler()
+        speculative = config.speculative_config
+        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.spec_pause_batch_size = (speculative.disable_by_batch_size if speculative else None) or 2**31
+        self._drafts: DraftTokenIds | None = None  # proposed after the last step, until taken
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         on_gpu = self.device.type == "cuda"
-        self.defer_sampled_tokens = on_gpu or self.emulate_gpu_paths
+        # Drafts are proposed from the sampled ids on the host, at once.
+        self.defer_sampled_tokens = (on_gpu or self.emulate_gpu_paths) and self.proposer is None
         self.deferred = DeferredTokens()
         self._copy_stream = torch.cuda.Stream(self.device) if on_gpu else None
         # Set up with the KV cache, which the graphs (and the CPU step program) read in place.
@@ -335,6 +362,12 @@ class ModelRunner:
         ):
             batch.append_blocks(req_id, blocks)
             batch.num_computed_tokens[batch.req_id_to_index[req_id]] = computed
+        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+            # After the known tokens, where the step's inputs are read from; not counted
+            # in num_tokens: the ones accepted are appended as sampled.
+            row = batch.req_id_to_index[req_id]
+            start = batch.num_tokens[row]
+            batch.token_ids[row, start : start + len(drafts)] = drafts
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput:
@@ -351,11 +384,102 @@ class ModelRunner:
                 req_id_to_index={r: i for i, r in enumerate(staged.req_ids)},
                 sampled_token_ids=[[] for _ in staged.req_ids],
             )
-        if so.grammar_bitmask is not None:
-            self._apply_grammar(so, staged.req_ids, staged.sample, logits)
         sample_rows = staged.rows[staged.sample]
-        metadata = batch.sampling.metadata(sample_rows, batch.num_tokens, batch.token_ids)
-        return self._sampled_output(staged, sample_rows, self.sampler(logits, metadata))
+        if staged.num_drafts is not None:
+            output = self._verify_drafts(so, staged, sample_rows, logits)
+        else:
+            if so.grammar_bitmask is not None:
+                self._apply_grammar(so, staged.req_ids, staged.sample, logits)
+            metadata = batch.sampling.metadata(sample_rows, batch.num_tokens, batch.token_ids)
+            output = self._sampled_output(staged, sample_rows, self.sampler(logits, metadata))
+        if self.proposer is not None:
+            self._propose_drafts(staged.req_ids, staged.sample, sample_rows)
+        return output
+
+    def _verify_drafts(
+        self, so: SchedulerOutput, step: _Staged, sample_rows: np.ndarray, logits: torch.Tensor
+    ) -> ModelRunnerOutput:
+        """Sample a step in which some requests verify drafts: each request's logits rows
+        (one, or one per draft and one more) under its constraints, then the rejection
+        sampler; the tokens it emits are appended and reported, a list per request."""
+        assert step.num_drafts is not None
+        batch = self.input_batch
+        sampling = batch.sampling
+        num_rows = step.num_drafts + 1
+        starts, drafts_before = self._segments(num_rows)
+        logits_rows = np.repeat(sample_rows, num_rows)  # each logits row's batch row
+        if so.grammar_bitmask is not None:  # requests under a grammar take no drafts: one row each
+            self._apply_grammar(so, step.req_ids, step.sample, logits, starts)
+        md = sampling.metadata(logits_rows, batch.num_tokens, batch.token_ids, drafts_before)
+        target = target_distribution(logits, md)
+        # The draft each row checks: the token after the ones it follows (-1 on the last row).
+        draft_ids = batch.token_ids[logits_rows, batch.num_tokens[logits_rows] + drafts_before]
+        draft_ids[starts + step.num_drafts] = -1
+        verified = rejection_sample(target, md, starts, step.num_drafts, draft_ids)
+
+        sampled: list[list[int]] = [[] for _ in step.req_ids]
+        longest = 0
+        for i, row, tokens in zip(step.sample.tolist(), sample_rows.tolist(), verified.token_ids):
+            for tok in tokens:
+                batch.append_token(row, tok)
+            sampled[i] = tokens
+            longest = max(longest, len(tokens))
+        lengths = np.fromiter(map(len, verified.token_ids), np.int64, len(verified.token_ids))
+        for k in range(longest):  # penalties fold the emitted tokens in order
+            emitted = np.flatnonzero(lengths > k)
+            sampling.record_sampled(
+                sample_rows[emitted], torch.tensor([verified.token_ids[e][k] for e in emitted.tolist()])
+            )
+        arrays, rows = None, None
+        if md.logprob_rows is not None:
+            asked = np.flatnonzero(sampling.num_logprobs[sample_rows] >= 0)
+            out_start = np.cumsum(lengths) - lengths
+            picked = np.concatenate([verified.rows[out_start[a] : out_start[a] + lengths[a]] for a in asked])
+            ids = torch.tensor([t for a in asked.tolist() for t in verified.token_ids[a]])
+            described = target.described(logits, md)
+            arrays = LogprobsArrays(*gather_logprobs(described[torch.from_numpy(picked)], ids, md.num_logprobs).to_numpy())
+            rows = [-1] * len(step.req_ids)
+            first = np.cumsum(lengths[asked]) - lengths[asked]
+            for a, start in zip(asked.tolist(), first.tolist()):
+                rows[int(step.sample[a])] = start
+        return ModelRunnerOutput(
+            req_ids=step.req_ids,
+            req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=arrays,
+            logprobs_rows=rows,
+            prompt_logprobs=self.prompt_logprobs.finished(step.req_ids, step.sample, sample_rows),
+        )
+
+    def _segments(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Back-to-back segments of these lengths: where each starts, and each element's
+        offset in its own segment."""
+        starts = np.cumsum(lengths) - lengths
+        total = int(lengths.sum())
+        return starts, self._arange[:total] - np.repeat(starts, lengths)
+
+    def _propose_drafts(self, req_ids: list[str], sample: np.ndarray, sample_rows: np.ndarray) -> None:
+        """Drafts for the requests that just sampled, from their known tokens (none while
+        the batch is as large as disable_by_batch_size)."""
+        proposer = self.proposer
+        assert proposer is not None
+        batch = self.input_batch
+        if batch.num_reqs >= self.spec_pause_batch_size:
+            return
+        ids: list[str] = []
+        drafts: list[list[int]] = []
+        for i, row in zip(sample.tolist(), sample_rows.tolist()):
+            proposal = proposer.propose(batch.token_ids[row, : batch.num_tokens[row]])
+            if proposal.size:
+                ids.append(req_ids[i])
+                drafts.append(proposal.tolist())
+        if ids:
+            self._drafts = DraftTokenIds(ids, drafts)
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """The drafts proposed after the last step (each handed out once)."""
+        drafts, self._drafts = self._drafts, None
+        return drafts
 
     def _logits(self, staged: _Staged) -> torch.Tensor | None:
         """The logits of the rows that sample (None when none does): on a CPU, a decode
@@ -364,6 +488,11 @@ class ModelRunner:
         program = self.cpu_program
         if program is not None and staged.plain_decode:
             return program.run(len(staged.req_ids))
+        if program is not None and staged.num_drafts is not None and staged.all_queries_sample:
+            counts = staged.counts
+            table_rows = np.repeat(self._arange[: counts.size], counts)
+            positions = self.buffers.positions.np[: staged.total]
+            return program.run_queries(staged.total, table_rows, positions + 1)
         if program is not None and self._program_takes_chunk(staged):
             return program.run_chunk(staged.total, sample=staged.sample.size > 0)
         step = self._device_inputs(staged)
@@ -398,13 +527,18 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _apply_grammar(so: SchedulerOutput, req_ids: list[str], sample: np.ndarray, logits: torch.Tensor) -> None:
+    def _apply_grammar(
+        so: SchedulerOutput, req_ids: list[str], sample: np.ndarray, logits: torch.Tensor,
+        logits_rows: np.ndarray | None = None,
+    ) -> None:
         """Mask, in place, the logits of the rows under a grammar (structured outputs)
-        with the bitmask the scheduler computed for them; other rows are untouched."""
+        with the bitmask the scheduler computed for them; other rows are untouched.
+        ``logits_rows[k]`` is the logits row of ``sample[k]`` (default: k)."""
         from core.structured.xgrammar_backend import apply_token_bitmask
 
         assert so.grammar_bitmask is not None
-        row_of = {req_ids[i]: k for k, i in enumerate(sample.tolist())}
+        positions = range(sample.size) if logits_rows is None else logits_rows.tolist()
+        row_of = {req_ids[i]: k for i, k in zip(sample.tolist(), positions)}
         rows = [row_of.get(r, -1) for r in so.grammar_req_ids]
         bitmask = so.grammar_bitmask
         if -1 in rows:  # not sampled this step after all: its mask has no row to go to
@@ -506,8 +640,11 @@ class ModelRunner:
             positions = b.positions.np[:total]
             np.add(computed[tok_req], self._arange[:total] - starts[tok_req], out=positions)
             tok_rows = rows[tok_req]
-        # Sample only where the chunk reaches the end of the known tokens.
-        sample = np.nonzero(seq_lens >= batch.num_tokens[rows])[0]
+        # Sample only where the chunk reaches the end of the known tokens; a request whose
+        # tokens run past it is verifying that many drafts.
+        past_end = seq_lens - batch.num_tokens[rows]
+        sample = np.nonzero(past_end >= 0)[0]
+        num_drafts = past_end[sample] if total > num_reqs and past_end.max() > 0 else None
         embeds_rows = self._prompt_embeds_rows(rows, computed)
         decode_size = None
         if max_query_len == 1 and not embeds_rows and self.decode_graphs is not None:
@@ -521,10 +658,16 @@ class ModelRunner:
         np.take(batch.block_table, rows, axis=0, out=b.block_tables.np[:num_reqs])
         if decode_size is not None:
             b.fill_decode_padding(num_reqs, decode_size)
-        b.logits_indices.np[: sample.size] = cu[sample] - 1
+        if num_drafts is None:
+            b.logits_indices.np[: sample.size] = cu[sample] - 1
+        else:  # the last 1 + k tokens of a request verifying k drafts
+            num_rows = num_drafts + 1
+            _, offsets = self._segments(num_rows)
+            first = cu[sample] - num_rows
+            b.logits_indices.np[: offsets.size] = np.repeat(first, num_rows) + offsets
         return _Staged(
-            req_ids, rows, counts, cu, starts, computed, seq_lens, sample, total, max_query_len, embeds_rows,
-            decode_size,
+            req_ids, rows, counts, cu, starts, computed, seq_lens, sample, num_drafts, total, max_query_len,
+            embeds_rows, decode_size,
         )
 
     def _device_inputs(self, st: _Staged) -> _StepInputs:
@@ -536,7 +679,7 @@ class ModelRunner:
         meta = self._metadata(num_tokens, num_padded_reqs, st.max_query_len, may_pad=num_tokens != st.total)
         input_ids = b.input_ids.to_device(num_tokens)
         positions_t = b.positions.to_device(num_tokens)
-        logits_indices = b.logits_indices.to_device(st.sample.size) if st.sample.size else None
+        logits_indices = b.logits_indices.to_device(st.num_logits) if st.sample.size else None
         if self.deferred:
             self._fill_deferred_inputs(input_ids, st.req_ids, st.computed, st.counts, st.starts)
         b.copies_issued()

@@ -83,34 +83,64 @@ class SamplerOutput:
     logprobs: LogprobsTensors | None  # rows of ``SamplingMetadata.logprob_rows``, in that order
 
 
+@dataclass
+class TargetDistribution:
+    """What each row samples from, once every constraint is applied.
+
+    ``logits`` are the raw ones with bias, bans and penalties; greedy rows take
+    their ``argmax``. The other rows are then scaled by temperature and cut by
+    min_p, top-k and top-p (``scaled``), and ``probs`` is their softmax: both
+    None when every row is greedy.
+    """
+
+    logits: torch.Tensor
+    argmax: torch.Tensor
+    scaled: torch.Tensor | None
+    probs: torch.Tensor | None
+
+    def described(self, raw: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The logits returned logprobs describe: the raw ones, or (processed_logprobs)
+        those of the distribution sampled from."""
+        if not md.processed_logprobs:
+            return raw
+        if self.scaled is None:
+            return self.logits
+        return torch.where(md.greedy[:, None], self.logits, self.scaled)
+
+
+def target_distribution(logits: torch.Tensor, md: SamplingMetadata) -> TargetDistribution:
+    """Stages 2-5 of the module doc up to the draw, out of place (``logits`` is left unchanged)."""
+    if md.bias is not None:
+        logits = logits.index_add(0, md.bias_rows, md.bias)
+    if md.banned is not None:
+        logits = logits.index_put(md.banned, torch.tensor(float("-inf"), device=logits.device))
+    if md.penalties is not None:
+        logits = apply_penalties(logits, md.penalties)
+    argmax = logits.argmax(dim=-1)
+    if md.all_greedy:
+        return TargetDistribution(logits, argmax, None, None)
+    scaled = logits / md.temperature[:, None]
+    if md.min_p is not None:
+        scaled = apply_min_p(scaled, md.min_p)
+    if not (md.no_top_k and md.no_top_p):
+        scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p)
+    return TargetDistribution(logits, argmax, scaled, scaled.softmax(dim=-1))
+
+
 class Sampler:
     """``Sampler()(logits [N, V] float32, metadata) -> SamplerOutput``; ``logits`` is left unchanged."""
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        raw = logits  # every stage below works out of place: these stay the raw logits
-        if md.bias is not None:
-            logits = logits.index_add(0, md.bias_rows, md.bias)
-        if md.banned is not None:
-            logits = logits.index_put(md.banned, torch.tensor(float("-inf"), device=logits.device))
-        if md.penalties is not None:
-            logits = apply_penalties(logits, md.penalties)
-        token_ids = logits.argmax(dim=-1)
-        final = logits
-        if not md.all_greedy:
-            scaled = logits / md.temperature[:, None]
-            if md.min_p is not None:
-                scaled = apply_min_p(scaled, md.min_p)
-            if not (md.no_top_k and md.no_top_p):
-                scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p)
-            probs = scaled.softmax(dim=-1)
+        target = target_distribution(logits, md)
+        token_ids = target.argmax
+        if target.probs is not None:
+            probs = target.probs
             sampled = (probs / exponential_noise(probs, md.generators)).argmax(dim=-1)
             token_ids = torch.where(md.greedy, token_ids, sampled)
-            if md.processed_logprobs:
-                final = torch.where(md.greedy[:, None], logits, scaled)
         if md.logprob_rows is None:
             return SamplerOutput(token_ids, None)
-        described = final if md.processed_logprobs else raw
         sampled_ids = _take_rows(token_ids, md.logprob_rows)
+        described = target.described(logits, md)
         return SamplerOutput(
             token_ids, gather_logprobs(_take_rows(described, md.logprob_rows), sampled_ids, md.num_logprobs)
         )

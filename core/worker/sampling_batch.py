@@ -273,11 +273,17 @@ class SamplingBatch:
             planes, seen = table["planes"].view(-1), table["seen"].view(-1)
             _fold_tokens(planes, seen, self._tensor(slots), token, self.vocab_size, self._tensor(p))
 
-    def metadata(self, rows: np.ndarray, num_tokens: np.ndarray, token_ids: np.ndarray) -> SamplingMetadata:
+    def metadata(
+        self, rows: np.ndarray, num_tokens: np.ndarray, token_ids: np.ndarray, drafts_before: np.ndarray | None = None
+    ) -> SamplingMetadata:
         """This step's metadata for the batch ``rows`` that sample, in sampling order.
 
         ``num_tokens`` and ``token_ids`` are the persistent batch's (for
-        min_tokens and multi-token bad words).
+        min_tokens and multi-token bad words). A request verifying drafts
+        (speculative decoding) has its row repeated, once per logits row, and
+        ``drafts_before`` says how many of its drafts (written in ``token_ids``
+        after its known tokens) each of them follows: the history that row's
+        penalties, min_tokens and bad words see.
         """
         greedy = self.greedy[rows]
         top_k = self.top_k[rows]
@@ -304,10 +310,15 @@ class SamplingBatch:
             if picked.size:
                 md.bias_rows = self._tensor(picked)
                 md.bias = self.bias_table["bias"][self._tensor(slots[picked])]
+        ends = num_tokens[rows]
+        if drafts_before is not None:
+            ends = ends + drafts_before
         if counts["penalties"]:
             md.penalties = self._penalties(rows)
+            if md.penalties is not None and drafts_before is not None and drafts_before.any():
+                self._fold_drafts(md.penalties, rows, ends, drafts_before, token_ids)
         if counts["min_tokens"] or counts["bad_words"]:
-            md.banned = self._banned(rows, num_tokens, token_ids)
+            md.banned = self._banned(rows, ends, token_ids)
         if counts["logprobs"]:
             k = self.num_logprobs[rows]
             picked = np.flatnonzero(k >= 0)
@@ -330,17 +341,38 @@ class SamplingBatch:
             offset=planes[:, 2],
         )
 
+    def _fold_drafts(
+        self, penalties: Penalties, rows: np.ndarray, ends: np.ndarray, drafts_before: np.ndarray,
+        token_ids: np.ndarray,
+    ) -> None:
+        """Fold into each logits row's own copy of its planes the drafts it follows: the
+        row after draft j has drafts 0..j folded in, as if they had been sampled."""
+        picked = np.arange(len(rows)) if penalties.rows is None else penalties.rows.cpu().numpy()
+        slots = self.penalty_slot[rows[picked]]
+        seen = self.penalty_table["seen"].index_select(0, self._tensor(slots))
+        planes = torch.stack((penalties.factor, penalties.correction, penalties.offset), 1)
+        p = self.penalty_params[rows[picked]]
+        before = drafts_before[picked]
+        local = np.arange(picked.size)
+        for j in range(1, int(before.max()) + 1):
+            later = np.flatnonzero(before >= j)  # rows that follow draft j - 1
+            draft = token_ids[rows[picked[later]], ends[picked[later]] - before[later] + j - 1]
+            _fold_tokens(planes.view(-1), seen.view(-1), self._tensor(local[later]), self._tensor(draft),
+                         self.vocab_size, self._tensor(np.ascontiguousarray(p[later])))
+        penalties.factor, penalties.correction, penalties.offset = planes.unbind(1)
+
     def _banned(
-        self, rows: np.ndarray, num_tokens: np.ndarray, token_ids: np.ndarray
+        self, rows: np.ndarray, ends: np.ndarray, token_ids: np.ndarray
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(logits row, token) cells to set to -inf: stop tokens of rows still short
-        of min_tokens, and the last token of a bad word whose other tokens were just generated."""
+        of min_tokens, and the last token of a bad word whose other tokens were just generated
+        (``ends[i]``: how many tokens row i's history holds)."""
         cells_rows: list[int] = []
         cells_ids: list[int] = []
         for i, row in enumerate(rows.tolist()):
             if "min_tokens" not in self.features[row] and "bad_words" not in self.features[row]:
                 continue
-            start, end = int(self.num_prompt_tokens[row]), int(num_tokens[row])
+            start, end = int(self.num_prompt_tokens[row]), int(ends[i])
             if end - start < self.min_tokens[row]:
                 stops = self.min_tokens_stops[row]
                 cells_rows += [i] * len(stops)
