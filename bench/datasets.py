@@ -1,4 +1,5 @@
-"""Benchmark prompts: ``random``, ``sharegpt`` and ``prefix_repetition``, as in ``vllm bench serve``.
+"""Benchmark prompts: ``random``, ``sharegpt`` and ``prefix_repetition``, as in ``vllm bench serve``,
+and ``copy``, whose continuations repeat spans of the prompt (n-gram speculation's workload).
 
 Random prompts are made as vLLM makes them: random token ids decoded to text.
 Text does not always re-tokenize to the ids it came from (byte pieces that
@@ -21,7 +22,19 @@ from typing import Any
 
 import numpy as np
 
-DATASETS = ("random", "sharegpt", "prefix_repetition")
+DATASETS = ("random", "sharegpt", "prefix_repetition", "copy")
+# The copy dataset's passages unless --dataset-path gives a text file (one passage a line): plain
+# sentences that even a tiny story model continues when it has seen them repeated.
+COPY_PASSAGES = (
+    "The little dog ran to the park and found a red ball under the big tree.",
+    "Mia likes to bake cakes with her dad when it rains outside.",
+    "Ben saw a bird in the garden, and the bird sang a happy song for him.",
+    "Every morning the old cat sleeps in the sun by the kitchen door.",
+    "Sam and Lily built a tall tower of blocks, and then it fell down.",
+    "The boat went out on the blue sea, and the children waved from the shore.",
+    "Grandma gave Tom a warm hat, and he wore it all winter long.",
+    "A small frog jumped from the pond onto a green leaf and sat still.",
+)
 MAX_FIXUP_ROUNDS = 10
 
 # ShareGPT filters, vLLM's defaults: too short to be meaningful, or too long to fit.
@@ -42,7 +55,7 @@ class SampleRequest:
 def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("dataset")
     g.add_argument("--dataset-name", choices=DATASETS, default="random")
-    g.add_argument("--dataset-path", help="ShareGPT JSON file (for --dataset-name sharegpt)")
+    g.add_argument("--dataset-path", help="ShareGPT JSON file (sharegpt), or a text file of passages, one a line (copy)")
     g.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens (random dataset)")
     g.add_argument("--random-output-len", type=int, default=128, help="tokens to generate (random dataset)")
     g.add_argument(
@@ -55,6 +68,9 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
     g.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
     g.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    g.add_argument("--copy-input-len", type=int, default=256,
+                   help="copy dataset: prompt tokens, a passage repeated and cut inside its last repeat")
+    g.add_argument("--copy-output-len", type=int, default=128)
 
 
 def load_tokenizer(path: str) -> Any:
@@ -158,6 +174,26 @@ def sample_prefix_repetition(
     return requests
 
 
+def sample_copy(
+    tokenizer: Any, num_prompts: int, input_len: int, output_len: int, passages: list[str] | None = None,
+    seed: int = 0,
+) -> list[SampleRequest]:
+    """Prompts that repeat one passage (``passages``, default COPY_PASSAGES) as often as
+    ``input_len`` tokens hold, then start it once more and stop at a random point: the
+    natural continuation copies the rest of the passage and goes on repeating it."""
+    passages = list(passages or COPY_PASSAGES)
+    rng = np.random.default_rng(seed)
+    requests = []
+    for _ in range(num_prompts):
+        passage = tokenizer.encode(" " + passages[int(rng.integers(len(passages)))].strip(), add_special_tokens=False)
+        whole = max((input_len - 1) // len(passage), 1)  # copies before the cut one
+        cut = int(rng.integers(1, max(min(len(passage), input_len - whole * len(passage) + 1), 2)))
+        ids = passage * whole + passage[:cut]
+        prompt = tokenizer.decode(ids)
+        requests.append(SampleRequest(prompt, len(tokenizer.encode(prompt, add_special_tokens=False)), output_len))
+    return requests
+
+
 def sample_sharegpt(
     tokenizer: Any, path: str, num_prompts: int, output_len: int | None = None, seed: int = 0
 ) -> list[SampleRequest]:
@@ -202,6 +238,11 @@ def sample_requests(args: argparse.Namespace, tokenizer: Any) -> list[SampleRequ
             args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
             args.prefix_repetition_output_len, args.seed,
         )
+    if args.dataset_name == "copy":
+        passages = None
+        if args.dataset_path:
+            passages = [line for line in Path(args.dataset_path).read_text(encoding="utf-8").splitlines() if line.strip()]
+        return sample_copy(tokenizer, args.num_prompts, args.copy_input_len, args.copy_output_len, passages, args.seed)
     if args.dataset_name == "sharegpt":
         if not args.dataset_path or not Path(args.dataset_path).is_file():
             raise ValueError("--dataset-name sharegpt needs --dataset-path FILE (a ShareGPT JSON file)")

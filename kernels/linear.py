@@ -1,4 +1,5 @@
-"""Dense layers ``y = x Wᵀ + b`` on a CPU: one row through numpy's BLAS, several through oneDNN.
+"""Dense layers ``y = x Wᵀ + b`` on a CPU: one row through numpy's BLAS, a few through our own
+kernel, more through oneDNN.
 
 A decode step multiplies a few rows by every weight matrix once, so it runs
 at the speed the weights stream from memory. For a single row that is a
@@ -16,7 +17,11 @@ prepared, in the process that serves, and keeps the packed copy only if it
 was faster. The copy costs the weight's memory again: ``settings.cpu_prepack``
 off (``RINGLLM_CPU_PREPACK=0``) goes without it (numpy for every batch),
 ``settings.cpu_blas`` off (``RINGLLM_CPU_BLAS=0``) keeps torch's own kernels
-altogether. Other dtypes and devices keep torch's kernels.
+altogether. Other dtypes and devices keep torch's kernels. Up to
+``dense_few_rows_max()`` rows (a speculative verification, a small decode
+batch) go through kernels/cpu's ``dense_few_rows`` when it is built: it reads
+each weight row once for all of them, as the one-row product does, where
+oneDNN and BLAS both pay a fixed cost per call that a few rows do not repay.
 
 Both libraries release the GIL inside the product, so the engine's I/O
 threads run meanwhile. The forward pass and the CPU step program
@@ -32,6 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu
 from kernels.settings import settings
 
 # Batches of 2 to PACKED_MAX_ROWS rows (decode batches) use the packed copy, laid out for
@@ -86,7 +92,7 @@ class CpuWeight:
     (``prepare_for_inference``), so the packed copy never goes stale.
     """
 
-    __slots__ = ("weight_t", "bias", "packed", "bias_tensor")
+    __slots__ = ("weight_t", "bias", "packed", "bias_tensor", "few_rows", "_few_rows_lib")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: str = "auto") -> None:
         """``pack``: "auto" (keep the packed copy if it is the faster path), "always" or "never"."""
@@ -98,6 +104,9 @@ class CpuWeight:
         if packed is not None and pack == "auto" and not _packed_is_faster(self.weight_t, packed):
             packed = None
         self.packed = packed
+        lib = _few_rows_library() if self.weight_t.T.flags.c_contiguous else None
+        self._few_rows_lib = lib
+        self.few_rows = lib.dense_few_rows_max() if lib is not None else 1  # most rows it takes
 
     @staticmethod
     def usable(weight: torch.Tensor) -> bool:
@@ -105,7 +114,10 @@ class CpuWeight:
 
     def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """``x [N, in] @ Wᵀ + b``, into ``out`` [N, out] when given (``x`` C-contiguous)."""
-        if self.packed is None or not 1 < x.shape[0] <= PACKED_MAX_ROWS:
+        rows = x.shape[0]
+        if 1 < rows <= self.few_rows and x.flags.c_contiguous:
+            return self._few_rows(x, out)
+        if self.packed is None or not 1 < rows <= PACKED_MAX_ROWS:
             out = np.matmul(x, self.weight_t, out=out)
             if self.bias is not None:
                 out += self.bias
@@ -115,6 +127,26 @@ class CpuWeight:
             return y.numpy()
         out[...] = y.numpy()
         return out
+
+
+    def _few_rows(self, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        k, n = self.weight_t.shape
+        if out is None:
+            out = np.empty((x.shape[0], n), np.float32)
+        assert out.strides[1] == 4
+        self._few_rows_lib.dense_few_rows(  # type: ignore[union-attr]
+            x.ctypes.data, x.shape[0], k, self.weight_t.ctypes.data, n, k,
+            None if self.bias is None else self.bias.ctypes.data, out.ctypes.data, out.strides[0] // 4,
+            torch.get_num_threads(),
+        )
+        return out
+
+
+def _few_rows_library():
+    """kernels/cpu's library for ``dense_few_rows``, or None (not built here, or products through torch)."""
+    if not settings.cpu_blas:
+        return None
+    return cpu.load()  # built on first use
 
 
 class DenseRows:

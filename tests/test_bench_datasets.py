@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 
 from bench.datasets import (
+    COPY_PASSAGES,
     load_tokenizer,
     random_token_ids,
+    sample_copy,
     sample_prefix_repetition,
     sample_random,
     sample_sharegpt,
@@ -58,6 +60,21 @@ def test_prefix_repetition_is_n_prefixes_times_m_suffixes(tokenizer) -> None:
     assert all(r.prompt_len == 24 and r.expected_output_len == 5 for r in requests)
     with pytest.raises(ValueError):
         sample_prefix_repetition(tokenizer, 10, 16, 8, 3, 5)
+
+
+def test_copy_prompts_repeat_a_passage_and_stop_inside_it(stories_dir: str) -> None:
+    tokenizer = load_tokenizer(stories_dir)
+    requests = sample_copy(tokenizer, 10, input_len=100, output_len=9, seed=1)
+    for r in requests:
+        passage = next(p for p in COPY_PASSAGES if p in r.prompt)
+        assert r.prompt.count(passage) >= 2  # repeated whole, then cut inside one more copy
+        tail = r.prompt[r.prompt.rindex(passage) + len(passage):].strip()
+        assert tail and passage.startswith(tail) and tail != passage
+        assert 50 <= r.prompt_len <= 100 and r.prompt_len == count(tokenizer, r.prompt)
+        assert r.expected_output_len == 9
+    assert len({r.prompt for r in requests}) > 1
+    own = sample_copy(tokenizer, 3, input_len=40, output_len=4, passages=["one two three four five six"], seed=0)
+    assert all(r.prompt.count("one two three four five six") >= 2 for r in own)
 
 
 def test_sharegpt_first_turns_filtered_and_repeated(tokenizer, tmp_path: Path) -> None:

@@ -606,3 +606,82 @@ API uint64_t built_isa(void) {
 #endif
     return bits;
 }
+
+/* A few rows times a float32 weight [n][k]: out[r][o] = sum_i x[r][i] * w[o][i] (+ bias[o]),
+ * for up to DENSE_FEW_ROWS rows (a speculative verification's: a request's last token and its
+ * drafts). BLAS's gemm repacks the whole weight on every call, which for so few rows costs
+ * several times the product itself; here each weight row is read once for all the rows, as a
+ * matrix-vector product reads it for one, so the product runs at the speed the weight streams
+ * from memory. Always inlined with a constant row count, so the sums stay in registers. */
+#define DENSE_FEW_ROWS 8
+
+static inline __attribute__((always_inline)) void dense_rows_range(
+    const float *x, const int64_t m, int64_t x_stride, const float *w, int64_t k, const float *bias, float *out,
+    int64_t out_stride, int64_t begin, int64_t end) {
+    const vfloat zero = {0};
+    const int64_t kv = k / VLANES * VLANES;
+    int64_t o = begin;
+    for (; o + 1 < end; o += 2) { /* two weight rows at a time: each x vector loaded once for both */
+        const float *w0 = w + o * k, *w1 = w0 + k;
+        vfloat a0[DENSE_FEW_ROWS], a1[DENSE_FEW_ROWS];
+        for (int64_t r = 0; r < m; r++) a0[r] = a1[r] = zero;
+        for (int64_t i = 0; i < kv; i += VLANES) {
+            vfloat v0 = vload(w0 + i), v1 = vload(w1 + i);
+            for (int64_t r = 0; r < m; r++) {
+                vfloat xv = vload(x + r * x_stride + i);
+                a0[r] += xv * v0;
+                a1[r] += xv * v1;
+            }
+        }
+        for (int64_t r = 0; r < m; r++) {
+            float s0 = vsum_lanes(a0[r]), s1 = vsum_lanes(a1[r]);
+            for (int64_t i = kv; i < k; i++) {
+                s0 += x[r * x_stride + i] * w0[i];
+                s1 += x[r * x_stride + i] * w1[i];
+            }
+            out[r * out_stride + o] = bias ? s0 + bias[o] : s0;
+            out[r * out_stride + o + 1] = bias ? s1 + bias[o + 1] : s1;
+        }
+    }
+    for (; o < end; o++) {
+        const float *wr = w + o * k;
+        vfloat acc[DENSE_FEW_ROWS];
+        for (int64_t r = 0; r < m; r++) acc[r] = zero;
+        for (int64_t i = 0; i < kv; i += VLANES) {
+            vfloat wv = vload(wr + i);
+            for (int64_t r = 0; r < m; r++) acc[r] += vload(x + r * x_stride + i) * wv;
+        }
+        for (int64_t r = 0; r < m; r++) {
+            float s = vsum_lanes(acc[r]);
+            for (int64_t i = kv; i < k; i++) s += x[r * x_stride + i] * wr[i];
+            out[r * out_stride + o] = bias ? s + bias[o] : s;
+        }
+    }
+}
+
+/* Fused multiply-adds here (the file is built without contraction, for the element-wise kernels'
+ * sake): a product's sums are in an order of their own anyway. */
+__attribute__((optimize("fp-contract=fast"))) static void dense_few_rows_share(const float *x, int64_t m, int64_t x_stride, const float *w, int64_t n, int64_t k,
+                                 const float *bias, float *out, int64_t out_stride, int me, int threads) {
+    /* Output rows in whole cache lines per thread, so that no two threads write one line. */
+    int64_t per = (n + threads - 1) / threads;
+    per = (per + 15) / 16 * 16;
+    int64_t begin = me * per, end = begin + per < n ? begin + per : n;
+    if (begin >= end) return;
+    switch (m) {
+#define ROWS(M) \
+    case M: dense_rows_range(x, M, x_stride, w, k, bias, out, out_stride, begin, end); break;
+        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
+    }
+}
+
+API int64_t dense_few_rows_max(void) { return DENSE_FEW_ROWS; }
+
+API void dense_few_rows(const float *x, int64_t m, int64_t x_stride, const float *w, int64_t n, int64_t k,
+                        const float *bias, float *out, int64_t out_stride, int64_t threads) {
+    int parallel = threads > 1 && n * k >= PARALLEL_MIN_WORK;
+    (void)parallel;
+#pragma omp parallel num_threads(threads) if (parallel)
+    dense_few_rows_share(x, m, x_stride, w, n, k, bias, out, out_stride, team_me(), team_size());
+}
