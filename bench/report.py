@@ -109,6 +109,15 @@ def format_console(result: dict[str, Any], selected_metrics: Sequence[str], perc
         for p in percentiles:
             key = percentile_key(p)
             lines.append(_line(f"{key.upper()} {short} (ms):", result[f"{key}_{name}_ms"]))
+    if result.get("spec_decode_num_drafts") is not None:
+        lines.append(" Speculative Decoding ".center(WIDTH, "-"))
+        lines.append(_line("Acceptance rate (%):", float(result["spec_decode_acceptance_rate"])))
+        lines.append(_line("Acceptance length:", float(result["spec_decode_acceptance_length"])))
+        lines.append(_line("Drafts:", result["spec_decode_num_drafts"]))
+        lines.append(_line("Draft tokens:", result["spec_decode_draft_tokens"]))
+        lines.append(_line("Accepted tokens:", result["spec_decode_accepted_tokens"]))
+        per_position = ", ".join(f"{v:.1f}" for v in result["spec_decode_per_position_acceptance"])
+        lines.append(f"Per-position acceptance (%): {per_position}")
     lines.append("=" * WIDTH)
     return "\n".join(lines)
 

@@ -298,8 +298,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     import uvloop
 
     load_before = os.getloadavg()[0]
+    spec_before = spec_decode_counters(target.base_url)
     outputs, duration, client_cpu = uvloop.run(Runner(target, args).run(requests))
     load_after = os.getloadavg()[0]
+    spec_after = spec_decode_counters(target.base_url)
 
     def count_tokens(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
@@ -308,6 +310,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     result = build_result(metrics, outputs, duration, selected, info)
     # The harness's own CPU use and the machine's load: on a shared machine, what else competed.
     result.update(client_cpu_s=client_cpu, load_avg_before=load_before, load_avg_after=load_after)
+    if spec_before is not None and spec_after is not None:
+        result.update(spec_decode_summary(spec_before, spec_after))
     print(format_console(result, selected, percentiles))
     print(
         f"benchmark client CPU: {client_cpu:.2f} s ({100 * client_cpu / duration:.0f}% of one core); "
@@ -318,6 +322,50 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         print(failures)
     write_outputs(result, args, info)
     return result
+
+
+SPEC_DECODE_PREFIX = "vllm:spec_decode_"
+
+
+def spec_decode_counters(base_url: str) -> dict[str, float] | None:
+    """The server's speculative decoding counters (vLLM's names) from /metrics, summed over
+    engines, per position as ``num_accepted_tokens_per_pos[i]``; None without any (a server
+    without speculation, or without /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=10).text
+        families = list(text_string_to_metric_families(text))
+    except (httpx.HTTPError, ValueError):
+        return None
+    counters: dict[str, float] = {}
+    for family in families:
+        for sample in family.samples:
+            if not sample.name.startswith(SPEC_DECODE_PREFIX) or not sample.name.endswith("_total"):
+                continue
+            name = sample.name[len(SPEC_DECODE_PREFIX) : -len("_total")]
+            if "position" in sample.labels:
+                name += f"[{sample.labels['position']}]"
+            counters[name] = counters.get(name, 0.0) + sample.value
+    return counters or None
+
+
+def spec_decode_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """Acceptance over the run, as vLLM's bench reports it: accepted / drafted tokens, and
+    the mean tokens per verification (1 + accepted / drafts)."""
+    delta = {name: after[name] - before.get(name, 0.0) for name in after}
+    drafts, drafted, accepted = (delta.get(k, 0.0) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))
+    positions = sorted(
+        (int(name[name.index("[") + 1 : -1]), value) for name, value in delta.items() if name.startswith("num_accepted_tokens_per_pos")
+    )
+    return {
+        "spec_decode_num_drafts": int(drafts),
+        "spec_decode_draft_tokens": int(drafted),
+        "spec_decode_accepted_tokens": int(accepted),
+        "spec_decode_acceptance_rate": 100.0 * accepted / drafted if drafted else 0.0,
+        "spec_decode_acceptance_length": 1.0 + accepted / drafts if drafts else 0.0,
+        "spec_decode_per_position_acceptance": [100.0 * v / drafts if drafts else 0.0 for _, v in positions],
+    }
 
 
 def write_outputs(result: dict[str, Any], args: argparse.Namespace, info: dict[str, Any]) -> None:

@@ -47,6 +47,8 @@ THROUGHPUT_ROWS = [
     ("client_cpu_s", "Benchmark client CPU (s)", False),
     ("frontend_cpu_us_per_token", "Frontend CPU per output token (us)", False),
     ("server_cpu_us_per_token", "Server CPU per output token, engine included (us)", False),
+    ("spec_decode_acceptance_rate", "Speculative decoding acceptance rate (%)", True),
+    ("spec_decode_acceptance_length", "Speculative decoding acceptance length", True),
 ]
 LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL"}
 

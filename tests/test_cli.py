@@ -23,7 +23,9 @@ from core.protocol import HandshakeReady
 
 GROUPS = {
     "model": {"--model", "--served-model-name", "--tokenizer", "--chat-template", "--dtype", "--max-model-len"},
-    "scheduler": {"--max-num-seqs", "--max-num-batched-tokens", "--scheduling-policy", "--async-scheduling"},
+    "scheduler": {
+        "--max-num-seqs", "--max-num-batched-tokens", "--scheduling-policy", "--async-scheduling", "--speculative-config",
+    },
     "cache": {"--block-size", "--kv-cache-memory", "--enable-prefix-caching", "--num-gpu-blocks-override"},
     "server": {"--host", "--port", "--api-key", "--disable-frontend-ui", "--log-level"},
     "transport": {"--transport"},

@@ -142,3 +142,27 @@ def test_bad_speculative_configs_exit_2_with_the_reason(config: str, message: st
         [sys.executable, "-m", "app", "--speculative-config", config], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bench_serve_reports_acceptance_over_its_run(servers) -> None:
+    from bench.report import format_console
+    from bench.serve import spec_decode_counters, spec_decode_summary
+
+    spec, plain = servers
+    assert spec_decode_counters(plain.base_url) is None
+    before = spec_decode_counters(spec.base_url)
+    _complete(spec, PROMPTS[0])
+    after = spec_decode_counters(spec.base_url)
+    summary = spec_decode_summary(before or {}, after)
+    drafted, accepted = summary["spec_decode_draft_tokens"], summary["spec_decode_accepted_tokens"]
+    assert 0 < accepted <= drafted and summary["spec_decode_num_drafts"] > 0
+    assert summary["spec_decode_acceptance_rate"] == pytest.approx(100 * accepted / drafted)
+    assert summary["spec_decode_acceptance_length"] == pytest.approx(1 + accepted / summary["spec_decode_num_drafts"])
+    per_position = summary["spec_decode_per_position_acceptance"]
+    assert len(per_position) == SPEC["num_speculative_tokens"] and per_position == sorted(per_position, reverse=True)
+    result = {
+        "completed": 1, "failed": 0, "duration": 1.0, "total_input_tokens": 1, "total_output_tokens": 1,
+        "request_throughput": 1.0, "output_throughput": 1.0, "max_output_tokens_per_s": 1.0,
+        "max_concurrent_requests": 1.0, "total_token_throughput": 1.0, **summary,
+    }
+    assert "Acceptance length:" in format_console(result, [], [])

@@ -191,6 +191,9 @@ class ModelRunner:
         self.proposer = NgramProposer(speculative) if speculative is not None else None
         self.spec_pause_batch_size = (speculative.disable_by_batch_size if speculative else None) or 2**31
         self._drafts: DraftTokenIds | None = None  # proposed after the last step, until taken
+        # Drafts a request may be given next (speculative decoding backs off where they are
+        # rejected): one more than its last verification accepted, at most num_speculative_tokens.
+        self._draft_budget: dict[str, int] = {}
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         on_gpu = self.device.type == "cuda"
@@ -345,6 +348,7 @@ class ModelRunner:
             batch.remove_request(req_id)
             deferred.discard(req_id)
             prompt_logprobs.forget(req_id)
+            self._draft_budget.pop(req_id, None)
         for req_id in so.preempted_req_ids:
             batch.park_request(req_id)
             deferred.discard(req_id)
@@ -419,11 +423,17 @@ class ModelRunner:
 
         sampled: list[list[int]] = [[] for _ in step.req_ids]
         longest = 0
-        for i, row, tokens in zip(step.sample.tolist(), sample_rows.tolist(), verified.token_ids):
+        budget = self._draft_budget
+        limit = self.proposer.k if self.proposer is not None else 0
+        for i, row, tokens, drafts in zip(
+            step.sample.tolist(), sample_rows.tolist(), verified.token_ids, step.num_drafts.tolist()
+        ):
             for tok in tokens:
                 batch.append_token(row, tok)
             sampled[i] = tokens
             longest = max(longest, len(tokens))
+            if drafts:
+                budget[step.req_ids[i]] = min(len(tokens), limit)  # accepted + 1
         lengths = np.fromiter(map(len, verified.token_ids), np.int64, len(verified.token_ids))
         for k in range(longest):  # penalties fold the emitted tokens in order
             emitted = np.flatnonzero(lengths > k)
@@ -468,8 +478,10 @@ class ModelRunner:
             return
         ids: list[str] = []
         drafts: list[list[int]] = []
+        budget = self._draft_budget
         for i, row in zip(sample.tolist(), sample_rows.tolist()):
-            proposal = proposer.propose(batch.token_ids[row, : batch.num_tokens[row]])
+            k = budget.get(req_ids[i], proposer.k)
+            proposal = proposer.propose(batch.token_ids[row, : batch.num_tokens[row]], k)
             if proposal.size:
                 ids.append(req_ids[i])
                 drafts.append(proposal.tolist())

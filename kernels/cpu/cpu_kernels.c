@@ -614,6 +614,7 @@ API uint64_t built_isa(void) {
  * matrix-vector product reads it for one, so the product runs at the speed the weight streams
  * from memory. Always inlined with a constant row count, so the sums stay in registers. */
 #define DENSE_FEW_ROWS 8
+#define DENSE_PREFETCH 2048 /* floats ahead (8 KiB): weights arrive while the rows before them are multiplied */
 
 static inline __attribute__((always_inline)) void dense_rows_range(
     const float *x, const int64_t m, int64_t x_stride, const float *w, int64_t k, const float *bias, float *out,
@@ -626,6 +627,8 @@ static inline __attribute__((always_inline)) void dense_rows_range(
         vfloat a0[DENSE_FEW_ROWS], a1[DENSE_FEW_ROWS];
         for (int64_t r = 0; r < m; r++) a0[r] = a1[r] = zero;
         for (int64_t i = 0; i < kv; i += VLANES) {
+            __builtin_prefetch(w0 + i + DENSE_PREFETCH);
+            __builtin_prefetch(w1 + i + DENSE_PREFETCH);
             vfloat v0 = vload(w0 + i), v1 = vload(w1 + i);
             for (int64_t r = 0; r < m; r++) {
                 vfloat xv = vload(x + r * x_stride + i);
