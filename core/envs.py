@@ -49,6 +49,8 @@ ENV_VARS: dict[str, EnvVar] = {
                "Prefill chunks of at most this many (query, key) pairs are attended by the C kernels."),
         EnvVar("RINGLLM_ATTENTION_BACKEND", str, "auto",
                "torch: the reference attention on every device (to bisect a GPU mismatch)."),
+        EnvVar("RINGLLM_SPEC_DECODE_GATE", _flag, True,
+               "0: speculative decoding drafts whenever it can, even where it measures slower."),
         EnvVar("RINGLLM_FAULT_INJECT", str, None,
                "Tests only: step:N makes the engine's N-th model step raise (core/worker/faults.py)."),
     )

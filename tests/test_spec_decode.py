@@ -24,7 +24,15 @@ from core.worker.ngram_proposer import NgramProposer
 from core.worker.rejection_sampler import rejection_sample
 from core.worker.sampler import TargetDistribution
 from core.worker.sampling_batch import sampling_metadata
+from core.worker.spec_gate import CLOSED_STEPS, STEPS_BEFORE_A_PLAIN_MEASURE, SpeculationGate
 from tests.support.engines import BASE, hf_greedy
+
+@pytest.fixture(autouse=True)
+def _draft_at_every_step(monkeypatch) -> None:
+    """Drafts wherever there are some, whatever this machine measures (core/worker/spec_gate.py):
+    the assertions below count them."""
+    monkeypatch.setenv("RINGLLM_SPEC_DECODE_GATE", "0")
+
 
 SPEC = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
 MAX_NEW = 40
@@ -48,6 +56,33 @@ def test_ngram_proposer_takes_the_longest_then_most_recent_match() -> None:
     # A run of one token: the most recent longest match that k tokens follow.
     assert propose(np.array([4, 4, 4, 4, 4, 4]), k=2).tolist() == [4, 4]
     assert propose(np.array([4, 4, 4, 4]), k=2).tolist() == [4]  # the only longest match is the last
+
+
+def test_the_gate_closes_while_drafting_is_slower_and_measures_again() -> None:
+    gate = SpeculationGate()
+    for _ in range(STEPS_BEFORE_A_PLAIN_MEASURE - 1):  # drafts at every step: no plain rate yet
+        gate.observe(True, 3, 0.01)
+    assert gate.open
+    gate.observe(True, 3, 0.01)
+    assert not gate.open  # closed, to measure plain steps
+    for _ in range(CLOSED_STEPS):
+        gate.observe(False, 1, 0.002)  # 500 tokens/s without drafts, against 300 with them
+    assert gate.open and gate.rates[True] is None  # drafts get a fresh measure
+    for closed_for in (CLOSED_STEPS, 2 * CLOSED_STEPS):  # still slower: closed again, longer each time
+        gate.observe(True, 3, 0.01)
+        for _ in range(closed_for):
+            assert not gate.open
+            gate.observe(False, 1, 0.002)
+        assert gate.open
+    for _ in range(4 * CLOSED_STEPS):
+        gate.observe(False, 1, 0.01)  # plain decoding got slower (a larger model's load, say)
+    gate.observe(True, 3, 0.01)
+    assert gate.open and gate.penalty == CLOSED_STEPS  # drafts pay again
+    disabled = SpeculationGate(enabled=False)
+    for _ in range(100):
+        disabled.observe(True, 1, 1.0)
+        disabled.observe(False, 100, 1.0)
+    assert disabled.open
 
 
 def test_speculative_config_is_checked(stories_dir) -> None:

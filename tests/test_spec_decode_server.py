@@ -27,11 +27,11 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def servers(module_server_factory):
-    """(with speculation, without), started side by side."""
-    return (
-        module_server_factory(["--speculative-config", json.dumps(SPEC)]),
-        module_server_factory([]),
-    )
+    """(with speculation, drafting wherever it can: the tests count drafts; without), side by side."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RINGLLM_SPEC_DECODE_GATE", "0")
+        spec = module_server_factory(["--speculative-config", json.dumps(SPEC)])
+    return spec, module_server_factory([])
 
 
 def _complete(server, prompt: str, **extra) -> str:

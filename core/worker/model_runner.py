@@ -66,6 +66,7 @@ from core.worker.prompt_logprobs import PromptLogprobs
 from core.worker.rejection_sampler import rejection_sample
 from core.worker.sampler import Sampler, SamplerOutput, target_distribution
 from core.worker.sampling_batch import sampling_metadata
+from core.worker.spec_gate import SpeculationGate
 from core.worker.sleep import release_freed_memory
 from kernels.linear import all_small
 from kernels.metadata import AttentionMetadata
@@ -194,6 +195,7 @@ class ModelRunner:
         # Drafts a request may be given next (speculative decoding backs off where they are
         # rejected): one more than its last verification accepted, at most num_speculative_tokens.
         self._draft_budget: dict[str, int] = {}
+        self.spec_gate = SpeculationGate(enabled=envs.RINGLLM_SPEC_DECODE_GATE)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         on_gpu = self.device.type == "cuda"
@@ -375,6 +377,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        start = time.perf_counter()
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -397,6 +400,9 @@ class ModelRunner:
             metadata = batch.sampling.metadata(sample_rows, batch.num_tokens, batch.token_ids)
             output = self._sampled_output(staged, sample_rows, self.sampler(logits, metadata))
         if self.proposer is not None:
+            if staged.sample.size == len(staged.req_ids) and staged.total == staged.num_logits:  # decodes only
+                emitted = sum(map(len, output.sampled_token_ids))
+                self.spec_gate.observe(staged.num_drafts is not None, emitted, time.perf_counter() - start)
             self._propose_drafts(staged.req_ids, staged.sample, sample_rows)
         return output
 
@@ -470,11 +476,12 @@ class ModelRunner:
 
     def _propose_drafts(self, req_ids: list[str], sample: np.ndarray, sample_rows: np.ndarray) -> None:
         """Drafts for the requests that just sampled, from their known tokens (none while
-        the batch is as large as disable_by_batch_size)."""
+        the batch is as large as disable_by_batch_size, or while the gate finds that they
+        cost more than they save)."""
         proposer = self.proposer
         assert proposer is not None
         batch = self.input_batch
-        if batch.num_reqs >= self.spec_pause_batch_size:
+        if batch.num_reqs >= self.spec_pause_batch_size or not self.spec_gate.open:
             return
         ids: list[str] = []
         drafts: list[list[int]] = []
