@@ -21,7 +21,8 @@ altogether. Other dtypes and devices keep torch's kernels. Up to
 ``dense_few_rows_max()`` rows (a speculative verification, a small decode
 batch) go through kernels/cpu's ``dense_few_rows`` when it is built: it reads
 each weight row once for all of them, as the one-row product does, where
-oneDNN and BLAS both pay a fixed cost per call that a few rows do not repay.
+oneDNN and BLAS both pay a fixed cost per call that a few rows do not repay
+(single rows too with ``settings.few_rows_for_one``).
 
 Both libraries release the GIL inside the product, so the engine's I/O
 threads run meanwhile. The forward pass and the CPU step program
@@ -115,7 +116,7 @@ class CpuWeight:
     def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """``x [N, in] @ Wᵀ + b``, into ``out`` [N, out] when given (``x`` C-contiguous)."""
         rows = x.shape[0]
-        if 1 < rows <= self.few_rows and x.flags.c_contiguous:
+        if (rows > 1 or settings.few_rows_for_one) and rows <= self.few_rows and x.flags.c_contiguous:
             return self._few_rows(x, out)
         if self.packed is None or not 1 < rows <= PACKED_MAX_ROWS:
             out = np.matmul(x, self.weight_t, out=out)

@@ -49,3 +49,23 @@ def test_a_model_is_small_when_every_weight_is() -> None:
     assert lin.all_small([at_limit, at_limit])
     assert not lin.all_small([at_limit, over])
     assert not lin.all_small([])
+
+
+@pytest.mark.skipif(lin.cpu.load() is None, reason="no C compiler to build kernels/cpu with")
+@pytest.mark.parametrize("shape", [(96, 80), (37, 203), (5000, 64)], ids=["even", "odd", "tall"])
+def test_few_rows_equal_torch_and_a_row_has_the_same_bits_in_any_batch(shape, monkeypatch) -> None:
+    """Up to dense_few_rows_max() rows through kernels/cpu's dense_few_rows (odd sizes: its
+    vector tails and its last weight rows taken one at a time); a row's product does not
+    depend on how many rows share the call, which keeps greedy speculative decoding exact."""
+    monkeypatch.setattr(lin.settings, "few_rows_for_one", True)
+    n, k = shape
+    g = torch.Generator().manual_seed(n)
+    weight, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    cpu = lin.CpuWeight(weight, b, "never")
+    assert cpu.few_rows == lin.cpu.load().dense_few_rows_max() >= 5
+    x = torch.randn(cpu.few_rows, k, generator=g)
+    alone = [cpu.matmul(np.ascontiguousarray(x[r : r + 1].numpy())) for r in range(cpu.few_rows)]
+    for rows in range(1, cpu.few_rows + 1):
+        out = cpu.matmul(x[:rows].numpy())
+        torch.testing.assert_close(torch.from_numpy(out), F.linear(x[:rows], weight, b), rtol=1e-4, atol=1e-4)
+        assert all(np.array_equal(out[r], alone[r][0]) for r in range(rows))

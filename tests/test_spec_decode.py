@@ -24,8 +24,13 @@ from core.worker.ngram_proposer import NgramProposer
 from core.worker.rejection_sampler import rejection_sample
 from core.worker.sampler import TargetDistribution
 from core.worker.sampling_batch import sampling_metadata
-from core.worker.spec_gate import CLOSED_STEPS, STEPS_BEFORE_A_PLAIN_MEASURE, SpeculationGate
+from core.worker.spec_gate import (
+    CLOSED_STEPS,
+    STEPS_BEFORE_A_PLAIN_MEASURE,
+    SpeculationGate,
+)
 from tests.support.engines import BASE, hf_greedy
+
 
 @pytest.fixture(autouse=True)
 def _draft_at_every_step(monkeypatch) -> None:

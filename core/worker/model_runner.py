@@ -66,8 +66,8 @@ from core.worker.prompt_logprobs import PromptLogprobs
 from core.worker.rejection_sampler import rejection_sample
 from core.worker.sampler import Sampler, SamplerOutput, target_distribution
 from core.worker.sampling_batch import sampling_metadata
-from core.worker.spec_gate import SpeculationGate
 from core.worker.sleep import release_freed_memory
+from core.worker.spec_gate import SpeculationGate
 from kernels.linear import all_small
 from kernels.metadata import AttentionMetadata
 from kernels.settings import configure as kernels_configure
@@ -161,7 +161,8 @@ class ModelRunner:
     emulate_gpu_paths = False
 
     def __init__(self, config: EngineConfig) -> None:
-        kernels_configure(**envs.kernel_settings())  # the kernels' switches, from this process's environment
+        # The kernels' switches, from this process's environment and the speculative config.
+        kernels_configure(**envs.kernel_settings(), few_rows_for_one=config.speculative_config is not None)
         self.config = config
         self.model_config = config.model_config
         self.device = resolve_device(config.device)
@@ -192,8 +193,8 @@ class ModelRunner:
         self.proposer = NgramProposer(speculative) if speculative is not None else None
         self.spec_pause_batch_size = (speculative.disable_by_batch_size if speculative else None) or 2**31
         self._drafts: DraftTokenIds | None = None  # proposed after the last step, until taken
-        # Drafts a request may be given next (speculative decoding backs off where they are
-        # rejected): one more than its last verification accepted, at most num_speculative_tokens.
+        # Drafts a request may be given next: one after a verification that accepted none
+        # (its drafts are not to be trusted), num_speculative_tokens after one that accepted any.
         self._draft_budget: dict[str, int] = {}
         self.spec_gate = SpeculationGate(enabled=envs.RINGLLM_SPEC_DECODE_GATE)
         self.model: torch.nn.Module | None = None
@@ -439,7 +440,7 @@ class ModelRunner:
             sampled[i] = tokens
             longest = max(longest, len(tokens))
             if drafts:
-                budget[step.req_ids[i]] = min(len(tokens), limit)  # accepted + 1
+                budget[step.req_ids[i]] = limit if len(tokens) > 1 else 1
         lengths = np.fromiter(map(len, verified.token_ids), np.int64, len(verified.token_ids))
         for k in range(longest):  # penalties fold the emitted tokens in order
             emitted = np.flatnonzero(lengths > k)

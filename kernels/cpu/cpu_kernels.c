@@ -614,52 +614,46 @@ API uint64_t built_isa(void) {
  * matrix-vector product reads it for one, so the product runs at the speed the weight streams
  * from memory. Always inlined with a constant row count, so the sums stay in registers. */
 #define DENSE_FEW_ROWS 8
+#define DENSE_BLOCK_MAX 4
 #define DENSE_PREFETCH 2048 /* floats ahead (8 KiB): weights arrive while the rows before them are multiplied */
+
+/* Weight rows first .. first + count - 1 times the m rows of x: each x vector is loaded once for
+ * all of them, and count streams of weights are in flight, with m * count sums in registers. */
+static inline __attribute__((always_inline)) void dense_block(
+    const float *x, const int64_t m, int64_t x_stride, const float *w, int64_t k, const float *bias, float *out,
+    int64_t out_stride, int64_t first, const int64_t count) {
+    const vfloat zero = {0};
+    const int64_t kv = k / VLANES * VLANES;
+    const float *wr = w + first * k;
+    vfloat acc[DENSE_BLOCK_MAX][DENSE_FEW_ROWS];
+    for (int64_t j = 0; j < count; j++)
+        for (int64_t r = 0; r < m; r++) acc[j][r] = zero;
+    for (int64_t i = 0; i < kv; i += VLANES) {
+        vfloat wv[DENSE_BLOCK_MAX];
+        for (int64_t j = 0; j < count; j++) {
+            __builtin_prefetch(wr + j * k + i + DENSE_PREFETCH);
+            wv[j] = vload(wr + j * k + i);
+        }
+        for (int64_t r = 0; r < m; r++) {
+            vfloat xv = vload(x + r * x_stride + i);
+            for (int64_t j = 0; j < count; j++) acc[j][r] += xv * wv[j];
+        }
+    }
+    for (int64_t j = 0; j < count; j++) {
+        for (int64_t r = 0; r < m; r++) {
+            float sum = vsum_lanes(acc[j][r]);
+            for (int64_t i = kv; i < k; i++) sum += x[r * x_stride + i] * wr[j * k + i];
+            out[r * out_stride + first + j] = bias ? sum + bias[first + j] : sum;
+        }
+    }
+}
 
 static inline __attribute__((always_inline)) void dense_rows_range(
     const float *x, const int64_t m, int64_t x_stride, const float *w, int64_t k, const float *bias, float *out,
-    int64_t out_stride, int64_t begin, int64_t end) {
-    const vfloat zero = {0};
-    const int64_t kv = k / VLANES * VLANES;
+    int64_t out_stride, int64_t begin, int64_t end, const int64_t block) {
     int64_t o = begin;
-    for (; o + 1 < end; o += 2) { /* two weight rows at a time: each x vector loaded once for both */
-        const float *w0 = w + o * k, *w1 = w0 + k;
-        vfloat a0[DENSE_FEW_ROWS], a1[DENSE_FEW_ROWS];
-        for (int64_t r = 0; r < m; r++) a0[r] = a1[r] = zero;
-        for (int64_t i = 0; i < kv; i += VLANES) {
-            __builtin_prefetch(w0 + i + DENSE_PREFETCH);
-            __builtin_prefetch(w1 + i + DENSE_PREFETCH);
-            vfloat v0 = vload(w0 + i), v1 = vload(w1 + i);
-            for (int64_t r = 0; r < m; r++) {
-                vfloat xv = vload(x + r * x_stride + i);
-                a0[r] += xv * v0;
-                a1[r] += xv * v1;
-            }
-        }
-        for (int64_t r = 0; r < m; r++) {
-            float s0 = vsum_lanes(a0[r]), s1 = vsum_lanes(a1[r]);
-            for (int64_t i = kv; i < k; i++) {
-                s0 += x[r * x_stride + i] * w0[i];
-                s1 += x[r * x_stride + i] * w1[i];
-            }
-            out[r * out_stride + o] = bias ? s0 + bias[o] : s0;
-            out[r * out_stride + o + 1] = bias ? s1 + bias[o + 1] : s1;
-        }
-    }
-    for (; o < end; o++) {
-        const float *wr = w + o * k;
-        vfloat acc[DENSE_FEW_ROWS];
-        for (int64_t r = 0; r < m; r++) acc[r] = zero;
-        for (int64_t i = 0; i < kv; i += VLANES) {
-            vfloat wv = vload(wr + i);
-            for (int64_t r = 0; r < m; r++) acc[r] += vload(x + r * x_stride + i) * wv;
-        }
-        for (int64_t r = 0; r < m; r++) {
-            float s = vsum_lanes(acc[r]);
-            for (int64_t i = kv; i < k; i++) s += x[r * x_stride + i] * wr[i];
-            out[r * out_stride + o] = bias ? s + bias[o] : s;
-        }
-    }
+    for (; o + block <= end; o += block) dense_block(x, m, x_stride, w, k, bias, out, out_stride, o, block);
+    for (; o < end; o++) dense_block(x, m, x_stride, w, k, bias, out, out_stride, o, 1);
 }
 
 /* Fused multiply-adds here (the file is built without contraction, for the element-wise kernels'
@@ -671,10 +665,12 @@ __attribute__((optimize("fp-contract=fast"))) static void dense_few_rows_share(c
     per = (per + 15) / 16 * 16;
     int64_t begin = me * per, end = begin + per < n ? begin + per : n;
     if (begin >= end) return;
+    /* Weight rows per block: four for one or two rows, two up to five (their sums fill at most
+     * 10 of AVX2's 16 vector registers), one beyond. */
     switch (m) {
-#define ROWS(M) \
-    case M: dense_rows_range(x, M, x_stride, w, k, bias, out, out_stride, begin, end); break;
-        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#define ROWS(M, B) \
+    case M: dense_rows_range(x, M, x_stride, w, k, bias, out, out_stride, begin, end, B); break;
+        ROWS(1, 4) ROWS(2, 4) ROWS(3, 2) ROWS(4, 2) ROWS(5, 2) ROWS(6, 1) ROWS(7, 1) ROWS(8, 1)
 #undef ROWS
     }
 }
