@@ -310,8 +310,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     result = build_result(metrics, outputs, duration, selected, info)
     # The harness's own CPU use and the machine's load: on a shared machine, what else competed.
     result.update(client_cpu_s=client_cpu, load_avg_before=load_before, load_avg_after=load_after)
-    if spec_before is not None and spec_after is not None:
-        result.update(spec_decode_summary(spec_before, spec_after))
+    if spec_after is not None:  # (none before: the server had not reported any yet)
+        result.update(spec_decode_summary(spec_before or {}, spec_after))
     print(format_console(result, selected, percentiles))
     print(
         f"benchmark client CPU: {client_cpu:.2f} s ({100 * client_cpu / duration:.0f}% of one core); "

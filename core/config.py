@@ -12,6 +12,9 @@ they cross to the engine process typed.
 
 from __future__ import annotations
 
+import json
+import os
+
 import msgspec
 
 from core.model_config import ModelConfig
@@ -67,9 +70,11 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 2:
             raise ValueError(f"disable_by_batch_size must be >= 2, got {self.disable_by_batch_size}")
         if self.method == "draft_model":
-            raise ValueError(
-                'speculative method "draft_model" is not implemented yet; use "ngram"'
-            )
+            if not self.model:
+                raise ValueError('the draft_model method needs "model": the draft checkpoint\'s directory')
+            if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+                raise ValueError("prompt_lookup_min and prompt_lookup_max are for the ngram method")
+            return self
         if self.model is not None:
             raise ValueError('"model" is for the draft_model method; ngram proposes from the request itself')
         high = self.prompt_lookup_max or self.prompt_lookup_min or DEFAULT_PROMPT_LOOKUP_MAX
@@ -207,7 +212,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"engine_threads must be >= 1, got {self.engine_threads}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        speculative = self.speculative_config
+        speculative, draft_model_config = self.speculative_config, None
         if speculative is not None:
             speculative = speculative.resolved()
             if self.async_scheduling:
@@ -216,6 +221,8 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
                 raise ValueError("--speculative-config does not work with --async-scheduling yet: choose one")
             if speculative.num_speculative_tokens + 1 > self.max_num_batched_tokens:
                 raise ValueError("max_num_batched_tokens must leave room for one request's drafts and its token")
+            if speculative.method == "draft_model":
+                draft_model_config = _draft_model_config(speculative.model, tokenizer or model, model_config)
         return EngineConfig(
             **{
                 **msgspec.structs.asdict(self),
@@ -227,6 +234,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
                 "speculative_config": speculative,
             },
             model_config=model_config,
+            draft_model_config=draft_model_config,
         )
 
 
@@ -238,3 +246,31 @@ class EngineConfig(EngineArgs, kw_only=True, frozen=True):
     tokenizer: str
     max_model_len: int
     model_config: ModelConfig
+    # The draft checkpoint's architecture (speculative method draft_model).
+    draft_model_config: ModelConfig | None = None
+
+
+def _draft_model_config(draft_dir: str, target_tokenizer: str, target: ModelConfig) -> ModelConfig:
+    """The draft checkpoint's architecture, checked against the target's: the same vocabulary
+    (its size, and the token of every id where both directories hold a tokenizer.json)."""
+    try:
+        draft = ModelConfig.from_dir(draft_dir)
+    except OSError as exc:
+        raise ValueError(f"the draft model {draft_dir}: {exc}") from None
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"the draft model's vocabulary ({draft.vocab_size} tokens) differs from the target's "
+            f"({target.vocab_size}): it must share the target's tokenizer"
+        )
+    vocabs = [_tokenizer_vocab(d) for d in (target_tokenizer, draft_dir)]
+    if None not in vocabs and vocabs[0] != vocabs[1]:
+        raise ValueError("the draft model's tokenizer maps tokens to other ids than the target's: it must share it")
+    return draft
+
+
+def _tokenizer_vocab(directory: str) -> dict | None:
+    path = os.path.join(directory, "tokenizer.json") if os.path.isdir(directory) else None
+    if path is None or not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f).get("model", {}).get("vocab")

@@ -101,7 +101,8 @@ def test_speculative_config_is_checked(stories_dir) -> None:
         (dict(num_speculative_tokens=0), "num_speculative_tokens"),
         (dict(prompt_lookup_min=4, prompt_lookup_max=2), "prompt_lookup_min"),
         (dict(disable_by_batch_size=1), "disable_by_batch_size"),
-        (dict(method="draft_model", model="/x"), "not implemented"),
+        (dict(method="draft_model"), "needs \"model\""),
+        (dict(method="draft_model", model="/x", prompt_lookup_max=3), "for the ngram method"),
     ]:
         with pytest.raises(ValueError, match=message):
             resolve(**bad)
@@ -408,3 +409,95 @@ def test_spec_decode_metrics_and_stats_line(llama) -> None:
     assert per_pos == stats.num_accepted_tokens_per_pos and sum(per_pos) == stats.num_accepted_tokens
     line = next(line for line in lines if "SpecDecoding" in line)
     assert f"Mean acceptance length: {1 + stats.num_accepted_tokens / stats.num_drafts:.2f}" in line
+
+
+# ---------------------------------------------------------------- draft model
+
+
+@pytest.fixture(scope="module")
+def draft_dir(llama, tmp_path_factory) -> str:
+    """A one-layer random Llama with the target's vocabulary and tokenizer: a weak draft."""
+    from core.models.random_model import write_tokenizer
+
+    model, _ = llama
+    torch.manual_seed(99)
+    config = transformers.LlamaConfig(**{**model.config.to_dict(), "num_hidden_layers": 1, "hidden_size": 32,
+                                         "intermediate_size": 48, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                         "head_dim": 16})
+    path = tmp_path_factory.mktemp("draft")
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
+    write_tokenizer(path)
+    return str(path)
+
+
+def _draft_spec(path: str, k: int = 3) -> SpeculativeConfig:
+    return SpeculativeConfig(method="draft_model", model=path, num_speculative_tokens=k)
+
+
+@pytest.mark.parametrize("draft", ["itself", "weak"])
+@pytest.mark.parametrize("engine_args", [dict(), dict(max_num_batched_tokens=24), dict(num_gpu_blocks_override=48)],
+                         ids=["default", "budget-cuts-drafts", "preempting"])
+def test_draft_model_greedy_equals_transformers(llama, draft_dir, draft, engine_args) -> None:
+    model, path = llama
+    prompts = _copy_heavy_prompts(model.config.vocab_size, 8)
+    expected = [hf_greedy(model, p, MAX_NEW) for p in prompts]
+    spec = _draft_spec(path if draft == "itself" else draft_dir)
+    got, stats, _, all_free, _ = _run(path, prompts, GREEDY, spec, **engine_args)
+    assert got == expected and all_free
+    assert stats.num_drafts > 0
+    if draft == "itself":  # the target drafting for itself: every draft is its own argmax
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_draft_model_sampling_is_seeded_and_drafts_are_drawn(llama) -> None:
+    model, path = llama
+    prompts = _copy_heavy_prompts(model.config.vocab_size, 4)
+    params = [SamplingParams(max_tokens=20, temperature=0.8, seed=7 + i, ignore_eos=True) for i in range(4)]
+    first, stats, _, all_free, _ = _run(path, prompts, params, _draft_spec(path))
+    second, *_ = _run(path, prompts, params, _draft_spec(path))
+    assert first == second and all_free
+    # Drawn from the target's own distribution, drafts are accepted with probability min(1, p/q) = 1.
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_rejection_sampler_with_draft_distributions() -> None:
+    """Drafts drawn from q0, q1 (as a draft model draws them), verified against p0, p1, p2:
+    the tokens emitted follow p, position by position (chi-square at significance 0.001)."""
+    p = np.array([
+        [0.10, 0.05, 0.40, 0.25, 0.20, 0.00],
+        [0.30, 0.20, 0.00, 0.10, 0.30, 0.10],
+        [0.05, 0.15, 0.20, 0.20, 0.10, 0.30],
+    ])
+    q = np.array([
+        [0.30, 0.30, 0.10, 0.10, 0.10, 0.10],
+        [0.05, 0.05, 0.50, 0.10, 0.20, 0.10],
+    ])
+    n = 20_000
+    g = torch.Generator().manual_seed(1)
+    drafts = np.stack([torch.multinomial(torch.tensor(q[j]), n, replacement=True, generator=g).numpy() for j in (0, 1)], 1)
+    probs = torch.tensor(np.tile(p, (n, 1)), dtype=torch.float32)
+    logits = probs.log()
+    target = TargetDistribution(logits, logits.argmax(-1), logits, probs)
+    draft_probs = torch.tensor(np.tile(np.vstack([q, np.zeros(6)]), (n, 1)), dtype=torch.float32)
+    md = sampling_metadata([SamplingParams(temperature=1.0)] * (3 * n), 6)
+    draft_ids = np.concatenate([drafts, np.full((n, 1), -1)], 1).reshape(-1)
+    torch.manual_seed(0)
+    emitted = rejection_sample(target, md, np.arange(n) * 3, np.full(n, 2), draft_ids, draft_probs).token_ids
+    first = np.array([t[0] for t in emitted])
+    statistic, df = _chi_square(np.bincount(first, minlength=6), p[0])
+    assert statistic < _chi_square_critical(df, 0.001), statistic
+    # The second token given the first: only where the first was the draft and was accepted...
+    second = [t[1] for t, d in zip(emitted, drafts) if len(t) > 1]
+    # ...which, with the first token fixed, is p1 again (the draft d1 was drawn independently).
+    statistic, df = _chi_square(np.bincount(second, minlength=6), p[1])
+    assert statistic < _chi_square_critical(df, 0.001), statistic
+
+
+def test_a_draft_with_another_vocabulary_is_refused(llama, tmp_path) -> None:
+    model, path = llama
+    torch.manual_seed(5)
+    config = transformers.LlamaConfig(vocab_size=model.config.vocab_size + 8, hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="vocabulary"):
+        EngineArgs(model=path, speculative_config=_draft_spec(str(tmp_path))).resolve()

@@ -57,6 +57,7 @@ from core.worker.async_output import (
 )
 from core.worker.cpu_program import CpuStepProgram
 from core.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
+from core.worker.draft_proposer import DraftModelProposer
 from core.worker.gpu_memory import gpu_kv_cache_budget
 from core.worker.input_batch import InputBatch
 from core.worker.input_buffers import InputBuffers
@@ -190,18 +191,25 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         speculative = config.speculative_config
-        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        # Speculative decoding: n-gram lookup, or a draft model (built with the KV cache, whose
+        # size it follows).
+        self.proposer: NgramProposer | DraftModelProposer | None = None
+        if speculative is not None and speculative.method == "ngram":
+            self.proposer = NgramProposer(speculative)
+        self.num_speculative_tokens = speculative.num_speculative_tokens if speculative is not None else 0
+        self._draft_probs: dict[str, torch.Tensor] = {}  # a draft model's q of each request's drafts
         self.spec_pause_batch_size = (speculative.disable_by_batch_size if speculative else None) or 2**31
         self._drafts: DraftTokenIds | None = None  # proposed after the last step, until taken
         # Drafts a request may be given next: one after a verification that accepted none
         # (its drafts are not to be trusted), num_speculative_tokens after one that accepted any.
         self._draft_budget: dict[str, int] = {}
         self.spec_gate = SpeculationGate(enabled=envs.RINGLLM_SPEC_DECODE_GATE)
+        self._proposal_seconds = 0.0  # what proposing the drafts of the next step cost
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         on_gpu = self.device.type == "cuda"
         # Drafts are proposed from the sampled ids on the host, at once.
-        self.defer_sampled_tokens = (on_gpu or self.emulate_gpu_paths) and self.proposer is None
+        self.defer_sampled_tokens = (on_gpu or self.emulate_gpu_paths) and speculative is None
         self.deferred = DeferredTokens()
         self._copy_stream = torch.cuda.Stream(self.device) if on_gpu else None
         # Set up with the KV cache, which the graphs (and the CPU step program) read in place.
@@ -302,6 +310,9 @@ class ModelRunner:
         ]
         if self.device.type == "cpu" and not self.emulate_gpu_paths:
             self.cpu_program = CpuStepProgram.build(self.model, self.kv_caches, self.buffers, self.max_model_len)
+        speculative = self.config.speculative_config
+        if speculative is not None and speculative.method == "draft_model" and self.proposer is None:
+            self.proposer = DraftModelProposer(self.config, self.device, self.dtype, num_blocks)
         capture = self.device.type == "cuda" and not self.config.enforce_eager
         if capture or self.emulate_gpu_paths:
             sizes = decode_batch_sizes(self.config.max_num_seqs, self.config.max_num_batched_tokens)
@@ -351,11 +362,12 @@ class ModelRunner:
             batch.remove_request(req_id)
             deferred.discard(req_id)
             prompt_logprobs.forget(req_id)
-            self._draft_budget.pop(req_id, None)
+            self._forget_drafts(req_id)
         for req_id in so.preempted_req_ids:
             batch.park_request(req_id)
             deferred.discard(req_id)
             prompt_logprobs.forget(req_id)
+            self._forget_drafts(req_id)
         for new in so.scheduled_new_reqs:
             if new.prompt_embeds is not None:
                 embeds = new.prompt_embeds.to(self.device, self.dtype)
@@ -400,11 +412,15 @@ class ModelRunner:
                 self._apply_grammar(so, staged.req_ids, staged.sample, logits)
             metadata = batch.sampling.metadata(sample_rows, batch.num_tokens, batch.token_ids)
             output = self._sampled_output(staged, sample_rows, self.sampler(logits, metadata))
-        if self.proposer is not None:
+        if self.num_speculative_tokens:
+            now = time.perf_counter()
             if staged.sample.size == len(staged.req_ids) and staged.total == staged.num_logits:  # decodes only
-                emitted = sum(map(len, output.sampled_token_ids))
-                self.spec_gate.observe(staged.num_drafts is not None, emitted, time.perf_counter() - start)
-            self._propose_drafts(staged.req_ids, staged.sample, sample_rows)
+                # A verification's cost includes proposing its drafts (the step before).
+                verified = staged.num_drafts is not None
+                seconds = now - start + (self._proposal_seconds if verified else 0.0)
+                self.spec_gate.observe(verified, sum(map(len, output.sampled_token_ids)), seconds)
+            proposed = self._propose_drafts(staged.req_ids, staged.sample, sample_rows)
+            self._proposal_seconds = time.perf_counter() - now if proposed else 0.0
         return output
 
     def _verify_drafts(
@@ -426,12 +442,14 @@ class ModelRunner:
         # The draft each row checks: the token after the ones it follows (-1 on the last row).
         draft_ids = batch.token_ids[logits_rows, batch.num_tokens[logits_rows] + drafts_before]
         draft_ids[starts + step.num_drafts] = -1
-        verified = rejection_sample(target, md, starts, step.num_drafts, draft_ids)
+        verified = rejection_sample(
+            target, md, starts, step.num_drafts, draft_ids, self._draft_probs_rows(step, starts, logits)
+        )
 
         sampled: list[list[int]] = [[] for _ in step.req_ids]
         longest = 0
         budget = self._draft_budget
-        limit = self.proposer.k if self.proposer is not None else 0
+        limit = self.num_speculative_tokens
         for i, row, tokens, drafts in zip(
             step.sample.tolist(), sample_rows.tolist(), verified.token_ids, step.num_drafts.tolist()
         ):
@@ -468,6 +486,12 @@ class ModelRunner:
             prompt_logprobs=self.prompt_logprobs.finished(step.req_ids, step.sample, sample_rows),
         )
 
+    def _forget_drafts(self, req_id: str) -> None:
+        self._draft_budget.pop(req_id, None)
+        self._draft_probs.pop(req_id, None)
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.forget(req_id)
+
     def _segments(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Back-to-back segments of these lengths: where each starts, and each element's
         offset in its own segment."""
@@ -475,26 +499,53 @@ class ModelRunner:
         total = int(lengths.sum())
         return starts, self._arange[:total] - np.repeat(starts, lengths)
 
-    def _propose_drafts(self, req_ids: list[str], sample: np.ndarray, sample_rows: np.ndarray) -> None:
+    def _draft_probs_rows(self, step: _Staged, starts: np.ndarray, logits: torch.Tensor) -> torch.Tensor | None:
+        """A draft model's q of each logits row's draft (zeros elsewhere), for the sampled
+        requests that verify drafts; None when there are none (n-gram drafts: point masses)."""
+        if not self._draft_probs:
+            return None
+        assert step.num_drafts is not None
+        rows: torch.Tensor | None = None
+        for i, start, k in zip(step.sample.tolist(), starts.tolist(), step.num_drafts.tolist()):
+            q = self._draft_probs.pop(step.req_ids[i], None)
+            if q is None or not k:
+                continue
+            if rows is None:
+                rows = torch.zeros_like(logits)
+            rows[start : start + k] = q[:k]
+        return rows
+
+    def _propose_drafts(self, req_ids: list[str], sample: np.ndarray, sample_rows: np.ndarray) -> bool:
         """Drafts for the requests that just sampled, from their known tokens (none while
         the batch is as large as disable_by_batch_size, or while the gate finds that they
-        cost more than they save)."""
+        cost more than they save); whether there are any."""
         proposer = self.proposer
         assert proposer is not None
         batch = self.input_batch
         if batch.num_reqs >= self.spec_pause_batch_size or not self.spec_gate.open:
-            return
+            return False
         ids: list[str] = []
         drafts: list[list[int]] = []
-        budget = self._draft_budget
-        for i, row in zip(sample.tolist(), sample_rows.tolist()):
-            k = budget.get(req_ids[i], proposer.k)
-            proposal = proposer.propose(batch.token_ids[row, : batch.num_tokens[row]], k)
-            if proposal.size:
-                ids.append(req_ids[i])
-                drafts.append(proposal.tolist())
+        sampled_ids = [req_ids[i] for i in sample.tolist()]
+        budgets = [self._draft_budget.get(r, self.num_speculative_tokens) for r in sampled_ids]
+        if isinstance(proposer, DraftModelProposer):
+            proposals = proposer.propose(
+                sampled_ids, sample_rows.tolist(), batch.token_ids, batch.num_tokens, batch.sampling, budgets
+            )
+            for req_id, proposal in proposals.items():
+                ids.append(req_id)
+                drafts.append(proposal.token_ids)
+                if proposal.probs is not None:
+                    self._draft_probs[req_id] = proposal.probs
+        else:
+            for req_id, row, k in zip(sampled_ids, sample_rows.tolist(), budgets):
+                proposal = proposer.propose(batch.token_ids[row, : batch.num_tokens[row]], k)
+                if proposal.size:
+                    ids.append(req_id)
+                    drafts.append(proposal.tolist())
         if ids:
             self._drafts = DraftTokenIds(ids, drafts)
+        return bool(ids)
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         """The drafts proposed after the last step (each handed out once)."""

@@ -8,11 +8,13 @@ in order and the first rejected one ends the run:
 
 - greedy rows accept d_j while it is the argmax of p_j, and emit the argmax
   at the first mismatch: exactly the tokens decoding one at a time gives;
-- random rows accept d_j with probability p_j(d_j) and, at the first
-  rejection, draw from the residual p_j with d_j removed (renormalised).
-  This is the rule of Leviathan et al. and Chen et al. for a draft drawn from
-  q, min(1, p/q) and max(p - q, 0), with q a point mass at d_j, as n-gram
-  drafts are: the tokens emitted are distributed exactly as p, step by step.
+- random rows accept d_j with probability min(1, p_j(d_j) / q_j(d_j)) and,
+  at the first rejection, draw from the residual max(p_j - q_j, 0),
+  renormalised: the rule of Leviathan et al. and Chen et al., under which the
+  tokens emitted are distributed exactly as p, step by step. q_j is the
+  distribution the draft was drawn from: a draft model's, or for n-gram
+  drafts a point mass at d_j (accept with probability p_j(d_j), resample
+  from p_j without d_j).
 
 When all K drafts are accepted the last row gives one more token (the bonus
 token), so a verification emits between 1 and K+1 tokens. A seeded request
@@ -41,14 +43,16 @@ class VerifiedTokens:
 
 def rejection_sample(
     target: TargetDistribution, md: SamplingMetadata, starts: np.ndarray, num_drafts: np.ndarray,
-    draft_ids: np.ndarray,
+    draft_ids: np.ndarray, draft_probs: torch.Tensor | None = None,
 ) -> VerifiedTokens:
     """Verify every request's drafts.
 
     Request i owns logits rows ``starts[i] .. starts[i] + num_drafts[i]``; row
     ``starts[i] + j`` checks the draft ``draft_ids[starts[i] + j]`` (the last row
     of each request checks none: -1). A request without drafts is sampled as
-    the sampler would (its one row is its bonus row).
+    the sampler would (its one row is its bonus row). ``draft_probs`` [rows, vocab] holds
+    q of each draft row whose draft was drawn from a distribution; a row of zeros (or
+    None for all) means a point mass at its draft.
     """
     greedy = md.greedy.cpu().numpy()
     argmax = target.argmax.cpu().numpy()
@@ -59,9 +63,13 @@ def rejection_sample(
     random_drafts = np.flatnonzero(is_draft & ~greedy)
     if random_drafts.size:
         assert target.probs is not None
-        probs_of_draft = target.probs[torch.from_numpy(random_drafts), torch.from_numpy(draft_ids[random_drafts])]
+        rows_t, ids_t = torch.from_numpy(random_drafts), torch.from_numpy(draft_ids[random_drafts])
+        ratio = target.probs[rows_t, ids_t]
+        if draft_probs is not None:
+            q = draft_probs[rows_t, ids_t]
+            ratio = torch.where(q > 0, ratio / q.clamp_min(1e-30), ratio)
         uniforms = _uniforms(md, random_drafts, starts, num_drafts)
-        accepted[random_drafts] = (uniforms < probs_of_draft.cpu()).numpy()
+        accepted[random_drafts] = (uniforms < ratio.cpu()).numpy()
 
     num_accepted = np.empty(starts.size, np.int64)
     for i, (start, k) in enumerate(zip(starts.tolist(), num_drafts.tolist())):
@@ -75,8 +83,15 @@ def rejection_sample(
         rows = final_rows[random_final]
         probs = target.probs[torch.from_numpy(rows)]
         rejected = np.flatnonzero(num_accepted[random_final] < num_drafts[random_final])
-        if rejected.size:  # the residual: the rejected draft taken out (the race needs no renormalising)
-            probs[torch.from_numpy(rejected), torch.from_numpy(draft_ids[rows[rejected]])] = 0.0
+        if rejected.size:  # the residual (the race needs no renormalising)
+            at = torch.from_numpy(rejected)
+            q = None if draft_probs is None else draft_probs[torch.from_numpy(rows[rejected])]
+            point = torch.ones(rejected.size, dtype=torch.bool) if q is None else q.sum(-1) == 0
+            if q is not None:
+                probs[at] = (probs[at] - q).clamp_min(0.0)
+            mass = at[point.cpu()]
+            if mass.numel():  # point masses: the rejected draft taken out
+                probs[mass, torch.from_numpy(draft_ids[rows[mass.numpy()]])] = 0.0
         generators = [md.generators[r] for r in rows.tolist()]
         final[random_final] = (probs / exponential_noise(probs, generators)).argmax(dim=-1).cpu().numpy()
 
