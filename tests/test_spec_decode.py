@@ -179,6 +179,27 @@ def test_stories_greedy_unchanged_by_speculation(stories_dir, streams) -> None:
     assert stats.num_accepted_tokens > 0 and all_free
 
 
+def test_prefix_cache_blocks_filled_by_verifications_are_reused_exactly(llama) -> None:
+    """A second pass over the same prompts plus their first outputs starts from blocks that
+    verification steps filled (accepted drafts' KV among them): hits, and the same tokens."""
+    model, path = llama
+    prompts = _copy_heavy_prompts(model.config.vocab_size, 6)
+    llm = LLM(path, **{**BASE, "max_num_seqs": 16, "speculative_config": SPEC})
+    try:
+        first = [r.token_ids for r in llm.generate(prompts, GREEDY)]
+        scheduler = llm.engine.engine_core.scheduler
+        hits = scheduler.kv_cache_manager.prefix_cache_stats.hits
+        assert scheduler.spec_stats.num_accepted_tokens > 0
+        longer = [p + out[:20] for p, out in zip(prompts, first)]
+        second = [r.token_ids for r in llm.generate(longer, SamplingParams(max_tokens=20, temperature=0.0,
+                                                                           ignore_eos=True))]
+        # Blocks past the prompts hold tokens that were drafts when computed.
+        assert scheduler.kv_cache_manager.prefix_cache_stats.hits - hits > sum(len(p) for p in prompts)
+    finally:
+        llm.shutdown()
+    assert second == [out[20:40] for out in first]
+
+
 def test_constraints_and_logprobs_apply_to_every_verified_position(llama) -> None:
     """Penalties (folded with each draft the row follows), logit bias, min_tokens and
     bad words on greedy rows: the same tokens and logprobs as one token at a time."""
@@ -439,7 +460,7 @@ def _draft_spec(path: str, k: int = 3) -> SpeculativeConfig:
                          ids=["default", "budget-cuts-drafts", "preempting"])
 def test_draft_model_greedy_equals_transformers(llama, draft_dir, draft, engine_args) -> None:
     model, path = llama
-    prompts = _copy_heavy_prompts(model.config.vocab_size, 8)
+    prompts = _copy_heavy_prompts(model.config.vocab_size, 16)
     expected = [hf_greedy(model, p, MAX_NEW) for p in prompts]
     spec = _draft_spec(path if draft == "itself" else draft_dir)
     got, stats, _, all_free, _ = _run(path, prompts, GREEDY, spec, **engine_args)
