@@ -64,8 +64,13 @@ from core.worker.input_buffers import InputBuffers
 from core.worker.logprobs import gather_logprobs
 from core.worker.ngram_proposer import NgramProposer
 from core.worker.prompt_logprobs import PromptLogprobs
-from core.worker.rejection_sampler import rejection_sample
-from core.worker.sampler import Sampler, SamplerOutput, target_distribution
+from core.worker.rejection_sampler import VerifiedTokens, rejection_sample
+from core.worker.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    target_distribution,
+)
 from core.worker.sampling_batch import sampling_metadata
 from core.worker.sleep import release_freed_memory
 from core.worker.spec_gate import SpeculationGate
@@ -162,8 +167,8 @@ class ModelRunner:
     emulate_gpu_paths = False
 
     def __init__(self, config: EngineConfig) -> None:
-        # The kernels' switches, from this process's environment and the speculative config.
-        kernels_configure(**envs.kernel_settings(), few_rows_for_one=config.speculative_config is not None)
+        # The kernels' switches, from this process's environment (few_rows_for_one: see load_model).
+        kernels_configure(**envs.kernel_settings(), few_rows_for_one=False)
         self.config = config
         self.model_config = config.model_config
         self.device = resolve_device(config.device)
@@ -221,6 +226,11 @@ class ModelRunner:
     def load_model(self) -> None:
         torch.manual_seed(self.config.seed)
         self.model = load_model(self.config, self.device, self.dtype)
+        if self.config.speculative_config is not None and self.device.type == "cpu":
+            # Verification steps (a few rows) and plain ones (one row) through one kernel and its
+            # thread pool: switching pools at every step costs more than a step of a large model.
+            # A small model's products run on one thread either way, and numpy's call is cheaper.
+            kernels_configure(few_rows_for_one=not self.products_are_small())
 
     def _kv_shape(self) -> tuple[int, int, int]:
         return self.model_config.kv_block_shape(self.block_size)
@@ -460,23 +470,16 @@ class ModelRunner:
             if drafts:
                 budget[step.req_ids[i]] = limit if len(tokens) > 1 else 1
         lengths = np.fromiter(map(len, verified.token_ids), np.int64, len(verified.token_ids))
-        for k in range(longest):  # penalties fold the emitted tokens in order
-            emitted = np.flatnonzero(lengths > k)
-            sampling.record_sampled(
-                sample_rows[emitted], torch.tensor([verified.token_ids[e][k] for e in emitted.tolist()])
-            )
+        if sampling.num_rows_with["penalties"]:
+            for k in range(longest):  # penalties fold the emitted tokens in order
+                emitted = np.flatnonzero(lengths > k)
+                sampling.record_sampled(
+                    sample_rows[emitted],
+                    torch.tensor([verified.token_ids[e][k] for e in emitted.tolist()], device=logits.device),
+                )
         arrays, rows = None, None
         if md.logprob_rows is not None:
-            asked = np.flatnonzero(sampling.num_logprobs[sample_rows] >= 0)
-            out_start = np.cumsum(lengths) - lengths
-            picked = np.concatenate([verified.rows[out_start[a] : out_start[a] + lengths[a]] for a in asked])
-            ids = torch.tensor([t for a in asked.tolist() for t in verified.token_ids[a]])
-            described = target.described(logits, md)
-            arrays = LogprobsArrays(*gather_logprobs(described[torch.from_numpy(picked)], ids, md.num_logprobs).to_numpy())
-            rows = [-1] * len(step.req_ids)
-            first = np.cumsum(lengths[asked]) - lengths[asked]
-            for a, start in zip(asked.tolist(), first.tolist()):
-                rows[int(step.sample[a])] = start
+            arrays, rows = self._verified_logprobs(step, sample_rows, verified, lengths, target.described(logits, md), md)
         return ModelRunnerOutput(
             req_ids=step.req_ids,
             req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
@@ -485,6 +488,24 @@ class ModelRunner:
             logprobs_rows=rows,
             prompt_logprobs=self.prompt_logprobs.finished(step.req_ids, step.sample, sample_rows),
         )
+
+    def _verified_logprobs(
+        self, step: _Staged, sample_rows: np.ndarray, verified: VerifiedTokens, lengths: np.ndarray,
+        described: torch.Tensor, md: SamplingMetadata,
+    ) -> tuple[LogprobsArrays, list[int]]:
+        """The logprobs of every emitted token of the requests that asked, each from the
+        logits row it was sampled from, in request order; and each request's first row."""
+        asked = np.flatnonzero(self.input_batch.sampling.num_logprobs[sample_rows] >= 0)
+        out_start = np.cumsum(lengths) - lengths
+        picked = np.concatenate([verified.rows[out_start[a] : out_start[a] + lengths[a]] for a in asked])
+        ids = torch.tensor([t for a in asked.tolist() for t in verified.token_ids[a]], device=described.device)
+        rows_t = torch.from_numpy(picked).to(described.device)
+        arrays = LogprobsArrays(*gather_logprobs(described[rows_t], ids, md.num_logprobs).to_numpy())
+        rows = [-1] * len(step.req_ids)
+        first = np.cumsum(lengths[asked]) - lengths[asked]
+        for a, start in zip(asked.tolist(), first.tolist()):
+            rows[int(step.sample[a])] = start
+        return arrays, rows
 
     def _forget_drafts(self, req_id: str) -> None:
         self._draft_budget.pop(req_id, None)
