@@ -102,5 +102,16 @@ class ModelRunnerOutput:
     logprobs_rows: list[int] | None = None
     prompt_logprobs: dict[str, LogprobsArrays] | None = None
 
+    @classmethod
+    def for_requests(
+        cls, req_ids: list[str], sampled_token_ids: list[list[int]], logprobs: LogprobsArrays | None = None,
+        logprobs_rows: list[int] | None = None, prompt_logprobs: dict[str, LogprobsArrays] | None = None,
+    ) -> ModelRunnerOutput:
+        """The output of a step over ``req_ids``, with its index built."""
+        return cls(
+            req_ids, {r: i for i, r in enumerate(req_ids)}, sampled_token_ids, logprobs, logprobs_rows,
+            prompt_logprobs,
+        )
+
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

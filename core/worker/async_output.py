@@ -101,9 +101,8 @@ class AsyncModelRunnerOutput:
         for i, token_id in zip(self._sampled_positions, self._tokens.tolist()):
             sampled[i] = [token_id]
         logprobs, rows, prompt_logprobs = self._extras() if self._extras is not None else (None, None, None)
-        return ModelRunnerOutput(
-            req_ids=self.req_ids,
-            req_id_to_index={r: i for i, r in enumerate(self.req_ids)},
+        return ModelRunnerOutput.for_requests(
+            self.req_ids,
             sampled_token_ids=sampled,
             logprobs=logprobs,
             logprobs_rows=rows,

@@ -409,9 +409,8 @@ class ModelRunner:
         batch = self.input_batch
         batch.num_computed_tokens[staged.rows] = staged.seq_lens
         if logits is None:  # every chunk ends inside its prompt: nothing to sample
-            return ModelRunnerOutput(
-                req_ids=staged.req_ids,
-                req_id_to_index={r: i for i, r in enumerate(staged.req_ids)},
+            return ModelRunnerOutput.for_requests(
+                staged.req_ids,
                 sampled_token_ids=[[] for _ in staged.req_ids],
             )
         sample_rows = staged.rows[staged.sample]
@@ -480,9 +479,8 @@ class ModelRunner:
         arrays, rows = None, None
         if md.logprob_rows is not None:
             arrays, rows = self._verified_logprobs(step, sample_rows, verified, lengths, target.described(logits, md), md)
-        return ModelRunnerOutput(
-            req_ids=step.req_ids,
-            req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
+        return ModelRunnerOutput.for_requests(
+            step.req_ids,
             sampled_token_ids=sampled,
             logprobs=arrays,
             logprobs_rows=rows,
@@ -673,9 +671,8 @@ class ModelRunner:
                 batch.append_token(row, tok)
                 sampled[i] = [tok]
             arrays, rows = logprobs()
-            return ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            return ModelRunnerOutput.for_requests(
+                req_ids,
                 sampled_token_ids=sampled,
                 logprobs=arrays,
                 logprobs_rows=rows,
