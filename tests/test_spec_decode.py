@@ -522,3 +522,19 @@ def test_a_draft_with_another_vocabulary_is_refused(llama, tmp_path) -> None:
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="vocabulary"):
         EngineArgs(model=path, speculative_config=_draft_spec(str(tmp_path))).resolve()
+
+
+def test_the_memory_profile_step_has_a_logits_row_per_draft(llama, monkeypatch) -> None:
+    """A GPU sizes its KV cache after the largest step (profile_run): with speculation its
+    logits and sampling cover every draft row, not one row per request."""
+    _, path = llama
+    engine = _engine(path, max_num_batched_tokens=64)
+    runner = engine.model_executor.runner
+    seen: list[int] = []
+    compute_logits = runner.model.compute_logits
+    monkeypatch.setattr(runner.model, "compute_logits", lambda hidden: seen.append(hidden.shape[0]) or compute_logits(hidden))
+    try:
+        runner.profile_run()
+    finally:
+        engine.shutdown()
+    assert seen == [min(64, 8 * (SPEC.num_speculative_tokens + 1))]

@@ -299,17 +299,19 @@ class ModelRunner:
         b.query_start_loc.np[1 : num_reqs + 1] = cu
         b.seq_lens.np[:num_reqs] = counts
         b.block_tables.np[:num_reqs] = 0
-        b.logits_indices.np[:num_reqs] = cu - 1
+        # Speculative decoding: a logits row per draft too (the last tokens of the step stand in).
+        num_logits = min(total, num_reqs * (self.num_speculative_tokens + 1))
+        b.logits_indices.np[:num_logits] = np.arange(total - num_logits, total)
         meta = self._metadata(total, num_reqs, max_query_len=int(counts.max()))
         input_ids, positions = b.input_ids.to_device(total), b.positions.to_device(total)
-        logits_indices = b.logits_indices.to_device(num_reqs)
+        logits_indices = b.logits_indices.to_device(num_logits)
         b.copies_issued()
         scratch = torch.zeros((1, *self._kv_shape()), dtype=self.kv_dtype, device=self.device)
         caches = [(scratch, scratch)] * self.model_config.num_layers
         hidden = self.model(input_ids, positions, caches, meta)
         logits = self.model.compute_logits(hidden[logits_indices])
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
-        self.sampler(logits, sampling_metadata([params] * num_reqs, logits.shape[-1]))
+        self.sampler(logits, sampling_metadata([params] * num_logits, logits.shape[-1]))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = (num_blocks, *self._kv_shape())
