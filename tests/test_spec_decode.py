@@ -538,3 +538,26 @@ def test_the_memory_profile_step_has_a_logits_row_per_draft(llama, monkeypatch) 
     finally:
         engine.shutdown()
     assert seen == [min(64, 8 * (SPEC.num_speculative_tokens + 1))]
+
+
+def test_drafts_under_a_grammar_are_checked_and_masked_at_every_position(llama) -> None:
+    """Structured outputs with speculation: the grammar cuts each proposal to what it accepts
+    and masks every verified row as it stands after the drafts before; the text is the one
+    without speculation, and matches the pattern (Python's re as the judge)."""
+    import re
+
+    from app.tokenizer import load_tokenizer
+    from core.protocol import StructuredOutputsParams
+
+    model, path = llama
+    pattern = r"(cat|dog|bird)( (cat|dog|bird)){5,12}"
+    params = SamplingParams(max_tokens=80, temperature=0.0, structured_outputs=StructuredOutputsParams(regex=pattern))
+    prompts = _copy_heavy_prompts(model.config.vocab_size, 4)
+    without, *_ = _run(path, prompts, params, None)
+    with_spec, stats, _, all_free, _ = _run(path, prompts, params, SPEC)
+    assert with_spec == without and all_free
+    assert stats.num_accepted_tokens > 0
+    tokenizer = load_tokenizer(path)
+    eos = model.config.eos_token_id
+    texts = [tokenizer.decode(t[:-1] if t[-1] == eos else t) for t in with_spec]
+    assert all(re.fullmatch(pattern, text) for text in texts), texts

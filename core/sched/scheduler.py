@@ -292,8 +292,12 @@ class Scheduler:
                     if request.structured is not None:
                         grammar_requests.append(request)
         if grammar_requests:
-            output.grammar_req_ids = [r.request_id for r in grammar_requests]
-            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(grammar_requests)
+            # A row per request, and one more per draft it verifies (the mask after that draft).
+            drafts = [plan.spec_tokens.get(r.request_id, []) for r in grammar_requests]
+            output.grammar_req_ids = [r.request_id for r, d in zip(grammar_requests, drafts) for _ in range(len(d) + 1)]
+            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+                grammar_requests, drafts if any(drafts) else None
+            )
         return output
 
     def _schedule_running(self, plan: _StepPlan) -> None:
@@ -429,18 +433,22 @@ class Scheduler:
     def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
         """Keep the proposer's drafts for the next schedule, cut to what the request
         may still produce: the drafts and the token sampled after them must fit in
-        max_tokens and max_model_len. Requests under a grammar take none (their
-        next bitmask depends on the token sampled; drafts are not checked against it)."""
+        max_tokens and max_model_len, and for a request under a grammar to the prefix the
+        grammar accepts (its verification then masks each draft's row as the grammar stands
+        after the drafts before it)."""
         requests = self.requests
         max_model_len = self.max_model_len
         for req_id, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
             request = requests.get(req_id)
-            if request is None or request.status != _RUNNING or request.structured is not None:
+            if request is None or request.status != _RUNNING:
                 continue  # finished in the step that proposed them, or preempted
             room = min(
                 max_model_len - request.num_tokens, request.sampling_params.max_tokens - request.num_output_tokens
             ) - 1
-            request.spec_token_ids = drafts[:room] if room > 0 else []
+            drafts = drafts[:room] if room > 0 else []
+            if drafts and request.structured is not None:
+                drafts = request.structured.valid_drafts(drafts)
+            request.spec_token_ids = drafts
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput

@@ -114,9 +114,11 @@ class StructuredOutputManager:
 
     # ------------------------------------------------------------ steps
 
-    def grammar_bitmask(self, requests: Sequence[Request]) -> torch.Tensor:
-        """The next-token bitmask of each request (which have matchers), row i for requests[i]."""
-        return self._get_backend().bitmask([r.structured.matcher for r in requests])  # type: ignore[union-attr]
+    def grammar_bitmask(self, requests: Sequence[Request], drafts: list[list[int]] | None = None) -> torch.Tensor:
+        """The next-token bitmask of each request (which have matchers), row i for requests[i];
+        with ``drafts``, a row more for each of request i's drafts (after accepting the ones before)."""
+        matchers = [r.structured.matcher for r in requests]  # type: ignore[union-attr]
+        return self._get_backend().bitmask(matchers, drafts)
 
     def shutdown(self) -> None:
         if self._pool is not None:

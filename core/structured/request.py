@@ -55,6 +55,20 @@ class StructuredOutputRequest:
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
 
+    def valid_drafts(self, drafts: list[int]) -> list[int]:
+        """The longest prefix of ``drafts`` the grammar accepts from here, up to its end
+        (speculative decoding); the matcher is left as it was."""
+        accepted = 0
+        for token_id in drafts:
+            if not self.matcher.accept_token(token_id):
+                break
+            accepted += 1
+            if self.matcher.is_terminated():
+                break
+        if accepted:
+            self.matcher.rollback(accepted)
+        return drafts[:accepted]
+
     def only_end_allowed(self) -> bool:
         """The output is complete: the grammar allows no token but its end (e.g. a JSON
         object's closing brace); asked only when a limit cuts the request there."""

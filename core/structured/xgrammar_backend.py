@@ -113,11 +113,22 @@ class XgrammarBackend:
             words[token // 32] &= ~(bit - (1 << 32) if bit >= 1 << 31 else bit)  # as int32
         return not bool(words.any())
 
-    def bitmask(self, matchers: list[Any]) -> torch.Tensor:
-        """[len(matchers), ceil(vocab / 32)] int32: bit t of row i allows token t to matcher i."""
-        mask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
-        for i, matcher in enumerate(matchers):
-            matcher.fill_next_token_bitmask(mask, i)
+    def bitmask(self, matchers: list[Any], drafts: list[list[int]] | None = None) -> torch.Tensor:
+        """[rows, ceil(vocab / 32)] int32: bit t of a row allows token t. A row per matcher,
+        or with ``drafts`` (speculative decoding) len(drafts[i]) + 1 rows for matcher i: its
+        mask now, then after each of its drafts (which it must accept; it is rolled back)."""
+        drafts = drafts or [[] for _ in matchers]
+        mask = xgr.allocate_token_bitmask(sum(len(d) + 1 for d in drafts), self.vocab_size)
+        row = 0
+        for matcher, tokens in zip(matchers, drafts):
+            matcher.fill_next_token_bitmask(mask, row)
+            row += 1
+            for token_id in tokens:
+                matcher.accept_token(token_id)
+                matcher.fill_next_token_bitmask(mask, row)
+                row += 1
+            if tokens:
+                matcher.rollback(len(tokens))
         return mask
 
 

@@ -446,7 +446,7 @@ class ModelRunner:
         num_rows = step.num_drafts + 1
         starts, drafts_before = self._segments(num_rows)
         logits_rows = np.repeat(sample_rows, num_rows)  # each logits row's batch row
-        if so.grammar_bitmask is not None:  # requests under a grammar take no drafts: one row each
+        if so.grammar_bitmask is not None:  # a row per logits row of the requests under a grammar
             self._apply_grammar(so, step.req_ids, step.sample, logits, starts)
         md = sampling.metadata(logits_rows, batch.num_tokens, batch.token_ids, drafts_before)
         target = target_distribution(logits, md)
@@ -631,7 +631,13 @@ class ModelRunner:
         assert so.grammar_bitmask is not None
         positions = range(sample.size) if logits_rows is None else logits_rows.tolist()
         row_of = {req_ids[i]: k for i, k in zip(sample.tolist(), positions)}
-        rows = [row_of.get(r, -1) for r in so.grammar_req_ids]
+        # A request verifying drafts is listed once per row: its rows follow one another.
+        rows: list[int] = []
+        seen: dict[str, int] = {}
+        for req_id in so.grammar_req_ids:
+            first = row_of.get(req_id, -1)
+            nth = seen[req_id] = seen.get(req_id, -1) + 1
+            rows.append(-1 if first < 0 else first + nth)
         bitmask = so.grammar_bitmask
         if -1 in rows:  # not sampled this step after all: its mask has no row to go to
             keep = [k for k, row in enumerate(rows) if row >= 0]
