@@ -20,7 +20,7 @@ import msgspec
 
 from app.tokenizer import load_tokenizer
 from core.config import EngineConfig
-from core.protocol import EngineCoreRequest, SamplingParams
+from core.protocol import EngineCoreRequest, PoolingParams, SamplingParams
 from core.validation import ModelLimits, validate_request
 
 if TYPE_CHECKING:
@@ -180,6 +180,7 @@ class InputProcessor:
         cache_salt: str | None = None,
         prompt_embeds: torch.Tensor | None = None,
         data_parallel_rank: int | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> EngineCoreRequest:
         """Validate and build the request the engine runs; ValueError if it cannot.
 
@@ -200,6 +201,7 @@ class InputProcessor:
             cache_salt=cache_salt,
             prompt_embeds=prompt_embeds,
             data_parallel_rank=data_parallel_rank,
+            pooling_params=pooling_params,
         )
         validate_request(request, self.limits)
         return request

@@ -14,7 +14,7 @@ from app.logprobs import Logprobs
 from app.output_processor import OutputProcessor, RequestOutputCollector
 from core.client import InprocClient
 from core.config import EngineArgs
-from core.protocol import SamplingParams
+from core.protocol import PoolingParams, SamplingParams
 from core.utilities import RESET_PREFIX_CACHE
 
 
@@ -86,6 +86,34 @@ class LLM:
                     out.logprobs, out.prompt_logprobs,
                 )
             )
+        return results
+
+    def encode(
+        self, prompts: str | list[str] | list[list[int]], pooling_params: PoolingParams | None = None
+    ) -> list:
+        """A pooling model's output for every prompt (numpy float32 arrays, in input order):
+        embeddings, or a classifier's scores (``PoolingParams(task="classify")``)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = pooling_params or PoolingParams()
+        output_processor = OutputProcessor(self.tokenizer)
+        collectors: list[RequestOutputCollector] = []
+        for prompt in prompts:
+            ids = self.input_processor.tokenize_prompt(prompt)
+            request = self.input_processor.process(
+                f"offline-{next(self._ids)}", ids, SamplingParams(max_tokens=1), pooling_params=params
+            )
+            collector = RequestOutputCollector()
+            output_processor.add_request(request, collector)
+            self.engine.add_request(request)
+            collectors.append(collector)
+        while output_processor.has_unfinished_requests():
+            output_processor.process_outputs(self.engine.get_output().outputs)
+        results = []
+        for collector in collectors:
+            out = collector.get_nowait()
+            assert out is not None and out.finished and out.pooled is not None, out
+            results.append(out.pooled.copy())  # its own memory, not the transport's
         return results
 
     def reset_prefix_cache(self) -> bool:

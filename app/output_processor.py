@@ -47,6 +47,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0  # also counts a prompt given as embeddings
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
+    pooled: Any = None  # a pooling request's result (numpy float32), with its finished output
 
     def merge(self, later: RequestOutput) -> None:
         """Fold a later delta into this one (the consumer fell behind)."""
@@ -64,6 +65,8 @@ class RequestOutput:
         self.stop_reason = later.stop_reason
         self.num_output_tokens = later.num_output_tokens
         self.num_cached_tokens = later.num_cached_tokens
+        if later.pooled is not None:
+            self.pooled = later.pooled
 
 
 class RequestOutputCollector:
@@ -243,6 +246,7 @@ class OutputProcessor:
             prompt_logprobs=(
                 None if output.new_prompt_logprobs is None else Logprobs.from_arrays(output.new_prompt_logprobs)
             ),
+            pooled=output.pooled,
         )
 
     def abort_requests(self, request_ids: Iterable[str], notify: bool = False) -> list[str]:

@@ -19,6 +19,7 @@ import msgspec
 
 from core.model_config import ModelConfig
 from core.models.gguf_checkpoint import GGUFCheckpoint, gguf_file
+from core.pooler_config import PoolerConfig
 
 # The CPU KV cache by default: vLLM's CPU default (4 GiB) where the machine has room for it, else a
 # quarter of the memory available once the weights are loaded, and never below the minimum.
@@ -33,6 +34,8 @@ QUANTIZATIONS = ("q8_0", "q4_0")
 KV_CACHE_DTYPES = ("auto", "float32", "float16")
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed", "classify")
 # n-gram lookup without prompt_lookup_min/max: the longest suffix tried, and the shortest.
 DEFAULT_PROMPT_LOOKUP_MAX = 5
 DEFAULT_PROMPT_LOOKUP_MIN = 2
@@ -143,6 +146,11 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
     data_parallel_size_local: int | None = None
     # Speculative decoding (--speculative-config); None: off.
     speculative_config: SpeculativeConfig | None = None
+    # vLLM's --runner (auto: pooling for checkpoints without a language-model head) and
+    # --convert (serve a generative checkpoint as a pooling model), --override-pooler-config.
+    runner: str = "auto"
+    convert: str = "auto"
+    override_pooler_config: PoolerConfig | None = None
 
     @property
     def engines_on_this_host(self) -> int:
@@ -187,7 +195,8 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
                 f"this checkpoint uses sliding-window attention (window {window}), which is not "
                 f"supported; serve it with max_model_len <= {window}"
             )
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len \
+                and not model_config.encoder:
             raise ValueError(
                 "max_num_batched_tokens must be >= max_model_len without chunked prefill"
             )
@@ -223,12 +232,35 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
                 raise ValueError("max_num_batched_tokens must leave room for one request's drafts and its token")
             if speculative.method == "draft_model":
                 draft_model_config = _draft_model_config(speculative.model, tokenizer or model, model_config)
+        pooler_config = self._pooler_config(model_config, model if path is None else None)
+        chunked, prefix_caching, batched_tokens = (
+            self.enable_chunked_prefill, self.enable_prefix_caching, self.max_num_batched_tokens
+        )
+        if pooler_config is not None:
+            if speculative is not None:
+                raise ValueError("--speculative-config is for generation; a pooling model samples no tokens")
+            if model_config.encoder:
+                if self.quantization is not None:
+                    raise ValueError("--quantization serves decoder models; this checkpoint is an encoder")
+                if max_model_len > model_config.max_position_embeddings:
+                    raise ValueError(
+                        f"max_model_len {max_model_len} exceeds the encoder's "
+                        f"{model_config.max_position_embeddings} absolute positions"
+                    )
+                # Bidirectional attention sees the whole prompt at once: no chunks, no cached prefix.
+                chunked, prefix_caching, batched_tokens = False, False, max(batched_tokens, max_model_len)
+            elif pooler_config.pooling_type != "LAST":
+                prefix_caching = False  # the pooled states of a cached prefix are not kept
         return EngineConfig(
             **{
                 **msgspec.structs.asdict(self),
                 "model": model,
                 "load_format": load_format,
                 "max_model_len": max_model_len,
+                "enable_chunked_prefill": chunked,
+                "enable_prefix_caching": prefix_caching,
+                "max_num_batched_tokens": batched_tokens,
+                "pooler_config": pooler_config,
                 "served_model_name": self.served_model_name or self.model,
                 "tokenizer": tokenizer or model,
                 "speculative_config": speculative,
@@ -236,6 +268,30 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
             model_config=model_config,
             draft_model_config=draft_model_config,
         )
+
+
+    def _pooler_config(self, model_config: ModelConfig, model_dir: str | None) -> PoolerConfig | None:
+        """The resolved pooler of a pooling model; None for a generative one."""
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        if self.convert not in CONVERTS:
+            raise ValueError(f"convert must be one of {', '.join(CONVERTS)}, got {self.convert!r}")
+        headless = not model_config.has_lm_head
+        converted = self.convert in ("embed", "classify")
+        pooling = self.runner == "pooling" or (self.runner == "auto" and (headless or converted))
+        if not pooling:
+            if headless:
+                raise ValueError(
+                    f"{model_config.architecture} has no language-model head and generates nothing: "
+                    "serve it with --runner pooling (the default for it)"
+                )
+            if converted or self.override_pooler_config is not None:
+                raise ValueError("--convert and --override-pooler-config need --runner pooling")
+            return None
+        override = self.override_pooler_config or PoolerConfig()
+        if self.convert == "classify" and override.task is None:
+            override = msgspec.structs.replace(override, task="classify")
+        return override.resolved(model_config, model_dir)
 
 
 class EngineConfig(EngineArgs, kw_only=True, frozen=True):
@@ -248,6 +304,12 @@ class EngineConfig(EngineArgs, kw_only=True, frozen=True):
     model_config: ModelConfig
     # The draft checkpoint's architecture (speculative method draft_model).
     draft_model_config: ModelConfig | None = None
+    # A pooling model's pooler (embeddings, scores); None: the model generates.
+    pooler_config: PoolerConfig | None = None
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooler_config is not None
 
 
 def _draft_model_config(draft_dir: str, target_tokenizer: str, target: ModelConfig) -> ModelConfig:

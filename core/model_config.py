@@ -22,12 +22,24 @@ import msgspec
 
 # The architectures served (core/models/registry.py maps them to classes), with
 # the switches their configs leave implicit.
-ARCHITECTURES: dict[str, dict[str, bool]] = {
+# A ``...Model`` is the same decoder without its head, as sentence-transformers saves one
+# it uses for embeddings (weights without the ``model.`` prefix).
+DECODER_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "LlamaForCausalLM": {},
     "MistralForCausalLM": {},
     "Qwen2ForCausalLM": {"qwen2_biases": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
+    "LlamaModel": {"headless": True},
+    "MistralModel": {"headless": True},
+    "Qwen2Model": {"qwen2_biases": True, "headless": True},
+    "Qwen3Model": {"qk_norm": True, "headless": True},
 }
+# Bidirectional encoders (core/models/bert.py): pooling models only.
+ENCODER_ARCHITECTURES: dict[str, dict[str, bool]] = {
+    "BertModel": {},
+    "BertForSequenceClassification": {"classifier": True},
+}
+ARCHITECTURES = {**DECODER_ARCHITECTURES, **ENCODER_ARCHITECTURES}
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 
 
@@ -53,6 +65,19 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     sliding_window: int | None
     dtype: str | None = None  # the checkpoint's own (float32, bfloat16...), if it says
     eos_token_ids: tuple[int, ...] = ()  # generation_config.json's, else config.json's
+    # A decoder saved without its language-model head (an embedding model's body).
+    headless: bool = False
+    # BERT family: bidirectional attention, no KV cache; absolute positions, token types,
+    # LayerNorm (its epsilon in rms_norm_eps). num_labels: a classification head's outputs.
+    encoder: bool = False
+    type_vocab_size: int = 0
+    num_labels: int = 0
+    # Matryoshka embeddings: the model was trained so that a prefix of its vector is one too.
+    matryoshka: bool = False
+
+    @property
+    def has_lm_head(self) -> bool:
+        return not (self.headless or self.encoder)
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike) -> ModelConfig:
@@ -73,6 +98,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         (ValueError for an architecture or activation we do not serve)."""
         cfg: dict[str, Any] = hf if isinstance(hf, dict) else hf.to_dict()
         architecture = architecture or _served_architecture(cfg.get("architectures") or [])
+        if architecture in ENCODER_ARCHITECTURES:
+            return cls._encoder(cfg, architecture)
         switches = ARCHITECTURES[architecture]
         qwen2_biases = switches.get("qwen2_biases", False)
         heads = cfg["num_attention_heads"]
@@ -104,6 +131,29 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             sliding_window=_sliding_window(cfg),
             dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             eos_token_ids=() if eos is None else ((eos,) if isinstance(eos, int) else tuple(int(i) for i in eos)),
+            headless=switches.get("headless", False),
+            matryoshka=_matryoshka(cfg),
+        )
+
+    @classmethod
+    def _encoder(cls, cfg: dict[str, Any], architecture: str) -> ModelConfig:
+        """A BERT-family config (absolute positions, post-norm layers with biases)."""
+        act = cfg.get("hidden_act", "gelu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(ACTIVATIONS)}")
+        if cfg.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"unsupported position_embedding_type {cfg['position_embedding_type']!r}")
+        heads = cfg["num_attention_heads"]
+        classifier = ENCODER_ARCHITECTURES[architecture].get("classifier", False)
+        num_labels = len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 2)) if classifier else 0
+        return cls(
+            architecture=architecture, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=heads, head_dim=cfg["hidden_size"] // heads, rms_norm_eps=cfg.get("layer_norm_eps", 1e-12),
+            max_position_embeddings=cfg.get("max_position_embeddings", 512), rope_theta=0.0, rope_scaling=None,
+            qkv_bias=True, o_bias=True, mlp_bias=True, qk_norm=False, tie_word_embeddings=False, hidden_act=act,
+            sliding_window=None, dtype=cfg.get("dtype") or cfg.get("torch_dtype"), encoder=True,
+            type_vocab_size=cfg.get("type_vocab_size", 2), num_labels=num_labels, matryoshka=_matryoshka(cfg),
         )
 
     def kv_block_shape(self, block_size: int) -> tuple[int, int, int]:
@@ -123,6 +173,11 @@ def _served_architecture(listed: list[str]) -> str:
         f"unsupported model architecture {listed or '(none listed in config.json)'}; "
         f"supported: {', '.join(ARCHITECTURES)}"
     )
+
+
+def _matryoshka(cfg: dict[str, Any]) -> bool:
+    """Whether config.json declares Matryoshka embeddings (as vLLM reads it)."""
+    return bool(cfg.get("is_matryoshka") or cfg.get("matryoshka_dimensions"))
 
 
 def _rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

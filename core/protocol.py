@@ -240,6 +240,28 @@ class SamplingParams(
         }
 
 
+POOLING_TASKS = ("embed", "classify", "encode")
+
+
+class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True):
+    """A pooling request (vLLM's PoolingParams): the engine runs the prompt once and
+    returns one tensor instead of sampling tokens.
+
+    ``task``: ``embed`` (the pooled, optionally normalised vector), ``classify``
+    (a classification head's scores: cross-encoders) or ``encode`` (the pooler's
+    raw output, as vLLM's /pooling returns it). ``dimensions`` keeps the first
+    that many components before normalising (Matryoshka models); ``normalize``
+    and ``use_activation`` override the model's defaults. ``token_type_ids``
+    (BERT's segment ids, one per prompt token) mark a sentence pair.
+    """
+
+    task: str = "embed"
+    dimensions: int | None = None
+    normalize: bool | None = None
+    use_activation: bool | None = None
+    token_type_ids: list[int] | None = None
+
+
 class EngineCoreRequest(
     msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True
 ):
@@ -261,6 +283,8 @@ class EngineCoreRequest(
     prompt_embeds: torch.Tensor | None = None
     # Data parallel: the engine this request must run on (else the client picks one).
     data_parallel_rank: int | None = None
+    # Set for a pooling request (embeddings, scores): no token is sampled.
+    pooling_params: PoolingParams | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -325,6 +349,9 @@ class EngineCoreOutput(
     events: list[EngineCoreEvent] | None = None
     logprobs_start: int = -1
     new_prompt_logprobs: LogprobsArrays | None = None
+    # A pooling request's result (float32), with the output that finishes it: a
+    # tensor tier of the transport carries it, not the msgpack body.
+    pooled: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:

@@ -19,6 +19,7 @@ from core.protocol import (
     EngineCoreEventType,
     EngineCoreRequest,
     FinishReason,
+    PoolingParams,
     SamplingParams,
 )
 from core.structured.request import StructuredOutputRequest
@@ -93,6 +94,7 @@ class Request:
         cache_salt: str | None = None,
         prompt_embeds: torch.Tensor | None = None,
         block_hasher: BlockHasher | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -105,6 +107,8 @@ class Request:
         # A prompt given as embeddings: prompt_token_ids are placeholders that
         # only count positions; the model reads these rows instead.
         self.prompt_embeds = prompt_embeds
+        # A pooling request: it finishes with its pooled output once its prompt has run.
+        self.pooling_params = pooling_params
 
         self.status = RequestStatus.WAITING
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -158,6 +162,7 @@ class Request:
             cache_salt=cache_salt,
             prompt_embeds=embeds,
             block_hasher=block_hasher,
+            pooling_params=request.pooling_params,
         )
 
     def set_block_hasher(self, block_hasher: BlockHasher) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from core.config import EngineConfig
-from core.protocol import EngineCoreRequest
+from core.protocol import POOLING_TASKS, EngineCoreRequest
 
 if TYPE_CHECKING:
     import torch
@@ -34,14 +34,20 @@ class ModelLimits:
     vocab_size: int  # the embedding table's rows (often more than the tokenizer's vocabulary)
     hidden_size: int
     enable_prompt_embeds: bool = False
+    # A pooling model's task (embed, classify); None: the model generates.
+    pooling_task: str | None = None
+    matryoshka: bool = False  # embeddings may be shortened (``dimensions``)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> ModelLimits:
+        pooler = config.pooler_config
         return cls(
             max_model_len=config.max_model_len,
             vocab_size=config.model_config.vocab_size,
             hidden_size=config.model_config.hidden_size,
             enable_prompt_embeds=config.enable_prompt_embeds,
+            pooling_task=None if pooler is None else pooler.task,
+            matryoshka=config.model_config.matryoshka,
         )
 
 
@@ -75,6 +81,9 @@ def validate_request(request: EngineCoreRequest, limits: ModelLimits) -> None:
     if prompt_len == 0:
         raise InvalidRequestError("The prompt is empty: it must contain at least one token.", "prompt")
     max_len = limits.max_model_len
+    if request.pooling_params is not None or limits.pooling_task is not None:
+        _validate_pooling(request, limits)
+        return
     if prompt_len >= max_len:
         raise ValueError(
             f"This model's maximum context length is {max_len} tokens. However, your prompt has "
@@ -103,6 +112,43 @@ def validate_request(request: EngineCoreRequest, limits: ModelLimits) -> None:
             "prompt_logprobs are not available for a prompt given as embeddings: it has no token ids.",
             "prompt_logprobs",
         )
+
+
+def _validate_pooling(request: EngineCoreRequest, limits: ModelLimits) -> None:
+    """A pooling request to a pooling model: its prompt fits whole, its parameters fit the model."""
+    params = request.pooling_params
+    if params is None:
+        raise InvalidRequestError(
+            "This model is a pooling model (embeddings, scores): it generates no text.", "model"
+        )
+    if limits.pooling_task is None:
+        raise InvalidRequestError("This model generates text; it serves no embeddings or scores.", "model")
+    if request.prompt_embeds is not None:
+        raise InvalidRequestError("A pooling request takes token ids, not prompt_embeds.", "prompt_embeds")
+    prompt_len, max_len = request.num_prompt_tokens, limits.max_model_len
+    if prompt_len > max_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_len} tokens. However, an input has "
+            f"{prompt_len} tokens. Please reduce the length of the input.", "input"
+        )
+    if params.task not in POOLING_TASKS:
+        raise InvalidRequestError(f"Unknown pooling task {params.task!r}.", "task")
+    if params.task == "classify" and limits.pooling_task != "classify":
+        raise InvalidRequestError("This model has no classification head: it serves embeddings.", "model")
+    if params.task == "embed" and limits.pooling_task != "embed":
+        raise InvalidRequestError("This model is a classifier (scores, rerank): it serves no embeddings.", "model")
+    if params.dimensions is not None:
+        if not limits.matryoshka:
+            raise InvalidRequestError(
+                "This model does not support Matryoshka embeddings: dimensions cannot be set.", "dimensions"
+            )
+        if not 1 <= params.dimensions <= limits.hidden_size:
+            raise InvalidRequestError(
+                f"dimensions must be in [1, {limits.hidden_size}], got {params.dimensions}.", "dimensions"
+            )
+    types = params.token_type_ids
+    if types is not None and (len(types) != prompt_len or any(t not in (0, 1) for t in types)):
+        raise InvalidRequestError("token_type_ids must give 0 or 1 for every prompt token.", "token_type_ids")
 
 
 def _param_named_in(message: str) -> str | None:

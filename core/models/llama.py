@@ -198,12 +198,18 @@ class LlamaForCausalLM(nn.Module):
         Call again after ``to_empty``/``_apply``, which replace parameters one
         module at a time and so undo the sharing.
         """
-        if self.config.tie_word_embeddings:
+        if self.head_is_embedding:
             embedding = self.model.embed_tokens
             if embedding.quantized is not None:
                 self.lm_head.set_quantized([embedding.quantized])
             else:
                 self.lm_head.weight = embedding.weight
+
+    @property
+    def head_is_embedding(self) -> bool:
+        """The head shares the embedding's weights: tied, or (a headless checkpoint, served
+        for pooling only) standing in for a head that was never saved."""
+        return self.config.tie_word_embeddings or self.config.headless
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -261,8 +267,10 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue  # recomputed from the config
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            if name == "lm_head.weight" and self.head_is_embedding:
                 continue  # the embedding is the head
+            if self.config.headless and not name.startswith("model."):
+                name = f"model.{name}"  # a headless checkpoint names the body's tensors bare
             if isinstance(tensor, QuantizedMatrix):
                 target, shard = self._fused_target(name)
                 self._param(params, target)
@@ -322,7 +330,7 @@ class LlamaForCausalLM(nn.Module):
         """What ``load_weights`` must have filled for the model to be complete."""
         expected: set[str] = set()
         for name, _ in self.named_parameters():  # tied parameters are listed once
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            if name == "lm_head.weight" and self.head_is_embedding:
                 continue  # the embedding's (a separate, empty one when the head is in a block format)
             if ".qkv_proj." in name:
                 expected |= {f"{name}#{i}" for i in range(3)}

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from torch import nn
 
-from core.model_config import ARCHITECTURES, ModelConfig
+from core.model_config import DECODER_ARCHITECTURES, ENCODER_ARCHITECTURES, ModelConfig
+from core.models.bert import BertModel
 from core.models.llama import LlamaForCausalLM
 
-# Llama, Mistral, Qwen2 and Qwen3 are one class: their differences are ModelConfig switches.
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {arch: LlamaForCausalLM for arch in ARCHITECTURES}
+# Llama, Mistral, Qwen2 and Qwen3 are one class: their differences are ModelConfig switches;
+# so are BERT's two heads (none, or a classifier).
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    **{arch: LlamaForCausalLM for arch in DECODER_ARCHITECTURES},
+    **{arch: BertModel for arch in ENCODER_ARCHITECTURES},
+}
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.protocol import LogprobsArrays, SamplingParams
+import numpy as np
+
+from core.protocol import LogprobsArrays, PoolingParams, SamplingParams
 
 
 @dataclass
@@ -36,6 +38,7 @@ class NewRequestData:
     # holds back eos_token_id.
     num_prompt_tokens: int | None = None
     eos_token_id: int | None = None
+    pooling_params: PoolingParams | None = None  # a pooling request: pooled, never sampled
 
 
 @dataclass
@@ -92,7 +95,8 @@ class ModelRunnerOutput:
     sampled tokens' logprobs of the requests that asked, a row each:
     ``logprobs_rows`` (index-aligned with ``req_ids``) gives the row, or -1.
     ``prompt_logprobs`` (by request id) comes in the step that samples the
-    request's first token.
+    request's first token. A pooling model's step gives ``pooler_output`` instead:
+    per request, its pooled tensor when its prompt ended in this step, else None.
     """
 
     req_ids: list[str]
@@ -101,16 +105,18 @@ class ModelRunnerOutput:
     logprobs: LogprobsArrays | None = None
     logprobs_rows: list[int] | None = None
     prompt_logprobs: dict[str, LogprobsArrays] | None = None
+    pooler_output: list[np.ndarray | None] | None = None
 
     @classmethod
     def for_requests(
         cls, req_ids: list[str], sampled_token_ids: list[list[int]], logprobs: LogprobsArrays | None = None,
         logprobs_rows: list[int] | None = None, prompt_logprobs: dict[str, LogprobsArrays] | None = None,
+        pooler_output: list[np.ndarray | None] | None = None,
     ) -> ModelRunnerOutput:
         """The output of a step over ``req_ids``, with its index built."""
         return cls(
             req_ids, {r: i for i, r in enumerate(req_ids)}, sampled_token_ids, logprobs, logprobs_rows,
-            prompt_logprobs,
+            prompt_logprobs, pooler_output,
         )
 
 

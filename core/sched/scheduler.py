@@ -53,6 +53,7 @@ from core.protocol import (
     EngineCoreEventType,
     EngineCoreOutput,
     EngineCoreOutputs,
+    FinishReason,
     SchedulerStats,
     SpecDecodingStats,
 )
@@ -260,6 +261,7 @@ class Scheduler:
                     prompt_embeds=r.prompt_embeds,
                     num_prompt_tokens=r.num_prompt_tokens,
                     eos_token_id=r.eos_token_id,
+                    pooling_params=r.pooling_params,
                 )
                 for r in plan.new
             ],
@@ -460,6 +462,7 @@ class Scheduler:
         sampled = model_runner_output.sampled_token_ids
         logprobs_rows = model_runner_output.logprobs_rows
         prompt_logprobs = model_runner_output.prompt_logprobs
+        pooler_output = model_runner_output.pooler_output
         requests = self.requests
         step_id = scheduler_output.step_id
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
@@ -481,6 +484,18 @@ class Scheduler:
             if request is None or request.status != _RUNNING or request.preempted_at_step > step_id:
                 continue  # aborted, finished or preempted since it was scheduled
             i = index_of.get(req_id)
+            if pooler_output is not None:
+                pooled = pooler_output[i] if i is not None else None
+                if pooled is not None:  # the prompt has run: the request is done
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    stopped.add(req_id)
+                    self._free_request(request)
+                    out = EngineCoreOutput(
+                        request_id=req_id, new_token_ids=[], finish_reason=FinishReason.STOP,
+                        num_cached_tokens=request.num_cached_tokens, events=request.take_events(), pooled=pooled,
+                    )
+                    per_client.setdefault(request.client_index, []).append(out)
+                continue
             new_token_ids = sampled[i] if i is not None else None
             if not new_token_ids:
                 continue  # a prefill chunk short of the prompt's end

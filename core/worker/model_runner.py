@@ -63,6 +63,7 @@ from core.worker.input_batch import InputBatch
 from core.worker.input_buffers import InputBuffers
 from core.worker.logprobs import gather_logprobs
 from core.worker.ngram_proposer import NgramProposer
+from core.worker.pooler import Pooler
 from core.worker.prompt_logprobs import PromptLogprobs
 from core.worker.rejection_sampler import VerifiedTokens, rejection_sample
 from core.worker.sampler import (
@@ -220,12 +221,17 @@ class ModelRunner:
         # Set up with the KV cache, which the graphs (and the CPU step program) read in place.
         self.decode_graphs: DecodeGraphs | None = None
         self.cpu_program: CpuStepProgram | None = None
+        # A pooling model's pooler (set with the model): its steps pool hidden states, never sample.
+        self.pooler: Pooler | None = None
+        self.encoder = self.model_config.encoder  # bidirectional, whole prompts, no KV cache
 
     # ------------------------------------------------------------------ setup
 
     def load_model(self) -> None:
         torch.manual_seed(self.config.seed)
         self.model = load_model(self.config, self.device, self.dtype)
+        if self.config.pooler_config is not None:
+            self.pooler = Pooler(self.config.pooler_config, self.model)
         if self.config.speculative_config is not None and self.device.type == "cpu":
             # Verification steps (a few rows) and plain ones (one row) through one kernel and its
             # thread pool: switching pools at every step costs more than a step of a large model.
@@ -251,6 +257,8 @@ class ModelRunner:
         """
         if self.config.num_gpu_blocks_override is not None:
             return self.config.num_gpu_blocks_override
+        if self.encoder:  # blocks count the step's tokens only: no memory behind them
+            return self.config.max_num_seqs * self.max_blocks_per_req + 1
         per_block = self.kv_bytes_per_block()
         share = self.config.engines_on_this_host  # data-parallel engines split the budget
         if self.config.kv_cache_memory is not None:
@@ -308,25 +316,31 @@ class ModelRunner:
         b.copies_issued()
         scratch = torch.zeros((1, *self._kv_shape()), dtype=self.kv_dtype, device=self.device)
         caches = [(scratch, scratch)] * self.model_config.num_layers
+        if self.encoder:
+            caches = []
         hidden = self.model(input_ids, positions, caches, meta)
+        if self.pooler is not None:
+            return
         logits = self.model.compute_logits(hidden[logits_indices])
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
         self.sampler(logits, sampling_metadata([params] * num_logits, logits.shape[-1]))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        if self.encoder:
+            return  # an encoder keeps nothing between steps
         shape = (num_blocks, *self._kv_shape())
         zeros = _mapped_zeros if self.device.type == "cpu" else partial(torch.zeros, device=self.device)
         self.kv_caches = [
             (zeros(shape, dtype=self.kv_dtype), zeros(shape, dtype=self.kv_dtype))
             for _ in range(self.model_config.num_layers)
         ]
-        if self.device.type == "cpu" and not self.emulate_gpu_paths:
+        if self.device.type == "cpu" and not self.emulate_gpu_paths and self.pooler is None:
             self.cpu_program = CpuStepProgram.build(self.model, self.kv_caches, self.buffers, self.max_model_len)
         speculative = self.config.speculative_config
         if speculative is not None and speculative.method == "draft_model" and self.proposer is None:
             self.proposer = DraftModelProposer(self.config, self.device, self.dtype, num_blocks)
-        capture = self.device.type == "cuda" and not self.config.enforce_eager
-        if capture or self.emulate_gpu_paths:
+        capture = self.device.type == "cuda" and not self.config.enforce_eager and self.pooler is None
+        if capture or (self.emulate_gpu_paths and self.pooler is None):
             sizes = decode_batch_sizes(self.config.max_num_seqs, self.config.max_num_batched_tokens)
             self.decode_graphs = DecodeGraphs(sizes)
         if capture:
@@ -370,17 +384,24 @@ class ModelRunner:
         batch = self.input_batch
         deferred = self.deferred
         prompt_logprobs = self.prompt_logprobs
+        pooler = self.pooler
         for req_id in so.finished_req_ids:
             batch.remove_request(req_id)
             deferred.discard(req_id)
             prompt_logprobs.forget(req_id)
             self._forget_drafts(req_id)
+            if pooler is not None:
+                pooler.forget(req_id)
         for req_id in so.preempted_req_ids:
             batch.park_request(req_id)
             deferred.discard(req_id)
             prompt_logprobs.forget(req_id)
             self._forget_drafts(req_id)
+            if pooler is not None:
+                pooler.reset(req_id)
         for new in so.scheduled_new_reqs:
+            if pooler is not None:
+                pooler.add(new.req_id, new.pooling_params)
             if new.prompt_embeds is not None:
                 embeds = new.prompt_embeds.to(self.device, self.dtype)
                 new = dataclasses.replace(new, prompt_embeds=embeds)
@@ -407,6 +428,8 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         staged = self._stage_inputs(so)
+        if self.pooler is not None:
+            return self._pool(staged)
         logits = self._logits(staged)
         batch = self.input_batch
         batch.num_computed_tokens[staged.rows] = staged.seq_lens
@@ -433,6 +456,28 @@ class ModelRunner:
             proposed = self._propose_drafts(staged.req_ids, staged.sample, sample_rows)
             self._proposal_seconds = time.perf_counter() - now if proposed else 0.0
         return output
+
+    def _pool(self, staged: _Staged) -> ModelRunnerOutput:
+        """A pooling model's step: the forward pass, then the pooled output of every request
+        whose prompt ends in this step (the others gathered what their chunk gives)."""
+        assert self.pooler is not None
+        step = self._device_inputs(staged)
+        extra = {}
+        if self.encoder:
+            types = self.pooler.token_type_ids(staged.req_ids, staged.computed, staged.counts, self.device)
+            if types is not None:
+                extra["token_type_ids"] = types
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, **extra)
+        batch = self.input_batch
+        batch.num_computed_tokens[staged.rows] = staged.seq_lens
+        finishing = staged.seq_lens >= batch.num_tokens[staged.rows]
+        pooled = self.pooler(
+            hidden, staged.req_ids, staged.starts, staged.counts, staged.computed,
+            batch.num_tokens[staged.rows], finishing,
+        )
+        return ModelRunnerOutput.for_requests(
+            staged.req_ids, sampled_token_ids=[[] for _ in staged.req_ids], pooler_output=pooled
+        )
 
     def _verify_drafts(
         self, so: SchedulerOutput, step: _Staged, sample_rows: np.ndarray, logits: torch.Tensor

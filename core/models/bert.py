@@ -1,0 +1,204 @@
+"""BERT-family encoders: ``BertModel`` (embeddings) and ``BertForSequenceClassification``
+(cross-encoders), for the pooling runner.
+
+Every token attends to every token of its own prompt (bidirectional), so a
+prompt is always run whole in one step and nothing is kept between steps: no
+KV cache. The step's prompts arrive flat, back to back, as for the decoders;
+the dense layers run on that flat batch (no padding is multiplied), and only
+attention pads the prompts to one length, with a mask.
+
+Module and parameter names are Hugging Face's, so a checkpoint loads by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.model_config import ModelConfig
+from core.models.layers import Embedding, Linear, Module
+from kernels.metadata import AttentionMetadata
+
+_ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+def _embedding(num: int, dim: int) -> Embedding:
+    return Embedding(num, dim, _weight=torch.empty(num, dim))  # no random init: the checkpoint fills it
+
+
+class BertEmbeddings(Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.word_embeddings = _embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position_embeddings = _embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.token_type_embeddings = _embedding(max(cfg.type_vocab_size, 1), cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.word_embeddings(input_ids) + self.position_embeddings(positions)
+        hidden += self.token_type_embeddings(token_type_ids)
+        return self.LayerNorm(hidden)
+
+
+class _Padded:
+    """Where a step's flat prompts sit in a [prompts, longest] grid, for attention:
+    ``index`` picks each grid cell's flat row (padding cells pick an extra zero row),
+    ``valid`` the grid cells that hold tokens, ``mask`` which keys each prompt sees."""
+
+    def __init__(self, starts: list[int], device: torch.device) -> None:
+        lengths = torch.tensor([b - a for a, b in zip(starts, starts[1:])], device=device)
+        self.num_tokens = starts[-1]
+        self.longest = int(lengths.max())
+        columns = torch.arange(self.longest, device=device)
+        inside = columns[None, :] < lengths[:, None]  # [prompts, longest]
+        flat = torch.tensor(starts[:-1], device=device)[:, None] + columns[None, :]
+        self.index = torch.where(inside, flat, self.num_tokens).reshape(-1)
+        self.valid = inside.reshape(-1).nonzero().squeeze(1)
+        self.mask = inside[:, None, None, :]
+        self.num_prompts = len(starts) - 1
+
+
+class BertSelfAttention(Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.query = Linear(cfg.hidden_size, cfg.hidden_size)
+        self.key = Linear(cfg.hidden_size, cfg.hidden_size)
+        self.value = Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, hidden: torch.Tensor, grid: _Padded) -> torch.Tensor:
+        heads, dim = self.num_heads, self.head_dim
+        if grid.num_prompts == 1:  # one prompt: no padding, no mask
+            q, k, v = (p(hidden).view(1, -1, heads, dim).transpose(1, 2) for p in (self.query, self.key, self.value))
+            out = F.scaled_dot_product_attention(q, k, v)
+            return out.transpose(1, 2).reshape(hidden.shape[0], heads * dim)
+        padded = F.pad(hidden, (0, 0, 0, 1))  # the zero row padding cells read
+        rows = padded.index_select(0, grid.index)
+        shape = (grid.num_prompts, grid.longest, heads, dim)
+        q, k, v = (p(rows).view(shape).transpose(1, 2) for p in (self.query, self.key, self.value))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=grid.mask)
+        out = out.transpose(1, 2).reshape(-1, heads * dim)
+        return out.index_select(0, grid.valid)
+
+
+class BertLayer(Module):
+    """Post-norm: attention, residual, LayerNorm; feed-forward, residual, LayerNorm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention = nn.Module()
+        self.attention.self = BertSelfAttention(cfg)
+        self.attention.output = nn.Module()
+        self.attention.output.dense = Linear(cfg.hidden_size, cfg.hidden_size)
+        self.attention.output.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.intermediate = nn.Module()
+        self.intermediate.dense = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.output = nn.Module()
+        self.output.dense = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.output.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, hidden: torch.Tensor, grid: _Padded) -> torch.Tensor:
+        attn = self.attention
+        context = attn.self(hidden, grid)
+        hidden = attn.output.LayerNorm(attn.output.dense(context) + hidden)
+        inner = self.act(self.intermediate.dense(hidden))
+        return self.output.LayerNorm(self.output.dense(inner) + hidden)
+
+
+class BertEncoder(nn.Module):
+    """The body: embeddings and layers (``BertModel``'s tensors, without its prefix)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embeddings = BertEmbeddings(cfg)
+        self.encoder = nn.Module()
+        self.encoder.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_layers))
+
+
+class BertModel(nn.Module):
+    """An encoder serving pooled embeddings, or (``num_labels``) a sequence classifier.
+
+    ``forward`` has the decoders' signature; the KV caches it is given are empty and
+    unused, and every prompt of the step must be whole (the scheduler sees to it).
+    """
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.bert = BertEncoder(cfg)
+        if cfg.num_labels:
+            # BertPooler (dense + tanh on the CLS token) and the classifier on top.
+            self.bert.pooler = nn.Module()
+            self.bert.pooler.dense = Linear(cfg.hidden_size, cfg.hidden_size)
+            self.classifier = Linear(cfg.hidden_size, cfg.num_labels)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.bert.embeddings.word_embeddings
+
+    def tie_weights(self) -> None:
+        """Nothing is tied (the loader's interface)."""
+
+    def prepare_for_inference(self) -> None:
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepare()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list,
+        attn_metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Flat tokens of whole prompts [T] at ``positions`` [T] -> last hidden states [T, hidden]."""
+        if inputs_embeds is not None:
+            raise ValueError("an encoder takes token ids, not prompt embeddings")
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        body = self.bert
+        hidden = body.embeddings(input_ids, positions, token_type_ids)
+        grid = _Padded(attn_metadata.query_start_loc_cpu, hidden.device)
+        for layer in body.encoder.layer:
+            hidden = layer(hidden, grid)
+        return hidden
+
+    def classify(self, first_tokens: torch.Tensor) -> torch.Tensor:
+        """The classifier's logits [N, num_labels] (float32) from each prompt's CLS hidden state."""
+        pooled = torch.tanh(self.bert.pooler.dense(first_tokens))
+        return self.classifier(pooled).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Hugging Face tensors by name (a classifier's body under ``bert.``). A plain
+        BertModel's own pooler is not used by sentence embeddings and is skipped."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if not self.config.num_labels:
+                if name.startswith("bert."):
+                    name = name[len("bert."):]
+                if name.startswith("pooler.") or name.startswith("cls.") or name.endswith("position_ids"):
+                    continue
+                name = f"bert.{name}"
+            elif name.endswith("position_ids"):
+                continue
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} matches no model parameter")
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+            param.data.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+    def expected_weights(self) -> set[str]:
+        return {name for name, _ in self.named_parameters()}
