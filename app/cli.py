@@ -29,6 +29,7 @@ from app.frontend_config import (
 )
 from core import envs
 from core.config import DEFAULT_JSON_MAX_WHITESPACE, EngineArgs, SpeculativeConfig
+from core.pooler_config import PoolerConfig, parse_override
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -52,6 +53,7 @@ _ENGINE_FIELDS = (
     "gpu_memory_utilization", "enforce_eager", "transport", "scheduling_policy", "enable_prompt_embeds",
     "async_scheduling", "enable_sleep_mode", "logprobs_mode", "structured_outputs_backend", "engine_cpu",
     "data_parallel_size", "engine_threads", "data_parallel_size_local", "speculative_config",
+    "runner", "convert", "override_pooler_config",
 )
 
 
@@ -78,6 +80,13 @@ def _speculative_config(text: str) -> SpeculativeConfig:
         return msgspec.json.decode(text, type=SpeculativeConfig).resolved()
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
         raise argparse.ArgumentTypeError(f"invalid speculative config {text!r}: {exc}") from None
+
+
+def _pooler_config(text: str) -> PoolerConfig:
+    try:
+        return parse_override(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _dtype(text: str) -> str:
@@ -127,6 +136,22 @@ def make_parser() -> argparse.ArgumentParser:
         "--load-format", choices=["auto", "safetensors", "gguf", "dummy"],
         help="weights from the checkpoint (auto: safetensors, or gguf for a GGUF file) or seeded random "
         "ones of its shapes (dummy)",
+    )
+    model.add_argument(
+        "--runner", choices=["auto", "generate", "pooling"],
+        help="generate text, or pool (embeddings: /v1/embeddings; cross-encoders: /score, /rerank); "
+        "default auto: pooling for checkpoints without a language-model head (BertModel, "
+        "BertForSequenceClassification, a headless LlamaModel), generate otherwise",
+    )
+    model.add_argument(
+        "--convert", choices=["auto", "none", "embed", "classify"],
+        help="serve a generative checkpoint as a pooling model: embed (last-token pooling unless the "
+        "directory's sentence-transformers modules or --override-pooler-config say otherwise)",
+    )
+    model.add_argument(
+        "--override-pooler-config", type=_pooler_config, metavar="JSON",
+        help='a pooling model\'s pooler, over what its sentence-transformers modules say: '
+        '{"pooling_type": "MEAN", "normalize": true} (LAST, MEAN, CLS or ALL)',
     )
     model.add_argument(
         "--quantization", choices=["q8_0", "q4_0"],

@@ -97,6 +97,15 @@ class InputProcessor:
                 raise ValueError(f"Token id {token_id!r} is not an integer.")
         return ids
 
+    def tokenize_pair(self, text: str, pair: str) -> tuple[list[int], list[int]]:
+        """A sentence pair as a cross-encoder reads it: token ids and segment ids."""
+        tokenizer = self.tokenizer
+        if hasattr(tokenizer, "encode_pair"):
+            return tokenizer.encode_pair(text, pair)
+        encoded = tokenizer(text, pair)  # transformers' tokenizer (a directory without tokenizer.json)
+        ids = list(encoded["input_ids"])
+        return ids, list(encoded.get("token_type_ids") or [0] * len(ids))
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],

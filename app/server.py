@@ -1,7 +1,9 @@
 """The Starlette application: routes, OpenAI-shaped errors, optional API key.
 
 Routes: GET /health, GET /v1/models, POST /v1/completions,
-POST /v1/chat/completions, vLLM's POST /tokenize, POST /detokenize and
+POST /v1/chat/completions, the pooling routes of pooling models (POST
+/v1/embeddings, vLLM's /pooling and /score, Jina/Cohere's /rerank:
+app/serving/pooling.py), vLLM's POST /tokenize, POST /detokenize and
 GET /version, GET /metrics (Prometheus, app/metrics.py),
 GET /engine/stats (scheduler counters, for operators and tests), the control
 routes of app/control.py (pause, sleep, /reset_prefix_cache...), and
@@ -48,6 +50,7 @@ from app.protocol.common import VersionResponse
 from app.serving.base import json_response
 from app.serving.chat import OpenAIServingChat
 from app.serving.completions import OpenAIServingCompletion
+from app.serving.pooling import OpenAIServingPooling
 from app.serving.sse import EventStreamResponse, until_disconnect
 from app.serving.tokenize import OpenAIServingTokenization
 from app.ui import ui_routes
@@ -137,6 +140,7 @@ def build_app(
     completion = OpenAIServingCompletion(**options)
     chat = OpenAIServingChat(**options)
     tokenization = OpenAIServingTokenization(**options)
+    pooling = OpenAIServingPooling(**options)
     expected_auth = f"Bearer {api_key}".encode() if api_key else None
 
     def openai_route(handler: Endpoint) -> Endpoint:
@@ -191,6 +195,14 @@ def build_app(
         body = await request.body()
         return await _cancel_on_disconnect(request, chat.create_chat_completion(body, admit_for(request)))
 
+    def pooling_route(create: Callable[[bytes, Callable[[int], None]], Awaitable[Response]]) -> Endpoint:
+        async def endpoint(request: Request) -> Response:
+            check_awake()
+            body = await request.body()
+            return await _cancel_on_disconnect(request, create(body, admit_for(request)))
+
+        return endpoint
+
     async def tokenize(request: Request) -> Response:
         return tokenization.tokenize(await request.body())
 
@@ -243,6 +255,16 @@ def build_app(
         Route("/v1/models", openai_route(models), methods=["GET"]),
         Route("/v1/completions", openai_route(completions), methods=["POST"]),
         Route("/v1/chat/completions", openai_route(chat_completions), methods=["POST"]),
+        Route("/v1/embeddings", openai_route(pooling_route(pooling.create_embedding)), methods=["POST"]),
+        Route("/pooling", openai_route(pooling_route(pooling.create_pooling)), methods=["POST"]),
+        *(
+            Route(path, openai_route(pooling_route(pooling.create_score)), methods=["POST"])
+            for path in ("/score", "/v1/score")
+        ),
+        *(
+            Route(path, openai_route(pooling_route(pooling.create_rerank)), methods=["POST"])
+            for path in ("/rerank", "/v1/rerank", "/v2/rerank")
+        ),
         Route("/tokenize", openai_route(tokenize), methods=["POST"]),
         Route("/detokenize", openai_route(detokenize), methods=["POST"]),
         Route("/version", openai_route(version), methods=["GET"]),

@@ -132,6 +132,12 @@ class Tokenizer:
         """Token ids of ``text``; special tokens as the post-processor of tokenizer.json adds them."""
         return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, text: str, pair: str) -> tuple[list[int], list[int]]:
+        """Token ids and segment ids (0: ``text``, 1: ``pair``) of a sentence pair, with the
+        special tokens the post-processor puts around and between them (BERT's [CLS] .. [SEP] .. [SEP])."""
+        encoding = self.backend_tokenizer.encode(text, pair, add_special_tokens=True)
+        return encoding.ids, encoding.type_ids
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text = self.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
         if self.clean_up_tokenization_spaces:
