@@ -49,9 +49,13 @@ def format_banner(
         "ringllm is ready",
         f"  model      {served_names[0]}{aliases}, from {model}",
         f"  dtype      {ready.dtype or 'unknown'}{device}",
-        f"  KV cache   {ready.num_gpu_blocks:,} blocks x {ready.block_size} tokens = {tokens:,} tokens"
-        + (f" of {ready.kv_cache_dtype}" if ready.kv_cache_dtype else "") + "; "
-        f"max_model_len {ready.max_model_len:,}" + (f"; in each of {engines} engines" if engines > 1 else ""),
+        (
+            "  KV cache   none (an encoder keeps nothing between steps); "
+            if ready.kv_cache_dtype == "none" else
+            f"  KV cache   {ready.num_gpu_blocks:,} blocks x {ready.block_size} tokens = {tokens:,} tokens"
+            + (f" of {ready.kv_cache_dtype}" if ready.kv_cache_dtype else "") + "; "
+        )
+        + f"max_model_len {ready.max_model_len:,}" + (f"; in each of {engines} engines" if engines > 1 else ""),
         f"  transport  {transport} ({_TRANSPORTS.get(transport, transport)})",
     ]
     if api_servers > 1:

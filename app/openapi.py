@@ -20,6 +20,16 @@ from app.errors import ErrorResponse
 from app.protocol.chat import ChatCompletionRequest, ChatCompletionResponse
 from app.protocol.common import ModelList
 from app.protocol.completions import CompletionRequest, CompletionResponse
+from app.protocol.pooling import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    PoolingRequest,
+    PoolingResponse,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
 from app.protocol.sampling import MAX_N
 from app.protocol.tokenize import (
     DetokenizeRequest,
@@ -38,6 +48,11 @@ _OPERATIONS: tuple[tuple[str, str, str, type | None, type, bool], ...] = (
     ("post", "/v1/chat/completions", "Answer a conversation", ChatCompletionRequest, ChatCompletionResponse, True),
     ("post", "/tokenize", "Token ids of a prompt or conversation (vLLM)", TokenizeRequest, TokenizeResponse, False),
     ("post", "/detokenize", "Text of token ids (vLLM)", DetokenizeRequest, DetokenizeResponse, False),
+    ("post", "/v1/embeddings", "Embed inputs (pooling models)", EmbeddingRequest, EmbeddingResponse, False),
+    ("post", "/pooling", "The pooler's raw output (vLLM; pooling models)", PoolingRequest, PoolingResponse, False),
+    ("post", "/score", "Score text pairs (vLLM; pooling models)", ScoreRequest, ScoreResponse, False),
+    ("post", "/rerank", "Order documents by relevance (Jina, Cohere; pooling models)", RerankRequest,
+     RerankResponse, False),
 )
 
 # Every error the routes can answer with, all in OpenAI's shape.
@@ -68,6 +83,8 @@ _RANGES: dict[str, dict[str, Any]] = {
     "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
     "prompt_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
     "truncate_prompt_tokens": {"minimum": 1},
+    "dimensions": {"minimum": 1},
+    "top_n": {"minimum": 1},
     "stop_token_ids": {"items": {"type": "integer", "minimum": 0}},
     "allowed_token_ids": {"items": {"type": "integer", "minimum": 0}},
     "logit_bias": {"additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS}},

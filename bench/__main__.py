@@ -24,6 +24,7 @@ SUBCOMMANDS = {
     "startup": "bench.startup",
     "compare": "bench.compare",
     "soak": "bench.soak",
+    "embed": "bench.embed",
 }
 
 

@@ -416,7 +416,10 @@ class EngineCoreProc(EngineCore):
             max_model_len=self.config.max_model_len,
             block_size=self.config.block_size,
             dtype=str(self.model_executor.runner.dtype).removeprefix("torch."),
-            kv_cache_dtype=str(self.model_executor.runner.kv_dtype).removeprefix("torch."),
+            kv_cache_dtype=(
+                "none" if self.model_executor.runner.encoder
+                else str(self.model_executor.runner.kv_dtype).removeprefix("torch.")
+            ),
             device=str(self.model_executor.runner.device),
         )
         self.publish_load()  # before READY: a router never reads a previous engine's row

@@ -157,7 +157,8 @@ def test_logprobs_cross_the_transport_as_tensors() -> None:
     frames, decoded = _wire_round_trip(outputs)
     assert len(frames) == 1  # nothing in aux frames
     body = msgspec.msgpack.decode(frames[0])  # untyped: what is really in the msgpack body
-    step_arrays, prompt_arrays = body[-1], body[1][0][-1]
+    step_arrays = body[-1]
+    prompt_arrays = body[1][0][EngineCoreOutput.__struct_fields__.index("new_prompt_logprobs")]
     for (dtype, shape, data), want in zip(step_arrays, (step.token_ids, step.logprobs, step.ranks)):
         assert (np.dtype(dtype), shape) == (want.dtype, list(want.shape))
         assert isinstance(data, msgspec.msgpack.Ext) and data.code == EXT_RAW_TENSOR  # small: inline bytes

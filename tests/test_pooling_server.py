@@ -14,7 +14,12 @@ import pytest
 
 from tests.support.http import assert_openai_error
 from tests.support.metrics import parse_metrics
-from tests.support.pooling_models import SENTENCES, bert_cross_encoder, bert_embedder, llama_embedder
+from tests.support.pooling_models import (
+    SENTENCES,
+    bert_cross_encoder,
+    bert_embedder,
+    llama_embedder,
+)
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -74,12 +79,14 @@ def test_embeddings_equal_sentence_transformers(request, dirs, which, encoding_f
 
 
 def test_base64_decodes_to_the_same_floats(bert):
-    body = {"model": "bert", "input": SENTENCES[:3]}
-    floats = httpx.post(bert.base_url + "/v1/embeddings", json={**body, "encoding_format": "float"}).json()
-    packed = httpx.post(bert.base_url + "/v1/embeddings", json={**body, "encoding_format": "base64"}).json()
-    for f, p in zip(floats["data"], packed["data"]):
-        decoded = np.frombuffer(base64.b64decode(p["embedding"]), dtype="<f4")
-        np.testing.assert_array_equal(decoded, np.array(f["embedding"], dtype=np.float32))
+    """One input per request: a prompt alone in its step gets the same bits every time (in a
+    batch, the prompts beside it may change the rounding)."""
+    for text in SENTENCES[:3]:
+        body = {"model": "bert", "input": text}
+        floats = httpx.post(bert.base_url + "/v1/embeddings", json={**body, "encoding_format": "float"}).json()
+        packed = httpx.post(bert.base_url + "/v1/embeddings", json={**body, "encoding_format": "base64"}).json()
+        decoded = np.frombuffer(base64.b64decode(packed["data"][0]["embedding"]), dtype="<f4")
+        np.testing.assert_array_equal(decoded, np.array(floats["data"][0]["embedding"], dtype=np.float32))
 
 
 def test_token_id_inputs_equal_text_inputs(bert, dirs):
@@ -92,10 +99,11 @@ def test_token_id_inputs_equal_text_inputs(bert, dirs):
     by_ids = client.embeddings.create(model="bert", input=ids, encoding_format="float")
     one = client.embeddings.create(model="bert", input=ids[0], encoding_format="float")
     one_text = client.embeddings.create(model="bert", input=SENTENCES[0], encoding_format="float")
-    assert [d.embedding for d in by_ids.data] == [d.embedding for d in by_text.data]
-    assert one.data[0].embedding == one_text.data[0].embedding
-    # Alone or in a batch (padded beside longer prompts): the same vector, up to rounding.
-    np.testing.assert_allclose(one.data[0].embedding, by_text.data[0].embedding, rtol=1e-5, atol=1e-7)
+    assert one.data[0].embedding == one_text.data[0].embedding  # alone in its step: the same bits
+    # In a batch the engine may split the inputs over steps differently each time, and the prompts
+    # beside one change its rounding: the same vector up to that.
+    for got, want in zip([*by_ids.data, one.data[0]], [*by_text.data, by_text.data[0]]):
+        np.testing.assert_allclose(got.embedding, want.embedding, rtol=1e-5, atol=1e-7)
 
 
 def test_many_inputs_in_one_request_are_batched_and_leave_nothing_behind(llama, dirs):

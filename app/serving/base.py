@@ -247,7 +247,7 @@ class OpenAIServing:
             for opening in openings:
                 yield opening
             async for choice, out in source if source is not None else merged(self.engine.generate, choices):
-                _check_output(out, param)
+                check_output(out, param)
                 choice.last = out
                 update = delta(choice, out)
                 if update is not None:
@@ -265,7 +265,7 @@ class OpenAIServing:
         except Exception as exc:
             raise as_openai_error(exc) from exc
         for out in outputs:
-            _check_output(out, param)
+            check_output(out, param)
         return outputs
 
     async def _primed(
@@ -277,7 +277,7 @@ class OpenAIServing:
         stream = merged(self.engine.generate, choices)
         try:
             first = await stream.__anext__()
-            _check_output(first[1], param)
+            check_output(first[1], param)
         except StopAsyncIteration:
             first = None
         except BaseException:
@@ -296,7 +296,7 @@ class OpenAIServing:
         return chained()
 
 
-def _check_output(out: RequestOutput, param: str | None = None) -> None:
+def check_output(out: RequestOutput, param: str | None = None) -> None:
     """An engine error with a message is the request's fault (the engine refused it: a
     grammar that does not compile); without one, the engine's."""
     if out.finish_reason == "error":

@@ -40,7 +40,13 @@ from app.protocol.pooling import (
     ScoreRequest,
     ScoreResponse,
 )
-from app.serving.base import Admit, OpenAIServing, _check_output, decode_request, json_response
+from app.serving.base import (
+    Admit,
+    OpenAIServing,
+    check_output,
+    decode_request,
+    json_response,
+)
 from core.protocol import PoolingParams, SamplingParams
 
 # A pooling request samples nothing; one token keeps the engine's generation bookkeeping idle.
@@ -229,7 +235,7 @@ class OpenAIServingPooling(OpenAIServing):
         except Exception as exc:
             raise as_openai_error(exc) from exc
         for out in outputs:
-            _check_output(out)
+            check_output(out)
             if out.pooled is None:
                 raise InternalServerError("The engine finished an input without its pooled output.")
         return outputs

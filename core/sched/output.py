@@ -10,9 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 import numpy as np
+import torch
 
 from core.protocol import LogprobsArrays, PoolingParams, SamplingParams
 
