@@ -3,8 +3,8 @@
 Three references on the same model and inputs, taking turns (A B C, A B C...):
 
 - ``SentenceTransformer.encode`` in this process, ``--batch`` inputs at a time;
-- our server: requests of ``--batch`` inputs one after another, and ``--concurrency``
-  clients sending one input per request;
+- our server: requests of ``--batch`` inputs one after another, the same two at a time, and
+  ``--concurrency`` clients sending one input per request;
 - with ``--gguf``, llama.cpp's ``llama-server --embedding`` on the same model converted to
   GGUF (../shared/peer/convert_to_gguf.sh), under the same two loads.
 
@@ -181,6 +181,8 @@ def server_rates(server: ManagedServer, texts: list[str], batch: int, concurrenc
     asyncio.run(_post_all(server.base_url, batched[:2], 1))  # warm-up
     return {
         f"batch{batch}": asyncio.run(_post_all(server.base_url, batched, 1)),
+        # Two requests in flight: the server computes one while it answers the other.
+        f"batch{batch}_x2": asyncio.run(_post_all(server.base_url, batched, 2)),
         f"single_x{concurrency}": asyncio.run(_post_all(server.base_url, singles, concurrency)),
     }
 
@@ -222,10 +224,11 @@ def compare(args: argparse.Namespace) -> int:
         ))
     ours = medians["ringllm"]
     batch_key, single_key = f"batch{args.batch}", f"single_x{args.concurrency}"
-    print(f"  ours / SentenceTransformer.encode at batch {args.batch}: "
-          f"{ours[batch_key] / medians['sentence_transformers'][batch_key]:.2f}x")
+    for key in (batch_key, f"{batch_key}_x2"):
+        print(f"  ours {key} / SentenceTransformer.encode at batch {args.batch}: "
+              f"{ours[key] / medians['sentence_transformers'][batch_key]:.2f}x")
     if "llama_server" in medians:
-        for key in (batch_key, single_key):
+        for key in (batch_key, f"{batch_key}_x2", single_key):
             print(f"  ours / llama-server, {key}: {ours[key] / medians['llama_server'][key]:.2f}x")
     if args.result:
         args.result.write_text(json.dumps({"args": vars(args) | {"result": str(args.result)}, "runs": runs,

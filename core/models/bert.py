@@ -22,6 +22,7 @@ from core.model_config import ModelConfig
 from core.models.layers import Embedding, Linear, Module
 from kernels.metadata import AttentionMetadata
 
+_QKV = ("query", "key", "value")  # Hugging Face's projections, in the order of our fused rows
 _ACTIVATIONS = {
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -66,23 +67,24 @@ class _Padded:
 
 
 class BertSelfAttention(Module):
+    """Hugging Face's query, key and value projections fused into one (``qkv``: their rows
+    one after another), as ``BertModel.load_weights`` fills it."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
-        self.query = Linear(cfg.hidden_size, cfg.hidden_size)
-        self.key = Linear(cfg.hidden_size, cfg.hidden_size)
-        self.value = Linear(cfg.hidden_size, cfg.hidden_size)
+        self.qkv = Linear(cfg.hidden_size, 3 * cfg.hidden_size)
 
     def forward(self, hidden: torch.Tensor, grid: _Padded) -> torch.Tensor:
         heads, dim = self.num_heads, self.head_dim
+        qkv = self.qkv(hidden)  # projected flat: no padding is multiplied
         if grid.num_prompts == 1:  # one prompt: no padding, no mask
-            q, k, v = (p(hidden).view(1, -1, heads, dim).transpose(1, 2) for p in (self.query, self.key, self.value))
+            q, k, v = qkv.view(1, -1, 3, heads, dim).permute(2, 0, 3, 1, 4)
             out = F.scaled_dot_product_attention(q, k, v)
             return out.transpose(1, 2).reshape(hidden.shape[0], heads * dim)
-        padded = F.pad(hidden, (0, 0, 0, 1))  # the zero row padding cells read
-        rows = padded.index_select(0, grid.index)
-        shape = (grid.num_prompts, grid.longest, heads, dim)
-        q, k, v = (p(rows).view(shape).transpose(1, 2) for p in (self.query, self.key, self.value))
+        # Laid out in the grid; padding cells read an extra zero row.
+        grid_qkv = F.pad(qkv, (0, 0, 0, 1)).index_select(0, grid.index)
+        q, k, v = grid_qkv.view(grid.num_prompts, grid.longest, 3, heads, dim).permute(2, 0, 3, 1, 4)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=grid.mask)
         out = out.transpose(1, 2).reshape(-1, heads * dim)
         return out.index_select(0, grid.valid)
@@ -147,9 +149,9 @@ class BertModel(nn.Module):
         """Nothing is tied (the loader's interface)."""
 
     def prepare_for_inference(self) -> None:
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.prepare()
+        """Nothing to prepare: an encoder's products have hundreds of rows (every token of every
+        prompt), where torch's oneDNN kernels beat numpy's BLAS, and mixing the two libraries'
+        thread pools in one forward pass slows both (kernels/linear.py is for decode-sized rows)."""
 
     def forward(
         self,
@@ -182,6 +184,7 @@ class BertModel(nn.Module):
         BertModel's own pooler is not used by sentence embeddings and is skipped."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        hidden = self.config.hidden_size
         for name, tensor in weights:
             if not self.config.num_labels:
                 if name.startswith("bert."):
@@ -191,14 +194,27 @@ class BertModel(nn.Module):
                 name = f"bert.{name}"
             elif name.endswith("position_ids"):
                 continue
+            rows = slice(None)
+            for shard, part in enumerate(_QKV):
+                if f".self.{part}." in name:
+                    name = name.replace(f".self.{part}.", ".self.qkv.")
+                    rows = slice(shard * hidden, (shard + 1) * hidden)
+                    loaded.add(f"{name}#{shard}")
+                    break
+            else:
+                loaded.add(name)
             param = params.get(name)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} matches no model parameter")
-            if param.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-            param.data.copy_(tensor)
-            loaded.add(name)
+            target = param.data[rows]
+            if target.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
+            target.copy_(tensor)
         return loaded
 
     def expected_weights(self) -> set[str]:
-        return {name for name, _ in self.named_parameters()}
+        return {
+            f"{name}#{shard}" if ".qkv." in name else name
+            for name, _ in self.named_parameters()
+            for shard in (range(3) if ".qkv." in name else [0])
+        }
