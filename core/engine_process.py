@@ -18,7 +18,7 @@ def run_engine_process(
 ) -> None:
     """``transport_specs``: one per frontend (its client index is its position);
     ``load_table``: the shared-memory table this engine publishes its load in."""
-    configure_cpu_threads()
+    configure_cpu_threads(encoder=config.model_config.encoder)
     set_thread_count(config.engine_threads)
     from core.engine_core import run_engine_core
 

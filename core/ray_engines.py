@@ -40,7 +40,7 @@ class _EngineActor:
         """Serve until the engine stops; its exit code."""
         from core.thread_pools import configure_cpu_threads, set_thread_count
 
-        configure_cpu_threads()
+        configure_cpu_threads(encoder=config.model_config.encoder)
         set_thread_count(config.engine_threads)
         if config.engine_threads is not None:
             import torch

@@ -13,17 +13,20 @@ import os
 import sys
 
 
-def configure_cpu_threads() -> None:
+def configure_cpu_threads(encoder: bool = False) -> None:
     """Thread-pool settings for an engine that shares two or so cores with its frontend.
 
     The products run in OpenBLAS's pool (numpy), the rest in torch's OpenMP
     pool. By default OpenMP threads spin for a while after each parallel
     region, and on a small machine a spinning pool takes the very core the
     other pool (or the frontend) needs next: steps then take several times
-    longer. ``OMP_WAIT_POLICY=PASSIVE`` makes them sleep at once. An explicit
-    setting in the environment wins.
+    longer. ``OMP_WAIT_POLICY=PASSIVE`` makes them sleep at once. An encoder
+    (``encoder``) is the exception: its products run in torch's pool too, and
+    its steps are long runs of large parallel regions, between which sleeping
+    threads cost a wake-up each. An explicit setting in the environment wins.
     """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if not encoder:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def set_thread_count(threads: int | None) -> None:
