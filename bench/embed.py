@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import statistics
@@ -82,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="embedding inputs per second sent beside the chat streams (one input per request)")
     mixed.add_argument("--words", type=int, default=48)
     mixed.add_argument("--rounds", type=int, default=3)
+    mixed.add_argument("--embed-nice", type=int, default=0,
+                       help="run the embedding server at this nice value (its every thread and child)")
     mixed.add_argument("--chat-server-args", default="")
     mixed.add_argument("--embed-server-args", default="")
 
@@ -236,12 +239,22 @@ def compare(args: argparse.Namespace) -> int:
     return 0
 
 
+class NicedServer(ManagedServer):
+    """Our server under ``nice``: the kernel gives its threads the cores others leave."""
+
+    niceness = 0
+
+    def command(self, port: int) -> list[str]:
+        return ["nice", "-n", str(self.niceness), *super().command(port)]
+
+
 class PacedEmbeddings:
     """A thread sending one-input embedding requests at ``rate`` per second until stopped."""
 
     def __init__(self, base_url: str, rate: float, words: int) -> None:
         self.base_url, self.rate, self.texts = base_url, rate, make_inputs(256, words, seed=1)
         self.sent = 0
+        self.latencies: list[float] = []  # seconds, of the requests answered so far
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
@@ -253,11 +266,16 @@ class PacedEmbeddings:
                 due = start + self.sent / self.rate
                 await asyncio.sleep(max(0.0, due - time.perf_counter()))
                 body = {"input": self.texts[self.sent % len(self.texts)], "encoding_format": "float"}
-                task = asyncio.ensure_future(http.post(self.base_url + "/v1/embeddings", json=body))
+                task = asyncio.ensure_future(self._timed(http, body))
                 pending.add(task)
                 task.add_done_callback(pending.discard)
                 self.sent += 1
             await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _timed(self, http: httpx.AsyncClient, body: dict[str, Any]) -> None:
+        start = time.perf_counter()
+        (await http.post(self.base_url + "/v1/embeddings", json=body)).raise_for_status()
+        self.latencies.append(time.perf_counter() - start)
 
     def __enter__(self) -> PacedEmbeddings:
         self._thread.start()
@@ -278,10 +296,13 @@ def mixed(args: argparse.Namespace) -> int:
     workload = parser.parse_args([])
     workload.random_input_len, workload.random_output_len, workload.ignore_eos = 128, 128, True
     workload.disable_tqdm, workload.prompts_per_stream = True, 2
+    workload.endpoint, workload.backend = None, "openai"
     logs = Path(tempfile.mkdtemp(prefix="bench-embed-mixed-"))
     chat = ManagedServer(["--model", args.chat_model, *args.chat_server_args.split()], logs / "chat.log")
-    embed = ManagedServer(["--model", args.embed_model, *args.embed_server_args.split()], logs / "embed.log")
+    embed = NicedServer(["--model", args.embed_model, *args.embed_server_args.split()], logs / "embed.log")
+    embed.niceness = args.embed_nice
     tpot: dict[str, list[float]] = {"alone": [], **{f"{r:g}/s": [] for r in args.embed_rate}}
+    latency: dict[str, list[float]] = {label: [] for label in tpot if label != "alone"}  # embedding ms
     with chat, embed:
         for r in range(args.rounds):
             for label in tpot:
@@ -289,15 +310,17 @@ def mixed(args: argparse.Namespace) -> int:
                 if rate is None:
                     result = measure(chat, workload, args.streams, args.chat_model)
                 else:
-                    with PacedEmbeddings(embed.base_url, rate, args.words):
+                    with PacedEmbeddings(embed.base_url, rate, args.words) as paced:
                         result = measure(chat, workload, args.streams, args.chat_model)
+                    latency[label].append(statistics.median(paced.latencies) * 1e3 if paced.latencies else math.inf)
                 tpot[label].append(result["median_tpot_ms"])
             print(f"round {r + 1}: " + json.dumps({k: round(v[-1], 2) for k, v in tpot.items()}))
     alone = statistics.median(tpot["alone"])
     print(f"\n{args.streams} chat streams, median TPOT ms (min-max), medians of {args.rounds} rounds:")
     for label, values in tpot.items():
+        embedding = f"; embedding latency median {statistics.median(latency[label]):.0f} ms" if label in latency else ""
         print(f"  {label:8s} {statistics.median(values):7.2f} ({min(values):.2f}-{max(values):.2f})"
-              f"  x{statistics.median(values) / alone:.3f}")
+              f"  x{statistics.median(values) / alone:.3f}{embedding}")
     return 0
 
 
