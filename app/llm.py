@@ -96,10 +96,19 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = pooling_params or PoolingParams()
+        return self._pool([(self.input_processor.tokenize_prompt(p), params) for p in prompts])
+
+    def score(self, text_1: str, texts_2: list[str]) -> list[float]:
+        """A cross-encoder's score of ``text_1`` paired with each of ``texts_2`` (its one label,
+        through its activation, as sentence-transformers' ``CrossEncoder.predict``)."""
+        pairs = [self.input_processor.tokenize_pair(text_1, text) for text in texts_2]
+        outputs = self._pool([(ids, PoolingParams(task="classify", token_type_ids=types)) for ids, types in pairs])
+        return [float(out[0]) for out in outputs]
+
+    def _pool(self, prompts: list[tuple[list[int], PoolingParams]]) -> list:
         output_processor = OutputProcessor(self.tokenizer)
         collectors: list[RequestOutputCollector] = []
-        for prompt in prompts:
-            ids = self.input_processor.tokenize_prompt(prompt)
+        for ids, params in prompts:
             request = self.input_processor.process(
                 f"offline-{next(self._ids)}", ids, SamplingParams(max_tokens=1), pooling_params=params
             )
@@ -112,7 +121,8 @@ class LLM:
         results = []
         for collector in collectors:
             out = collector.get_nowait()
-            assert out is not None and out.finished and out.pooled is not None, out
+            if out is None or out.pooled is None:
+                raise RuntimeError(f"the engine finished a pooling request without its output: {out}")
             results.append(out.pooled.copy())  # its own memory, not the transport's
         return results
 

@@ -34,10 +34,15 @@ DECODER_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen2Model": {"qwen2_biases": True, "headless": True},
     "Qwen3Model": {"qk_norm": True, "headless": True},
 }
-# Bidirectional encoders (core/models/bert.py): pooling models only.
+# Bidirectional encoders (core/models/bert.py): pooling models only. RoBERTa and XLM-RoBERTa
+# are BERT with positions counted from after the padding id and their own classification head.
 ENCODER_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "BertModel": {},
     "BertForSequenceClassification": {"classifier": True},
+    "RobertaModel": {"roberta": True},
+    "RobertaForSequenceClassification": {"classifier": True, "roberta": True},
+    "XLMRobertaModel": {"roberta": True},
+    "XLMRobertaForSequenceClassification": {"classifier": True, "roberta": True},
 }
 ARCHITECTURES = {**DECODER_ARCHITECTURES, **ENCODER_ARCHITECTURES}
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
@@ -72,6 +77,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     encoder: bool = False
     type_vocab_size: int = 0
     num_labels: int = 0
+    # RoBERTa: position ids start after the padding id (the table has this many rows more than
+    # max_position_embeddings, which counts the positions a prompt can use); its own classifier.
+    position_offset: int = 0
+    roberta: bool = False
     # Matryoshka embeddings: the model was trained so that a prefix of its vector is one too.
     matryoshka: bool = False
 
@@ -137,23 +146,28 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def _encoder(cls, cfg: dict[str, Any], architecture: str) -> ModelConfig:
-        """A BERT-family config (absolute positions, post-norm layers with biases)."""
+        """A BERT-family config (absolute positions, post-norm layers with biases): BERT, RoBERTa, XLM-R."""
         act = cfg.get("hidden_act", "gelu")
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(ACTIVATIONS)}")
         if cfg.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError(f"unsupported position_embedding_type {cfg['position_embedding_type']!r}")
         heads = cfg["num_attention_heads"]
-        classifier = ENCODER_ARCHITECTURES[architecture].get("classifier", False)
+        switches = ENCODER_ARCHITECTURES[architecture]
+        classifier = switches.get("classifier", False)
+        roberta = switches.get("roberta", False)
+        offset = int(cfg.get("pad_token_id", 1)) + 1 if roberta else 0
         num_labels = len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 2)) if classifier else 0
         return cls(
             architecture=architecture, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"], num_heads=heads,
             num_kv_heads=heads, head_dim=cfg["hidden_size"] // heads, rms_norm_eps=cfg.get("layer_norm_eps", 1e-12),
-            max_position_embeddings=cfg.get("max_position_embeddings", 512), rope_theta=0.0, rope_scaling=None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 512) - offset, rope_theta=0.0,
+            rope_scaling=None,
             qkv_bias=True, o_bias=True, mlp_bias=True, qk_norm=False, tie_word_embeddings=False, hidden_act=act,
             sliding_window=None, dtype=cfg.get("dtype") or cfg.get("torch_dtype"), encoder=True,
             type_vocab_size=cfg.get("type_vocab_size", 2), num_labels=num_labels, matryoshka=_matryoshka(cfg),
+            position_offset=offset, roberta=roberta,
         )
 
     def kv_block_shape(self, block_size: int) -> tuple[int, int, int]:

@@ -14,7 +14,14 @@ from app.llm import LLM
 from core.config import EngineArgs
 from core.pooler_config import PoolerConfig
 from core.protocol import PoolingParams, SamplingParams
-from tests.support.pooling_models import SENTENCES, bert_embedder, llama_embedder
+from tests.support.pooling_models import (
+    SENTENCES,
+    bert_cross_encoder,
+    bert_embedder,
+    llama_embedder,
+    roberta_cross_encoder,
+    roberta_embedder,
+)
 
 COSINE = 0.99999  # the issue's bar: our vector against sentence-transformers', same normalisation
 
@@ -47,15 +54,36 @@ def st_dirs(tmp_path_factory):
         "bert-matryoshka": bert_embedder(root / "bert-mat", "mean", matryoshka=True, seed=6),
         "llama-last": llama_embedder(root / "llama-last", "lasttoken"),
         "llama-mean": llama_embedder(root / "llama-mean", "mean"),
+        "xlmr-cls": roberta_embedder(root / "xlmr-cls", "cls"),
+        "xlmr-mean": roberta_embedder(root / "xlmr-mean", "mean", seed=15),
+        "bert-cross": bert_cross_encoder(root / "bert-cross"),
+        "xlmr-cross": roberta_cross_encoder(root / "xlmr-cross"),
     }
 
 
-@pytest.mark.parametrize("name", ["bert-mean", "bert-cls-raw"])
-def test_bert_embeddings_equal_sentence_transformers(st_dirs, name):
+@pytest.mark.parametrize("name", ["bert-mean", "bert-cls-raw", "xlmr-cls", "xlmr-mean"])
+def test_encoder_embeddings_equal_sentence_transformers(st_dirs, name):
     from sentence_transformers import SentenceTransformer
 
     reference = SentenceTransformer(st_dirs[name], device="cpu").encode(SENTENCES)
-    _assert_same(_encode(st_dirs[name], SENTENCES), reference, normalized=name == "bert-mean")
+    _assert_same(_encode(st_dirs[name], SENTENCES), reference, normalized=name != "bert-cls-raw")
+
+
+@pytest.mark.parametrize("name", ["bert-cross", "xlmr-cross"])
+def test_cross_encoder_scores_equal_predict(st_dirs, name):
+    """Sentence pairs with their segment ids (BERT) or RoBERTa's pair template, through each
+    family's classification head: CrossEncoder.predict's scores."""
+    from sentence_transformers import CrossEncoder
+
+    query, documents = SENTENCES[5], SENTENCES
+    reference = CrossEncoder(st_dirs[name], device="cpu").predict([(query, d) for d in documents])
+    llm = LLM(st_dirs[name])
+    try:
+        ours = llm.score(query, documents)
+    finally:
+        llm.shutdown()
+    np.testing.assert_allclose(ours, reference, rtol=1e-4, atol=1e-6)
+    assert np.ptp(reference) > 1e-4  # the pairs score apart by far more than the tolerance
 
 
 @pytest.mark.parametrize("name", ["llama-last", "llama-mean"])

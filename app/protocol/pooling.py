@@ -6,7 +6,7 @@ naming it, never silently ignored.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
@@ -23,6 +23,20 @@ class PoolingUsage(msgspec.Struct):
     @classmethod
     def of(cls, prompt_tokens: int) -> PoolingUsage:
         return cls(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
+
+
+T = TypeVar("T")
+
+
+class ListResponse(msgspec.Struct, Generic[T]):
+    """The shape of OpenAI's embeddings response, which /pooling and /score share."""
+
+    id: str
+    created: int
+    model: str
+    data: list[T]
+    usage: PoolingUsage
+    object: str = "list"
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -52,13 +66,7 @@ class EmbeddingData(msgspec.Struct):
     object: str = "embedding"
 
 
-class EmbeddingResponse(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    data: list[EmbeddingData]
-    usage: PoolingUsage
-    object: str = "list"
+EmbeddingResponse = ListResponse[EmbeddingData]
 
 
 class PoolingData(msgspec.Struct):
@@ -67,13 +75,7 @@ class PoolingData(msgspec.Struct):
     object: str = "pooling"
 
 
-class PoolingResponse(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    data: list[PoolingData]
-    usage: PoolingUsage
-    object: str = "list"
+PoolingResponse = ListResponse[PoolingData]
 
 
 class ScoreRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -92,13 +94,7 @@ class ScoreData(msgspec.Struct):
     object: str = "score"
 
 
-class ScoreResponse(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    data: list[ScoreData]
-    usage: PoolingUsage
-    object: str = "list"
+ScoreResponse = ListResponse[ScoreData]
 
 
 class RerankRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -1,5 +1,5 @@
 """BERT-family encoders: ``BertModel`` (embeddings) and ``BertForSequenceClassification``
-(cross-encoders), for the pooling runner.
+(cross-encoders), and the same for RoBERTa and XLM-RoBERTa, for the pooling runner.
 
 Every token attends to every token of its own prompt (bidirectional), so a
 prompt is always run whole in one step and nothing is kept between steps: no
@@ -7,7 +7,8 @@ KV cache. The step's prompts arrive flat, back to back, as for the decoders;
 the dense layers run on that flat batch (no padding is multiplied), and only
 attention pads the prompts to one length, with a mask.
 
-Module and parameter names are Hugging Face's, so a checkpoint loads by name.
+Module and parameter names are Hugging Face's, so a checkpoint loads by name (RoBERTa's
+``roberta.`` body is kept under ``bert.``; q, k and v are fused).
 """
 
 from __future__ import annotations
@@ -38,11 +39,14 @@ class BertEmbeddings(Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.word_embeddings = _embedding(cfg.vocab_size, cfg.hidden_size)
-        self.position_embeddings = _embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.position_offset = cfg.position_offset
+        self.position_embeddings = _embedding(cfg.max_position_embeddings + cfg.position_offset, cfg.hidden_size)
         self.token_type_embeddings = _embedding(max(cfg.type_vocab_size, 1), cfg.hidden_size)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        if self.position_offset:
+            positions = positions + self.position_offset
         hidden = self.word_embeddings(input_ids) + self.position_embeddings(positions)
         hidden += self.token_type_embeddings(token_type_ids)
         return self.LayerNorm(hidden)
@@ -136,7 +140,12 @@ class BertModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.bert = BertEncoder(cfg)
-        if cfg.num_labels:
+        if cfg.num_labels and cfg.roberta:
+            # RoBERTa's head: dense + tanh on the first token, then the output projection.
+            self.classifier = nn.Module()
+            self.classifier.dense = Linear(cfg.hidden_size, cfg.hidden_size)
+            self.classifier.out_proj = Linear(cfg.hidden_size, cfg.num_labels)
+        elif cfg.num_labels:
             # BertPooler (dense + tanh on the CLS token) and the classifier on top.
             self.bert.pooler = nn.Module()
             self.bert.pooler.dense = Linear(cfg.hidden_size, cfg.hidden_size)
@@ -176,6 +185,8 @@ class BertModel(nn.Module):
 
     def classify(self, first_tokens: torch.Tensor) -> torch.Tensor:
         """The classifier's logits [N, num_labels] (float32) from each prompt's CLS hidden state."""
+        if self.config.roberta:
+            return self.classifier.out_proj(torch.tanh(self.classifier.dense(first_tokens))).float()
         pooled = torch.tanh(self.bert.pooler.dense(first_tokens))
         return self.classifier(pooled).float()
 
@@ -186,14 +197,17 @@ class BertModel(nn.Module):
         loaded: set[str] = set()
         hidden = self.config.hidden_size
         for name, tensor in weights:
-            if not self.config.num_labels:
-                if name.startswith("bert."):
-                    name = name[len("bert."):]
-                if name.startswith("pooler.") or name.startswith("cls.") or name.endswith("position_ids"):
-                    continue
-                name = f"bert.{name}"
-            elif name.endswith("position_ids"):
-                continue
+            if name.endswith("position_ids") or name.startswith(("cls.", "lm_head.")):
+                continue  # buffers, and masked-LM heads
+            for prefix in ("bert.", "roberta."):
+                if name.startswith(prefix):
+                    name = f"bert.{name[len(prefix):]}"
+                    break
+            else:
+                if not name.startswith("classifier."):
+                    name = f"bert.{name}"  # a bare body (BertModel, RobertaModel)
+            if name.startswith("bert.pooler.") and not hasattr(self.bert, "pooler"):
+                continue  # a plain model's own pooler: sentence embeddings do not use it
             rows = slice(None)
             for shard, part in enumerate(_QKV):
                 if f".self.{part}." in name:

@@ -463,7 +463,7 @@ class ModelRunner:
         assert self.pooler is not None
         step = self._device_inputs(staged)
         extra = {}
-        if self.encoder:
+        if self.encoder and self.model_config.type_vocab_size > 1:  # RoBERTa's one type needs no ids
             types = self.pooler.token_type_ids(staged.req_ids, staged.computed, staged.counts, self.device)
             if types is not None:
                 extra["token_type_ids"] = types

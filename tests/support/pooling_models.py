@@ -1,6 +1,6 @@
 """Pooling checkpoints for the tests, saved by sentence-transformers itself (the oracle):
-seeded tiny BERT encoders with a WordPiece vocabulary, a BERT cross-encoder, and
-stories260K's decoder as an embedding model."""
+seeded tiny BERT encoders with a WordPiece vocabulary and XLM-RoBERTa ones with a byte-level
+BPE, cross-encoders of both, and stories260K's decoder as an embedding model."""
 
 from __future__ import annotations
 
@@ -73,6 +73,42 @@ def _bert_body(directory: Path, seed: int, num_labels: int | None = None, **conf
     return directory
 
 
+def _roberta_body(directory: Path, seed: int, num_labels: int | None = None) -> Path:
+    """A seeded random XLM-RoBERTa (a classifier with ``num_labels``) with a byte-level BPE
+    tokenizer trained on the test sentences (RoBERTa's special tokens and pair template)."""
+    import transformers
+    from tokenizers import ByteLevelBPETokenizer
+    from tokenizers.processors import RobertaProcessing
+
+    directory.mkdir(parents=True, exist_ok=True)
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(
+        [*SENTENCES, " ".join(WORDS)] * 3, vocab_size=400, min_frequency=1, show_progress=False,
+        special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+    )
+    backend = bpe._tokenizer
+    backend.post_processor = RobertaProcessing(("</s>", bpe.token_to_id("</s>")), ("<s>", bpe.token_to_id("<s>")))
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", sep_token="</s>", cls_token="<s>",
+        unk_token="<unk>", pad_token="<pad>", mask_token="<mask>",
+    )
+    config = transformers.XLMRobertaConfig(
+        vocab_size=len(tokenizer), hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+        max_position_embeddings=130, pad_token_id=1, type_vocab_size=1, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, **({"num_labels": num_labels} if num_labels else {}),
+    )
+    torch.manual_seed(seed)
+    model_class = transformers.XLMRobertaForSequenceClassification if num_labels else transformers.XLMRobertaModel
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "classifier" in name:
+                param.normal_(0, 0.5)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 def bert_embedder(directory: Path, pooling: str = "mean", normalize: bool = True, seed: int = 11,
                   matryoshka: bool = False) -> str:
     """A sentence-transformers BERT embedder (Transformer, Pooling, optionally Normalize)."""
@@ -98,6 +134,28 @@ def bert_cross_encoder(directory: Path, seed: int = 12) -> str:
     from sentence_transformers import CrossEncoder
 
     body = _bert_body(directory.with_name(directory.name + "-body"), seed, num_labels=1)
+    CrossEncoder(str(body), device="cpu").save(str(directory))
+    return str(directory)
+
+
+def roberta_embedder(directory: Path, pooling: str = "cls", seed: int = 13) -> str:
+    """A sentence-transformers XLM-RoBERTa embedder (positions after the padding id), normalised."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules as models
+
+    body = _roberta_body(directory.with_name(directory.name + "-body"), seed)
+    transformer = models.Transformer(str(body))
+    modules = [transformer, models.Pooling(transformer.get_embedding_dimension(), pooling_mode=pooling),
+               models.Normalize()]
+    SentenceTransformer(modules=modules, device="cpu").save(str(directory))
+    return str(directory)
+
+
+def roberta_cross_encoder(directory: Path, seed: int = 14) -> str:
+    """A one-label XLM-RoBERTa cross-encoder (RoBERTa's own classification head)."""
+    from sentence_transformers import CrossEncoder
+
+    body = _roberta_body(directory.with_name(directory.name + "-body"), seed, num_labels=1)
     CrossEncoder(str(body), device="cpu").save(str(directory))
     return str(directory)
 
