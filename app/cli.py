@@ -140,8 +140,8 @@ def make_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--runner", choices=["auto", "generate", "pooling"],
         help="generate text, or pool (embeddings: /v1/embeddings; cross-encoders: /score, /rerank); "
-        "default auto: pooling for checkpoints without a language-model head (BertModel, "
-        "BertForSequenceClassification, a headless LlamaModel), generate otherwise",
+        "default auto: pooling for checkpoints without a language-model head (BERT, RoBERTa, XLM-R "
+        "encoders and their ...ForSequenceClassification, a headless LlamaModel), generate otherwise",
     )
     model.add_argument(
         "--convert", choices=["auto", "none", "embed", "classify"],
