@@ -196,3 +196,36 @@ def test_bad_pooling_params_are_refused(st_dirs):
             llm.encode(["the cat"], PoolingParams(task="classify"))
     finally:
         llm.shutdown()
+
+
+def test_prompts_preempted_mid_way_pool_what_they_recompute(st_dirs):
+    """Chunked MEAN pooling whose requests are preempted between chunks (a prefix-cache reset
+    that takes the running requests with it): each starts its prompt over, its partial sum
+    forgotten, and pools the same vector as sentence-transformers."""
+    from sentence_transformers import SentenceTransformer
+
+    from app.output_processor import OutputProcessor, RequestOutputCollector
+    from core.utilities import GET_SCHEDULER_STATS, RESET_PREFIX_CACHE
+
+    model_dir = st_dirs["llama-mean"]
+    reference = SentenceTransformer(model_dir, device="cpu").encode(SENTENCES)
+    llm = LLM(model_dir, max_num_batched_tokens=8, max_num_seqs=4)
+    try:
+        processor = OutputProcessor(llm.tokenizer)
+        collectors = []
+        for i, text in enumerate(SENTENCES):
+            ids = llm.input_processor.tokenize_prompt(text)
+            request = llm.input_processor.process(f"p{i}", ids, SamplingParams(max_tokens=1), pooling_params=PoolingParams())
+            collectors.append(RequestOutputCollector())
+            processor.add_request(request, collectors[-1])
+            llm.engine.add_request(request)
+        for _ in range(3):  # a few steps: several prompts part-way through
+            processor.process_outputs(llm.engine.get_output().outputs)
+        assert llm.engine.call(GET_SCHEDULER_STATS()).num_running_reqs > 0
+        assert llm.engine.call(RESET_PREFIX_CACHE(reset_running_requests=True))
+        while processor.has_unfinished_requests():
+            processor.process_outputs(llm.engine.get_output().outputs)
+        assert llm.engine.call(GET_SCHEDULER_STATS()).num_preemptions > 0
+        _assert_same([c.get_nowait().pooled.copy() for c in collectors], reference)
+    finally:
+        llm.shutdown()
