@@ -97,12 +97,18 @@ class InputProcessor:
                 raise ValueError(f"Token id {token_id!r} is not an integer.")
         return ids
 
-    def tokenize_pair(self, text: str, pair: str) -> tuple[list[int], list[int]]:
-        """A sentence pair as a cross-encoder reads it: token ids and segment ids."""
+    def tokenize_pair(
+        self, text: str, pair: str | None = None, max_length: int | None = None
+    ) -> tuple[list[int], list[int]]:
+        """A text, or a sentence pair as a cross-encoder reads it: token ids and segment ids; with
+        ``max_length``, the texts cut at their ends (the longer first) to fit it with their
+        special tokens, as sentence-transformers truncates to ``max_seq_length``."""
         tokenizer = self.tokenizer
         if hasattr(tokenizer, "encode_pair"):
-            return tokenizer.encode_pair(text, pair)
-        encoded = tokenizer(text, pair)  # transformers' tokenizer (a directory without tokenizer.json)
+            return tokenizer.encode_pair(text, pair, max_length)
+        # transformers' tokenizer (a directory without tokenizer.json)
+        truncation = {"truncation": "longest_first", "max_length": max_length} if max_length else {}
+        encoded = tokenizer(text, pair, **truncation)
         ids = list(encoded["input_ids"])
         return ids, list(encoded.get("token_type_ids") or [0] * len(ids))
 

@@ -49,6 +49,22 @@ def load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
+def _longest_first(lengths: list[int], room: int) -> list[int]:
+    """The lengths a text (or a pair of texts) is cut to so that it fits ``room`` tokens, as the
+    tokenizers library's ``longest_first`` strategy cuts them: only the longer one while the
+    shorter fits in half, else half each (the odd token to the longer)."""
+    if sum(lengths) <= room:
+        return list(lengths)
+    if len(lengths) == 1:
+        return [room]
+    first, second = lengths
+    short, long = sorted((first, second))
+    long = short if short > room else max(short, room - short)
+    if short + long > room:
+        short, long = room // 2, room // 2 + room % 2
+    return [long, short] if first > second else [short, long]
+
+
 def _read_json(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
@@ -132,10 +148,23 @@ class Tokenizer:
         """Token ids of ``text``; special tokens as the post-processor of tokenizer.json adds them."""
         return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_pair(self, text: str, pair: str) -> tuple[list[int], list[int]]:
-        """Token ids and segment ids (0: ``text``, 1: ``pair``) of a sentence pair, with the
-        special tokens the post-processor puts around and between them (BERT's [CLS] .. [SEP] .. [SEP])."""
-        encoding = self.backend_tokenizer.encode(text, pair, add_special_tokens=True)
+    def encode_pair(
+        self, text: str, pair: str | None = None, max_length: int | None = None
+    ) -> tuple[list[int], list[int]]:
+        """Token ids and segment ids (0: ``text``, 1: ``pair``) of a text or a sentence pair, with
+        the special tokens the post-processor puts around and between them (BERT's [CLS] .. [SEP]
+        .. [SEP]). With ``max_length`` the texts' tokens are cut at their ends, the longer one first,
+        until the whole fits, special tokens included (transformers' ``longest_first``)."""
+        backend = self.backend_tokenizer
+        if max_length is None:
+            encoding = backend.encode(text, pair, add_special_tokens=True)
+            return encoding.ids, encoding.type_ids
+        parts = [backend.encode(t, add_special_tokens=False) for t in (text, pair) if t is not None]
+        room = max(max_length - backend.num_special_tokens_to_add(pair is not None), 0)
+        lengths = _longest_first([len(p.ids) for p in parts], room)
+        for part, length in zip(parts, lengths):
+            part.truncate(length)
+        encoding = backend.post_process(*parts, add_special_tokens=True)
         return encoding.ids, encoding.type_ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

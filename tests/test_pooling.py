@@ -229,3 +229,24 @@ def test_prompts_preempted_mid_way_pool_what_they_recompute(st_dirs):
         _assert_same([c.get_nowait().pooled.copy() for c in collectors], reference)
     finally:
         llm.shutdown()
+
+
+def test_frontend_truncation_cuts_as_transformers_longest_first(st_dirs):
+    """The frontend's tokenizer (tokenizers, without transformers) cuts texts and pairs to a length
+    as transformers' ``truncation="longest_first"`` does, special tokens and segment ids included."""
+    import random
+
+    import transformers
+
+    from app.tokenizer import Tokenizer
+
+    model_dir = st_dirs["bert-mean"]
+    ours, reference = Tokenizer.from_directory(model_dir), transformers.AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(0)
+    words = " ".join(SENTENCES).split() + ["zebra", "qq"]
+    for _ in range(300):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 15)))
+        pair = " ".join(rng.choice(words) for _ in range(rng.randint(1, 15))) if rng.random() < 0.7 else None
+        length = rng.randint(3, 40)
+        want = reference(text, pair, truncation="longest_first", max_length=length)
+        assert ours.encode_pair(text, pair, length) == (want["input_ids"], want["token_type_ids"])

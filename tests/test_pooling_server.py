@@ -241,3 +241,41 @@ def test_every_token_state_travels_out_of_band(module_server_factory, dirs):
     # The engine's counters ride on its later outputs: one more request carries them.
     httpx.post(server.base_url + "/pooling", json={"input": "cat"}, timeout=60).raise_for_status()
     wait_for(lambda: oob_bytes_from_engine() - before >= reference.nbytes, "the tensor's bytes counted out of band")
+
+
+def test_truncated_inputs_equal_sentence_transformers_cut_to_max_seq_length(bert, cross, dirs):
+    """truncate_prompt_tokens: a text keeps its special tokens and loses its end, as
+    sentence-transformers cuts to max_seq_length (embeddings) and CrossEncoder to max_length (pairs)."""
+    from sentence_transformers import CrossEncoder, SentenceTransformer
+
+    long_texts = [" ".join(SENTENCES[i:] + SENTENCES[:i]) for i in range(4)]
+    model = SentenceTransformer(dirs["bert"], device="cpu")
+    model.max_seq_length = 12
+    result = bert.openai().embeddings.create(
+        model="bert", input=long_texts, encoding_format="float", extra_body={"truncate_prompt_tokens": 12}
+    )
+    ours = np.array([d.embedding for d in result.data], dtype=np.float32)
+    assert (_cosines(ours, model.encode(long_texts)) >= COSINE).all()
+    assert result.usage.prompt_tokens == 12 * len(long_texts)
+    # -1: the model's context (128 tokens), where the whole text would not fit.
+    model.max_seq_length = 128
+    whole = httpx.post(bert.base_url + "/v1/embeddings", json={"input": ["cat " * 200], "truncate_prompt_tokens": -1})
+    assert whole.json()["usage"]["prompt_tokens"] == 128
+    assert _cosines(np.array([whole.json()["data"][0]["embedding"]]), model.encode(["cat " * 200]))[0] >= COSINE
+    # Pairs: the longer text is cut first.
+    query, documents = SENTENCES[5], long_texts
+    reference = CrossEncoder(dirs["cross"], device="cpu", max_length=16).predict([(query, d) for d in documents])
+    body = httpx.post(
+        cross.base_url + "/score", json={"text_1": query, "text_2": documents, "truncate_prompt_tokens": 16}
+    ).json()
+    np.testing.assert_allclose([d["score"] for d in body["data"]], reference, rtol=1e-4, atol=1e-6)
+    # Token ids given as such keep their first tokens.
+    ids = list(range(5, 40))
+    cut = httpx.post(bert.base_url + "/v1/embeddings", json={"input": [ids], "truncate_prompt_tokens": 10}).json()
+    first = httpx.post(bert.base_url + "/v1/embeddings", json={"input": [ids[:10]]}).json()
+    np.testing.assert_allclose(cut["data"][0]["embedding"], first["data"][0]["embedding"], rtol=1e-5, atol=1e-7)
+    for bad in (0, -2, 10**6):
+        assert_openai_error(
+            httpx.post(bert.base_url + "/v1/embeddings", json={"input": "cat", "truncate_prompt_tokens": bad}),
+            400, "BadRequestError", "truncate_prompt_tokens",
+        )

@@ -52,6 +52,8 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     add_special_tokens: bool = True
     normalize: bool | None = None
     priority: int = 0
+    # Cut each input to this many tokens (-1: the model's context length) instead of refusing it.
+    truncate_prompt_tokens: int | None = None
 
 
 class PoolingRequest(EmbeddingRequest, kw_only=True, forbid_unknown_fields=True):
@@ -86,6 +88,7 @@ class ScoreRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     user: str | None = None
     priority: int = 0
+    truncate_prompt_tokens: int | None = None
 
 
 class ScoreData(msgspec.Struct):
@@ -107,6 +110,7 @@ class RerankRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     return_documents: bool = True
     user: str | None = None
     priority: int = 0
+    truncate_prompt_tokens: int | None = None
 
 
 class RerankDocument(msgspec.Struct):

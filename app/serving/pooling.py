@@ -79,7 +79,7 @@ class OpenAIServingPooling(OpenAIServing):
         self._check_format(req.encoding_format)
         request_id = random_id("embd")
         params = PoolingParams(task="embed", dimensions=req.dimensions, normalize=req.normalize)
-        prompts = [(ids, None) for ids in self._input_ids(req.input, req.add_special_tokens)]
+        prompts = self._input_ids(req.input, req.add_special_tokens, self._truncation(req.truncate_prompt_tokens))
         outputs = await self._pool(request_id, prompts, params, req.priority, admit)
         data = [EmbeddingData(i, _encoded(out.pooled, req.encoding_format)) for i, out in enumerate(outputs)]
         return json_response(
@@ -96,7 +96,7 @@ class OpenAIServingPooling(OpenAIServing):
             raise BadRequestError("This model is a classifier: it serves no embeddings.", "task")
         request_id = random_id("pool")
         params = PoolingParams(task=req.task, dimensions=req.dimensions, normalize=req.normalize)
-        prompts = [(ids, None) for ids in self._input_ids(req.input, req.add_special_tokens)]
+        prompts = self._input_ids(req.input, req.add_special_tokens, self._truncation(req.truncate_prompt_tokens))
         outputs = await self._pool(request_id, prompts, params, req.priority, admit)
         data = [PoolingData(i, _encoded(out.pooled, req.encoding_format)) for i, out in enumerate(outputs)]
         return json_response(PoolingResponse(request_id, now(), self.served_model_name, data, self._usage(outputs)))
@@ -116,7 +116,8 @@ class OpenAIServingPooling(OpenAIServing):
                 "text_2",
             )
         request_id = random_id("score")
-        scores, usage = await self._scores(request_id, firsts, seconds, req.priority, admit)
+        truncation = self._truncation(req.truncate_prompt_tokens)
+        scores, usage = await self._scores(request_id, firsts, seconds, req.priority, admit, truncation)
         data = [ScoreData(i, s) for i, s in enumerate(scores)]
         return json_response(ScoreResponse(request_id, now(), self.served_model_name, data, usage))
 
@@ -129,7 +130,8 @@ class OpenAIServingPooling(OpenAIServing):
             raise BadRequestError(f"top_n must be at least 1, got {req.top_n}.", "top_n")
         request_id = random_id("rerank")
         scores, usage = await self._scores(
-            request_id, [req.query] * len(req.documents), req.documents, req.priority, admit
+            request_id, [req.query] * len(req.documents), req.documents, req.priority, admit,
+            self._truncation(req.truncate_prompt_tokens),
         )
         order = sorted(range(len(scores)), key=lambda i: -scores[i])[: req.top_n]
         results = [
@@ -152,7 +154,9 @@ class OpenAIServingPooling(OpenAIServing):
                 "model",
             )
         if task == "embed" and self.task != "embed":
-            raise BadRequestError("This model is a classifier (use /score or /rerank): it serves no embeddings.", "model")
+            raise BadRequestError(
+                "This model is a classifier (use /score or /rerank): it serves no embeddings.", "model"
+            )
 
     @staticmethod
     def _check_format(encoding_format: str) -> None:
@@ -161,8 +165,23 @@ class OpenAIServingPooling(OpenAIServing):
                 f"encoding_format must be float or base64, got {encoding_format!r}.", "encoding_format"
             )
 
-    def _input_ids(self, value: str | list[Any], add_special_tokens: bool) -> list[list[int]]:
-        """Each input's token ids: a string, a list of strings, token ids, or lists of token ids."""
+    def _truncation(self, tokens: int | None) -> int | None:
+        """``truncate_prompt_tokens`` checked: None, or how many tokens an input keeps (-1: the context)."""
+        if tokens is None:
+            return None
+        if tokens == -1:
+            return self.max_model_len
+        if not 1 <= tokens <= self.max_model_len:
+            raise BadRequestError(
+                f"truncate_prompt_tokens must be -1 or in [1, {self.max_model_len}], got {tokens}.",
+                "truncate_prompt_tokens",
+            )
+        return tokens
+
+    def _input_ids(self, value: str | list[Any], add_special_tokens: bool, truncation: int | None) -> list[Prompt]:
+        """Each input's token ids: a string, a list of strings, token ids, or lists of token ids. With
+        ``truncation``, a text keeps its special tokens and loses its last tokens (as sentence-transformers
+        cuts to max_seq_length); token ids given as such lose theirs."""
         if isinstance(value, str):
             items: list[Any] = [value]
         elif _is_ids(value) and value:
@@ -175,14 +194,18 @@ class OpenAIServingPooling(OpenAIServing):
             raise BadRequestError(
                 f"input holds {len(items)} items; at most {MAX_POOLING_INPUTS} are taken per request.", "input"
             )
-        result = []
+        result: list[Prompt] = []
+        processor = self.input_processor
         for item in items:
             if isinstance(item, str):
-                result.append(self.input_processor.tokenize_prompt(item, add_special_tokens))
+                if add_special_tokens:
+                    result.append((processor.tokenize_pair(item, None, truncation)[0], None))
+                else:
+                    result.append((processor.tokenize_prompt(item, add_special_tokens)[:truncation], None))
             elif _is_ids(item):
                 if not item:
                     raise BadRequestError("An input's token list is empty.", "input")
-                result.append(list(item))
+                result.append((list(item)[:truncation], None))
             else:
                 raise BadRequestError(
                     "input must be a string, a list of strings, a list of token ids or a list of token-id lists.",
@@ -191,14 +214,15 @@ class OpenAIServingPooling(OpenAIServing):
         return result
 
     async def _scores(
-        self, request_id: str, firsts: Sequence[str], seconds: Sequence[str], priority: int, admit: Admit | None
+        self, request_id: str, firsts: Sequence[str], seconds: Sequence[str], priority: int, admit: Admit | None,
+        truncation: int | None = None,
     ) -> tuple[list[float], PoolingUsage]:
         """One score per (first, second) pair, and the tokens they took."""
         if len(firsts) > MAX_POOLING_INPUTS:
             raise BadRequestError(f"At most {MAX_POOLING_INPUTS} pairs are scored per request.", "text_2")
         processor = self.input_processor
         if self.task == "classify":
-            prompts: list[Prompt] = [processor.tokenize_pair(a, b) for a, b in zip(firsts, seconds)]
+            prompts: list[Prompt] = [processor.tokenize_pair(a, b, truncation) for a, b in zip(firsts, seconds)]
             outputs = await self._pool(request_id, prompts, PoolingParams(task="classify"), priority, admit)
             for out in outputs:
                 if out.pooled.size != 1:
@@ -208,7 +232,7 @@ class OpenAIServingPooling(OpenAIServing):
             return [float(out.pooled[0]) for out in outputs], self._usage(outputs)
         # An embedding model: the cosine similarity of the two texts' (unit) embeddings.
         texts = list(dict.fromkeys([*firsts, *seconds]))
-        prompts = [(processor.tokenize_prompt(t), None) for t in texts]
+        prompts = [(processor.tokenize_pair(t, None, truncation)[0], None) for t in texts]
         outputs = await self._pool(request_id, prompts, PoolingParams(task="embed", normalize=True), priority, admit)
         vectors = {t: out.pooled for t, out in zip(texts, outputs)}
         return [float(np.dot(vectors[a], vectors[b])) for a, b in zip(firsts, seconds)], self._usage(outputs)
