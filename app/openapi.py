@@ -21,6 +21,8 @@ from app.protocol.chat import ChatCompletionRequest, ChatCompletionResponse
 from app.protocol.common import ModelList
 from app.protocol.completions import CompletionRequest, CompletionResponse
 from app.protocol.pooling import (
+    ClassificationRequest,
+    ClassificationResponse,
     EmbeddingRequest,
     EmbeddingResponse,
     PoolingRequest,
@@ -51,6 +53,8 @@ _OPERATIONS: tuple[tuple[str, str, str, type | None, type, bool], ...] = (
     ("post", "/v1/embeddings", "Embed inputs (pooling models)", EmbeddingRequest, EmbeddingResponse, False),
     ("post", "/pooling", "The pooler's raw output (vLLM; pooling models)", PoolingRequest, PoolingResponse, False),
     ("post", "/score", "Score text pairs (vLLM; pooling models)", ScoreRequest, ScoreResponse, False),
+    ("post", "/classify", "Class probabilities of each input (vLLM; classifiers)", ClassificationRequest,
+     ClassificationResponse, False),
     ("post", "/rerank", "Order documents by relevance (Jina, Cohere; pooling models)", RerankRequest,
      RerankResponse, False),
 )
@@ -132,13 +136,14 @@ def _describe_request(schema: dict[str, Any], implemented: frozenset[str], model
 def openapi_document(version: str, model_names: list[str] | None = None) -> dict[str, Any]:
     """``model_names``: the names requests may use (the schema's enum for ``model``)."""
     types = [t for op in _OPERATIONS for t in op[3:5] if t is not None] + [ErrorResponse]
-    (_, *_), components = msgspec.json.schema_components(types, ref_template=REF_TEMPLATE)
+    schemas, components = msgspec.json.schema_components(types, ref_template=REF_TEMPLATE)
+    ref_of = dict(zip(types, schemas))  # a generic response's name is its instantiation's
     for request_type in (CompletionRequest, ChatCompletionRequest):
         _describe_request(components[request_type.__name__], request_type.implemented, model_names or [])
     error_ref = {"$ref": REF_TEMPLATE.format(name="ErrorResponse")}
     paths: dict[str, Any] = {}
     for method, path, summary, request_type, response_type, streams in _OPERATIONS:
-        ok: dict[str, Any] = {"application/json": {"schema": {"$ref": REF_TEMPLATE.format(name=response_type.__name__)}}}
+        ok: dict[str, Any] = {"application/json": {"schema": ref_of[response_type]}}
         if streams:
             ok["text/event-stream"] = {"schema": {"type": "string"}}
         operation: dict[str, Any] = {
@@ -155,7 +160,7 @@ def openapi_document(version: str, model_names: list[str] | None = None) -> dict
         if request_type is not None:
             operation["requestBody"] = {
                 "required": True,
-                "content": {"application/json": {"schema": {"$ref": REF_TEMPLATE.format(name=request_type.__name__)}}},
+                "content": {"application/json": {"schema": ref_of[request_type]}},
             }
         paths[path] = {method: operation}
     return {

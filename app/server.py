@@ -2,7 +2,7 @@
 
 Routes: GET /health, GET /v1/models, POST /v1/completions,
 POST /v1/chat/completions, the pooling routes of pooling models (POST
-/v1/embeddings, vLLM's /pooling and /score, Jina/Cohere's /rerank:
+/v1/embeddings, vLLM's /pooling, /classify and /score, Jina/Cohere's /rerank:
 app/serving/pooling.py), vLLM's POST /tokenize, POST /detokenize and
 GET /version, GET /metrics (Prometheus, app/metrics.py),
 GET /engine/stats (scheduler counters, for operators and tests), the control
@@ -257,6 +257,7 @@ def build_app(
         Route("/v1/chat/completions", openai_route(chat_completions), methods=["POST"]),
         Route("/v1/embeddings", openai_route(pooling_route(pooling.create_embedding)), methods=["POST"]),
         Route("/pooling", openai_route(pooling_route(pooling.create_pooling)), methods=["POST"]),
+        Route("/classify", openai_route(pooling_route(pooling.create_classification)), methods=["POST"]),
         *(
             Route(path, openai_route(pooling_route(pooling.create_score)), methods=["POST"])
             for path in ("/score", "/v1/score")

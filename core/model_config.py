@@ -81,6 +81,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # max_position_embeddings, which counts the positions a prompt can use); its own classifier.
     position_offset: int = 0
     roberta: bool = False
+    labels: tuple[str, ...] = ()  # a classifier's label names, by index (config.json's id2label)
     # Matryoshka embeddings: the model was trained so that a prefix of its vector is one too.
     matryoshka: bool = False
 
@@ -158,6 +159,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         roberta = switches.get("roberta", False)
         offset = int(cfg.get("pad_token_id", 1)) + 1 if roberta else 0
         num_labels = len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 2)) if classifier else 0
+        id2label = {int(k): str(v) for k, v in (cfg.get("id2label") or {}).items()}
+        labels = tuple(id2label.get(i, f"LABEL_{i}") for i in range(num_labels))
         return cls(
             architecture=architecture, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"], num_heads=heads,
@@ -167,7 +170,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             qkv_bias=True, o_bias=True, mlp_bias=True, qk_norm=False, tie_word_embeddings=False, hidden_act=act,
             sliding_window=None, dtype=cfg.get("dtype") or cfg.get("torch_dtype"), encoder=True,
             type_vocab_size=cfg.get("type_vocab_size", 2), num_labels=num_labels, matryoshka=_matryoshka(cfg),
-            position_offset=offset, roberta=roberta,
+            position_offset=offset, roberta=roberta, labels=labels,
         )
 
     def kv_block_shape(self, block_size: int) -> tuple[int, int, int]:

@@ -37,6 +37,7 @@ class ModelLimits:
     # A pooling model's task (embed, classify); None: the model generates.
     pooling_task: str | None = None
     matryoshka: bool = False  # embeddings may be shortened (``dimensions``)
+    labels: tuple[str, ...] = ()  # a classifier's class names
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> ModelLimits:
@@ -48,6 +49,7 @@ class ModelLimits:
             enable_prompt_embeds=config.enable_prompt_embeds,
             pooling_task=None if pooler is None else pooler.task,
             matryoshka=config.model_config.matryoshka,
+            labels=config.model_config.labels,
         )
 
 

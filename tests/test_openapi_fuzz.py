@@ -20,7 +20,7 @@ EXAMPLES = {GenerationMode.POSITIVE: 80, GenerationMode.NEGATIVE: 60}
 # The pooling routes answer a generative model with 400s: fuzzed all the same.
 ROUTES = {
     "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
-    "/v1/embeddings", "/pooling", "/score", "/rerank",
+    "/v1/embeddings", "/pooling", "/score", "/rerank", "/classify",
 }
 
 

@@ -16,6 +16,7 @@ from tests.support.http import assert_openai_error
 from tests.support.metrics import parse_metrics
 from tests.support.pooling_models import (
     SENTENCES,
+    bert_classifier,
     bert_cross_encoder,
     bert_embedder,
     llama_embedder,
@@ -34,6 +35,7 @@ def dirs(tmp_path_factory):
         "bert": bert_embedder(root / "bert", "mean"),
         "cross": bert_cross_encoder(root / "cross"),
         "llama": llama_embedder(root / "llama", "lasttoken"),
+        "classifier": bert_classifier(root / "classifier"),
     }
 
 
@@ -279,3 +281,33 @@ def test_truncated_inputs_equal_sentence_transformers_cut_to_max_seq_length(bert
             httpx.post(bert.base_url + "/v1/embeddings", json={"input": "cat", "truncate_prompt_tokens": bad}),
             400, "BadRequestError", "truncate_prompt_tokens",
         )
+
+
+def test_classify_gives_transformers_class_probabilities(module_server_factory, dirs, bert):
+    """vLLM's /classify on a three-label classifier: softmax of transformers' logits, the label by name."""
+    import torch
+    import transformers
+
+    server = module_server_factory(["--model", dirs["classifier"], "--served-model-name", "classifier"])
+    body = httpx.post(server.base_url + "/classify", json={"model": "classifier", "input": SENTENCES[:4]}).json()
+    model = transformers.BertForSequenceClassification.from_pretrained(dirs["classifier"]).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(dirs["classifier"])
+    for item, text in zip(body["data"], SENTENCES[:4]):
+        with torch.no_grad():
+            probs = torch.softmax(model(**tokenizer(text, return_tensors="pt")).logits[0], -1).numpy()
+        np.testing.assert_allclose(item["probs"], probs, rtol=1e-4, atol=1e-6)
+        assert item["label"] == model.config.id2label[int(probs.argmax())] and item["num_classes"] == 3
+    assert body["usage"]["prompt_tokens"] > 0
+    assert_openai_error(
+        httpx.post(bert.base_url + "/classify", json={"input": "the cat"}), 400, "BadRequestError", "no classification"
+    )
+
+
+def test_openapi_document_references_resolve(bert):
+    """Every $ref of /openapi.json names a schema it defines (generic responses included)."""
+    import re
+
+    document = httpx.get(bert.base_url + "/openapi.json").json()
+    refs = set(re.findall(r'"#/components/schemas/([^"]+)"', json.dumps(document)))
+    assert refs and refs <= set(document["components"]["schemas"])
+    assert {"/v1/embeddings", "/pooling", "/classify", "/score", "/rerank"} <= set(document["paths"])

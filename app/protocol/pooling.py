@@ -100,6 +100,28 @@ class ScoreData(msgspec.Struct):
 ScoreResponse = ListResponse[ScoreData]
 
 
+class ClassificationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's /classify: each input's class probabilities under a sequence classifier."""
+
+    input: str | list[Any]
+    model: str | None = None
+    user: str | None = None
+    priority: int = 0
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+
+
+class ClassificationData(msgspec.Struct):
+    index: int
+    label: str  # the most probable class
+    probs: list[float]
+    num_classes: int
+    object: str = "classification"
+
+
+ClassificationResponse = ListResponse[ClassificationData]
+
+
 class RerankRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Jina's and Cohere's /rerank: documents ordered by relevance to the query."""
 

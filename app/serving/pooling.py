@@ -14,6 +14,7 @@ import base64
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 from starlette.responses import Response
 
@@ -24,6 +25,9 @@ from app.protocol.common import now, random_id
 from app.protocol.pooling import (
     ENCODING_FORMATS,
     MAX_POOLING_INPUTS,
+    ClassificationData,
+    ClassificationRequest,
+    ClassificationResponse,
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,
@@ -100,6 +104,29 @@ class OpenAIServingPooling(OpenAIServing):
         outputs = await self._pool(request_id, prompts, params, req.priority, admit)
         data = [PoolingData(i, _encoded(out.pooled, req.encoding_format)) for i, out in enumerate(outputs)]
         return json_response(PoolingResponse(request_id, now(), self.served_model_name, data, self._usage(outputs)))
+
+    async def create_classification(self, body: bytes, admit: Admit | None = None) -> Response:
+        req: ClassificationRequest = decode_request(body, ClassificationRequest)
+        self._check_request(req.model, "classify", None)
+        if self.task != "classify":
+            raise BadRequestError("This model embeds: it has no classification head to classify with.", "model")
+        request_id = random_id("classify")
+        prompts = self._input_ids(req.input, req.add_special_tokens, self._truncation(req.truncate_prompt_tokens))
+        # Probabilities over the classes: softmax, whatever the number of labels.
+        params = PoolingParams(task="classify", use_activation=False)
+        outputs = await self._pool(request_id, prompts, params, req.priority, admit)
+        labels = self.engine.input_processor.limits.labels
+        data = []
+        for i, out in enumerate(outputs):
+            logits = out.pooled.astype(np.float64)
+            probs = np.exp(logits - logits.max())
+            probs /= probs.sum()
+            best = int(probs.argmax())
+            label = labels[best] if best < len(labels) else str(best)
+            data.append(ClassificationData(i, label, probs.tolist(), probs.size))
+        return json_response(
+            ClassificationResponse(request_id, now(), self.served_model_name, data, self._usage(outputs))
+        )
 
     async def create_score(self, body: bytes, admit: Admit | None = None) -> Response:
         req: ScoreRequest = decode_request(body, ScoreRequest)
@@ -243,7 +270,7 @@ class OpenAIServingPooling(OpenAIServing):
         """Every prompt through the engine at once; their outputs in input order."""
         choices = []
         for i, (ids, types) in enumerate(prompts):
-            p = params if types is None else PoolingParams(task=params.task, token_type_ids=types)
+            p = params if types is None else msgspec.structs.replace(params, token_type_ids=types)
             try:
                 request = self.input_processor.process(
                     f"{request_id}-{i}", ids, _NO_SAMPLING, priority, pooling_params=p

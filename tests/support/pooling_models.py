@@ -53,6 +53,13 @@ def bert_config(num_labels: int | None = None, **overrides):
     return transformers.BertConfig(vocab_size=0, **settings)
 
 
+def bert_classifier(directory: Path, labels: tuple[str, ...] = ("negative", "neutral", "positive")) -> str:
+    """A seeded random BERT sequence classifier with named labels, saved by transformers."""
+    body = _bert_body(directory, 21, num_labels=len(labels),
+                      id2label=dict(enumerate(labels)), label2id={name: i for i, name in enumerate(labels)})
+    return str(body)
+
+
 def _bert_body(directory: Path, seed: int, num_labels: int | None = None, **config) -> Path:
     """A seeded random BERT (a classifier with ``num_labels``) and its tokenizer, saved by transformers."""
     import transformers
