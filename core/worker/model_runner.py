@@ -315,9 +315,7 @@ class ModelRunner:
         logits_indices = b.logits_indices.to_device(num_logits)
         b.copies_issued()
         scratch = torch.zeros((1, *self._kv_shape()), dtype=self.kv_dtype, device=self.device)
-        caches = [(scratch, scratch)] * self.model_config.num_layers
-        if self.encoder:
-            caches = []
+        caches = [] if self.encoder else [(scratch, scratch)] * self.model_config.num_layers
         hidden = self.model(input_ids, positions, caches, meta)
         if self.pooler is not None:
             return
@@ -470,10 +468,10 @@ class ModelRunner:
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, **extra)
         batch = self.input_batch
         batch.num_computed_tokens[staged.rows] = staged.seq_lens
-        finishing = staged.seq_lens >= batch.num_tokens[staged.rows]
+        num_prompt_tokens = batch.num_tokens[staged.rows]  # nothing is sampled: all of them are prompt
         pooled = self.pooler(
-            hidden, staged.req_ids, staged.starts, staged.counts, staged.computed,
-            batch.num_tokens[staged.rows], finishing,
+            hidden, staged.req_ids, staged.starts, staged.counts, staged.computed, num_prompt_tokens,
+            finishing=staged.seq_lens >= num_prompt_tokens,
         )
         return ModelRunnerOutput.for_requests(
             staged.req_ids, sampled_token_ids=[[] for _ in staged.req_ids], pooler_output=pooled
