@@ -20,7 +20,7 @@ import msgspec
 
 from app.tokenizer import load_tokenizer
 from core.config import EngineConfig
-from core.protocol import EngineCoreRequest, PoolingParams, SamplingParams
+from core.protocol import EngineCoreRequest, LoRARequest, PoolingParams, SamplingParams
 from core.validation import ModelLimits, validate_request
 
 if TYPE_CHECKING:
@@ -196,6 +196,7 @@ class InputProcessor:
         prompt_embeds: torch.Tensor | None = None,
         data_parallel_rank: int | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> EngineCoreRequest:
         """Validate and build the request the engine runs; ValueError if it cannot.
 
@@ -217,6 +218,7 @@ class InputProcessor:
             prompt_embeds=prompt_embeds,
             data_parallel_rank=data_parallel_rank,
             pooling_params=pooling_params,
+            lora_request=lora_request,
         )
         validate_request(request, self.limits)
         return request

@@ -14,7 +14,7 @@ from app.logprobs import Logprobs
 from app.output_processor import OutputProcessor, RequestOutputCollector
 from core.client import InprocClient
 from core.config import EngineArgs
-from core.protocol import PoolingParams, SamplingParams
+from core.protocol import LoRARequest, PoolingParams, SamplingParams
 from core.utilities import RESET_PREFIX_CACHE
 
 
@@ -48,6 +48,7 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         priority: list[int] | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[CompletionResult]:
         """Run every prompt to completion, batched by the scheduler; results in input order.
 
@@ -64,9 +65,12 @@ class LLM:
             raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
         output_processor = OutputProcessor(self.tokenizer)
         collectors: list[tuple[list[int], RequestOutputCollector]] = []
-        for prompt, p, prio in zip(prompts, per_prompt, priorities):
+        adapters = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        for prompt, p, prio, adapter in zip(prompts, per_prompt, priorities, adapters, strict=True):
             ids = self.input_processor.tokenize_prompt(prompt)
-            request = self.input_processor.process(f"offline-{next(self._ids)}", ids, p, prio, cache_salt)
+            request = self.input_processor.process(
+                f"offline-{next(self._ids)}", ids, p, prio, cache_salt, lora_request=adapter
+            )
             collector = RequestOutputCollector()
             output_processor.add_request(request, collector)
             self.engine.add_request(request)

@@ -17,9 +17,11 @@ import os
 
 import msgspec
 
+from core.lora.adapter_spec import read_adapter_spec
 from core.model_config import ModelConfig
 from core.models.gguf_checkpoint import GGUFCheckpoint, gguf_file
 from core.pooler_config import PoolerConfig
+from core.protocol import LoRARequest
 
 # The CPU KV cache by default: vLLM's CPU default (4 GiB) where the machine has room for it, else a
 # quarter of the memory available once the weights are loaded, and never below the minimum.
@@ -87,6 +89,16 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
         return msgspec.structs.replace(self, prompt_lookup_min=low, prompt_lookup_max=high)
 
 
+class LoRAModule(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """An adapter served from start-up (``--lora-modules name=path``, or vLLM's JSON form):
+    requests name it as their ``model``; ``/v1/models`` lists it under ``base_model_name``
+    (default: the served model)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
 class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
     """Everything the EngineCore needs to build its model, KV cache and scheduler,
     as asked for. ``model`` is a local Hugging Face directory."""
@@ -151,6 +163,13 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
     runner: str = "auto"
     convert: str = "auto"
     override_pooler_config: PoolerConfig | None = None
+    # Multi-LoRA (--enable-lora): adapters served from start-up, the most distinct adapters in
+    # one step, the largest rank accepted, and how many stay loaded (default: max_loras).
+    enable_lora: bool = False
+    lora_modules: list[LoRAModule] = []
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @property
     def engines_on_this_host(self) -> int:
@@ -251,9 +270,11 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
                 chunked, prefix_caching, batched_tokens = False, False, max(batched_tokens, max_model_len)
             elif pooler_config.pooling_type != "LAST":
                 prefix_caching = False  # the pooled states of a cached prefix are not kept
+        self._check_lora(model_config, pooler_config)
         return EngineConfig(
             **{
                 **msgspec.structs.asdict(self),
+                "max_cpu_loras": self.max_cpu_loras or self.max_loras,
                 "model": model,
                 "load_format": load_format,
                 "max_model_len": max_model_len,
@@ -269,6 +290,31 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
             draft_model_config=draft_model_config,
         )
 
+
+    def _check_lora(self, model_config: ModelConfig, pooler_config: PoolerConfig | None) -> None:
+        """The LoRA settings fit together, and every --lora-modules adapter fits the model."""
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ValueError("--lora-modules needs --enable-lora")
+            return
+        if pooler_config is not None or model_config.encoder:
+            raise ValueError("--enable-lora serves generative models; this one is served for pooling")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        names: set[str] = set()
+        served = self.served_model_name or self.model
+        for module in self.lora_modules:
+            if module.name in names or module.name == served:
+                raise ValueError(f"LoRA module name {module.name!r} is used twice")
+            names.add(module.name)
+            if module.base_model_name is not None and module.base_model_name != served:
+                raise ValueError(
+                    f"LoRA module {module.name!r} is for base model {module.base_model_name!r}, "
+                    f"and this server serves {served!r}"
+                )
+            read_adapter_spec(module.path, model_config, self.max_lora_rank)
 
     def _pooler_config(self, model_config: ModelConfig, model_dir: str | None) -> PoolerConfig | None:
         """The resolved pooler of a pooling model; None for a generative one."""
@@ -306,6 +352,11 @@ class EngineConfig(EngineArgs, kw_only=True, frozen=True):
     draft_model_config: ModelConfig | None = None
     # A pooling model's pooler (embeddings, scores); None: the model generates.
     pooler_config: PoolerConfig | None = None
+    max_cpu_loras: int = 1
+
+    def lora_requests(self) -> list[LoRARequest]:
+        """The --lora-modules adapters as the engine knows them: ids 1, 2, ... in order."""
+        return [LoRARequest(m.name, i, m.path) for i, m in enumerate(self.lora_modules, start=1)]
 
     @property
     def is_pooling(self) -> bool:

@@ -51,6 +51,7 @@ from core.protocol import (
     EngineStats,
     FinishReason,
     HandshakeReady,
+    LoRARequest,
     MemoryUsage,
     SchedulerStats,
     SleepResult,
@@ -100,6 +101,11 @@ class EngineCore:
         # outside a step, which run_once hands to an in-process driver (emit_output).
         self._idle_waiters: list[tuple[Future, Callable[[], Any]]] = []
         self._side_outputs: Outputs = []
+        # LoRA adapters added (add_lora, or requests naming them), by number; the runner
+        # holds the weights of those it has loaded.
+        self.lora_requests: dict[int, LoRARequest] = {}
+        for lora_request in config.lora_requests():  # --lora-modules
+            self.add_lora(lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path)
         logger.info(
             "EngineCore %d (pid %d) ready: %d KV blocks of %d tokens, max_model_len %d",
             self.config.data_parallel_rank, os.getpid(), self.num_gpu_blocks, self.config.block_size,
@@ -124,7 +130,17 @@ class EngineCore:
         return built
 
     def add_request(self, request: Request) -> None:
+        """Queue ``request``; ValueError when it names a LoRA adapter that cannot be loaded."""
+        if request.lora_request is not None:
+            self._ensure_lora(request.lora_request)
         self.scheduler.add_request(request)
+
+    def _ensure_lora(self, lora_request: LoRARequest) -> None:
+        """Load the request's adapter unless the runner holds it (a first use, or one evicted)."""
+        if not self.config.enable_lora:
+            raise ValueError("this server serves no LoRA adapters (start it with --enable-lora)")
+        if not self.model_executor.has_lora(lora_request.lora_int_id):
+            self.add_lora(lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -356,6 +372,46 @@ class EngineCore:
         """Forget every cached prefix; refused (False) while requests run,
         unless ``reset_running_requests`` preempts them first."""
         return self.scheduler.reset_prefix_cache(reset_running_requests)
+
+    def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str) -> bool:
+        """Load an adapter (ValueError naming what is wrong with it); False if it was loaded."""
+        if not self.config.enable_lora:
+            raise ValueError("LoRA adapters are off: start the server with --enable-lora")
+        request = LoRARequest(lora_name, lora_int_id, lora_path)
+        known = self.lora_requests.get(lora_int_id)
+        if lora_int_id < 1 or (known is not None and known != request):
+            raise ValueError(f"LoRA adapter number {lora_int_id} is taken or invalid")
+        loaded = self.model_executor.add_lora(request, self._loras_in_use())
+        self.lora_requests[lora_int_id] = request
+        return loaded
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter; refused (ValueError) while a request runs or waits with it, so
+        that no request loses its adapter halfway. False: no such adapter was loaded."""
+        users = sum(1 for r in self.scheduler.requests.values() if r.lora_int_id == lora_id)
+        if users:
+            known = self.lora_requests.get(lora_id)
+            name = known.lora_name if known is not None else lora_id
+            raise ValueError(
+                f"LoRA adapter {name!r} is in use by {users} unfinished request(s): unload it once they finish"
+            )
+        known = self.lora_requests.pop(lora_id, None)
+        return self.model_executor.remove_lora(lora_id) or known is not None
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep an added adapter loaded (loading it again if it was evicted); False if unknown."""
+        known = self.lora_requests.get(lora_id)
+        if known is None:
+            return False
+        self._ensure_lora(known)
+        return self.model_executor.pin_lora(lora_id)
+
+    def list_loras(self) -> list[int]:
+        """The numbers of the adapters loaded now."""
+        return self.model_executor.list_loras() if self.config.enable_lora else []
+
+    def _loras_in_use(self) -> set[int]:
+        return {r.lora_int_id for r in self.scheduler.requests.values() if r.lora_int_id}
 
     def call_utility(self, utility: Utility[Any], args: UtilityArgs) -> Any:
         """Run one of the methods a client may call (core/utilities.py) with its typed
@@ -640,7 +696,12 @@ class EngineCoreProc(EngineCore):
             logger.error("rejected a malformed message from the frontend: request id %r is already running",
                          request.request_id)
         else:
-            self.add_request(request)
+            try:
+                self.add_request(request)
+            except (ValueError, OSError) as exc:  # its LoRA adapter cannot be loaded
+                logger.warning("rejected request %s: %s", request.request_id, exc)
+                refused = finished_outputs([request.request_id], FinishReason.ERROR, str(exc))
+                self.output_queue.put_nowait((request.client_index, refused))
         self.num_received[request.client_index] += 1
 
     def _handle_shutdown(self) -> bool:

@@ -262,6 +262,17 @@ class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     token_type_ids: list[int] | None = None
 
 
+class LoRARequest(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """A LoRA adapter as the engine knows it (vLLM's LoRARequest): the name requests
+    use, a number unique for the server's lifetime (a reloaded adapter gets a new
+    one, so KV cached under the old weights is never reused), and the PEFT
+    directory its weights are read from (again, if the engine evicted them)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
 class EngineCoreRequest(
     msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True
 ):
@@ -285,6 +296,8 @@ class EngineCoreRequest(
     data_parallel_rank: int | None = None
     # Set for a pooling request (embeddings, scores): no token is sampled.
     pooling_params: PoolingParams | None = None
+    # The LoRA adapter the request runs with (None: the base model).
+    lora_request: LoRARequest | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

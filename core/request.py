@@ -19,6 +19,7 @@ from core.protocol import (
     EngineCoreEventType,
     EngineCoreRequest,
     FinishReason,
+    LoRARequest,
     PoolingParams,
     SamplingParams,
 )
@@ -95,6 +96,7 @@ class Request:
         prompt_embeds: torch.Tensor | None = None,
         block_hasher: BlockHasher | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -109,6 +111,9 @@ class Request:
         self.prompt_embeds = prompt_embeds
         # A pooling request: it finishes with its pooled output once its prompt has run.
         self.pooling_params = pooling_params
+        # The LoRA adapter it runs with (None: the base model).
+        self.lora_request = lora_request
+        self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
 
         self.status = RequestStatus.WAITING
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -151,6 +156,10 @@ class Request:
             # part of every block hash.
             digest = hashlib.sha256(embeds.contiguous().view(torch.uint8).cpu().numpy()).hexdigest()
             cache_salt = f"{cache_salt or ''}|prompt_embeds:{digest}"
+        if request.lora_request is not None:
+            # The same tokens under another adapter have other keys and values: the adapter
+            # keys the prefix cache too (its number, which a reloaded adapter does not reuse).
+            cache_salt = f"{cache_salt or ''}|lora:{request.lora_request.lora_int_id}"
         return cls(
             request_id=request.request_id,
             prompt_token_ids=prompt_token_ids,
@@ -163,6 +172,7 @@ class Request:
             prompt_embeds=embeds,
             block_hasher=block_hasher,
             pooling_params=request.pooling_params,
+            lora_request=request.lora_request,
         )
 
     def set_block_hasher(self, block_hasher: BlockHasher) -> None:

@@ -59,6 +59,17 @@ class SleepArgs(UtilityArgs, kw_only=True):
     mode: PauseMode = "abort"
 
 
+class AddLoRAArgs(UtilityArgs, kw_only=True):
+    # A core.protocol.LoRARequest's fields: the adapter's name, its number, its PEFT directory.
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+class LoRAIdArgs(UtilityArgs, kw_only=True):
+    lora_id: int
+
+
 class CollectiveRpcArgs(UtilityArgs, kw_only=True):
     method: str
     args: list[Any] = []
@@ -117,6 +128,10 @@ def _combine_sleep(results: list[SleepResult]) -> SleepResult:
     )
 
 
+def _union(results: list[list[int]]) -> list[int]:
+    return sorted({item for result in results for item in result})
+
+
 def _concat(results: list[list[Any]]) -> list[Any]:
     return [item for result in results for item in result]
 
@@ -131,12 +146,17 @@ SLEEP: Utility[SleepResult] = Utility("sleep", SleepArgs, SleepResult, _combine_
 WAKE_UP: Utility[MemoryUsage] = Utility("wake_up", NoArgs, MemoryUsage, sum_structs)
 IS_SLEEPING: Utility[bool] = Utility("is_sleeping", NoArgs, bool, all)
 COLLECTIVE_RPC: Utility[list[Any]] = Utility("collective_rpc", CollectiveRpcArgs, list[Any], _concat)
+ADD_LORA: Utility[bool] = Utility("add_lora", AddLoRAArgs, bool, all)
+REMOVE_LORA: Utility[bool] = Utility("remove_lora", LoRAIdArgs, bool, any)
+PIN_LORA: Utility[bool] = Utility("pin_lora", LoRAIdArgs, bool, all)
+LIST_LORAS: Utility[list[int]] = Utility("list_loras", NoArgs, list[int], _union)
 
 UTILITIES: dict[str, Utility[Any]] = {
     u.name: u
     for u in (
         GET_SCHEDULER_STATS, GET_NUM_UNFINISHED_REQUESTS, RESET_PREFIX_CACHE, PAUSE_SCHEDULER, RESUME_SCHEDULER,
-        IS_SCHEDULER_PAUSED, SLEEP, WAKE_UP, IS_SLEEPING, COLLECTIVE_RPC,
+        IS_SCHEDULER_PAUSED, SLEEP, WAKE_UP, IS_SLEEPING, COLLECTIVE_RPC, ADD_LORA, REMOVE_LORA, PIN_LORA,
+        LIST_LORAS,
     )
 }
 

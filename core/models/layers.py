@@ -18,6 +18,7 @@ from torch import nn
 
 import kernels
 from kernels.linear import CpuWeight, DenseRows, linear
+from kernels.lora import LoRASlot
 from kernels.quant import QuantizedMatrix, QuantizedWeight
 
 
@@ -38,6 +39,8 @@ class Linear(nn.Linear):
 
     cpu_weight: CpuWeight | QuantizedWeight | None = None  # what the CPU products multiply
     quantized: QuantizedWeight | None = None  # block-format weights: the float weight is then empty
+    # With --enable-lora: the product's LoRA deltas, added to its output (kernels/lora.py).
+    adapters: LoRASlot | None = None
 
     def reset_parameters(self) -> None:
         """No random initialisation: the weights are always loaded (or filled by the dummy loader)."""
@@ -58,7 +61,10 @@ class Linear(nn.Linear):
         self.cpu_weight = CpuWeight(self.weight, self.bias) if CpuWeight.usable(self.weight) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.cpu_weight)
+        y = linear(x, self.weight, self.bias, self.cpu_weight)
+        if self.adapters is not None:
+            self.adapters.add(x, y)
+        return y
 
     __call__ = forward
 

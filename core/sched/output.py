@@ -38,6 +38,7 @@ class NewRequestData:
     num_prompt_tokens: int | None = None
     eos_token_id: int | None = None
     pooling_params: PoolingParams | None = None  # a pooling request: pooled, never sampled
+    lora_int_id: int = 0  # its LoRA adapter (0: the base model)
 
 
 @dataclass

@@ -121,6 +121,8 @@ class Scheduler:
         self.log_stats = config.log_stats
         self.block_size = config.block_size
         self.policy = config.scheduling_policy
+        # The most distinct LoRA adapters in one step (None: LoRA is off).
+        self.max_loras = config.max_loras if config.enable_lora else None
         self.kv_cache_manager = KVCacheManager(
             num_gpu_blocks, config.block_size, enable_caching=config.enable_prefix_caching
         )
@@ -262,6 +264,7 @@ class Scheduler:
                     num_prompt_tokens=r.num_prompt_tokens,
                     eos_token_id=r.eos_token_id,
                     pooling_params=r.pooling_params,
+                    lora_int_id=r.lora_int_id,
                 )
                 for r in plan.new
             ],
@@ -357,8 +360,16 @@ class Scheduler:
         """Admit waiting requests in queue order, each from its longest cached prefix."""
         kv = self.kv_cache_manager
         waiting = self.waiting
+        # With LoRA: the adapters of the step so far, and the requests passed over because
+        # theirs would be one too many (they keep their place in the queue).
+        adapters = None if self.max_loras is None else {r.lora_int_id for r in self.running} - {0}
+        passed_over: list[Request] = []
         while waiting and plan.token_budget > 0:
             request = waiting.peek_request()
+            if adapters is not None and request.lora_int_id and request.lora_int_id not in adapters:
+                if len(adapters) >= self.max_loras:
+                    passed_over.append(waiting.pop_request())
+                    continue
             computed_blocks, num_computed = kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_computed
             if num_new_tokens > plan.token_budget:
@@ -375,6 +386,8 @@ class Scheduler:
             if new_blocks is None:
                 break  # not enough free blocks; retry once something finishes
             waiting.pop_request()
+            if adapters is not None and request.lora_int_id:
+                adapters.add(request.lora_int_id)
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_computed
             if kv.enable_caching:
@@ -388,6 +401,8 @@ class Scheduler:
             plan.token_budget -= num_new_tokens
             if plan.preempted:
                 break  # the victims wait at least one step: no ping-pong
+        for request in reversed(passed_over):
+            waiting.prepend_request(request)
 
     def _preemption_victim_index(self) -> int:
         """Index in ``running`` of the request to preempt next (O(running)

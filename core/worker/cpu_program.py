@@ -59,7 +59,12 @@ class _Layer:
 class CpuStepProgram:
     """``run(n)``: the logits of the n decodes staged in the runner's buffers;
     ``run_chunk(n, sample)``: those of one request's staged prefill chunk of n tokens;
-    ``run_queries(n, table_rows, lens)``: those of n staged queries, each its own decode."""
+    ``run_queries(n, table_rows, lens)``: those of n staged queries, each its own decode.
+
+    With LoRA adapters in the step (``--enable-lora``), each product is followed by its
+    adapters' grouped deltas (kernels/lora.py), as in the forward pass."""
+
+    applies_lora = True
 
     @classmethod
     def build(
@@ -265,6 +270,8 @@ class CpuStepProgram:
         positions_p, slots_p = p["positions"], p["slots"]
         gate_up_p, act_p = p["gate_up"], p["act"]
         self.embedding.take_rows(b.input_ids.np[:n], out=hidden)
+        slot = self.layers[0].qkv.adapters
+        adapted = slot is not None and bool(slot.batch.groups)  # this step has rows of LoRA adapters
         k_offset, v_offset = heads * head_dim * 4, (heads + kv_heads) * head_dim * 4
         for i, layer in enumerate(self.layers):
             if i == 0:
@@ -272,6 +279,8 @@ class CpuStepProgram:
             else:  # the residual add of the previous layer's MLP, fused with this norm
                 lib.add_rms_norm(proj_p, hidden_p, layer.norm1, normed_p, n, size, eps)
             layer.qkv.cpu_weight.matmul(normed, qkv)
+            if adapted:
+                layer.qkv.adapters.add_numpy(normed, qkv)
             if layer.q_norm is not None:  # per-head norms of q and of k, written back in place
                 self._head_norm(n, 0, heads, layer.q_norm)
                 self._head_norm(n, heads, kv_heads, layer.k_norm)
@@ -280,10 +289,16 @@ class CpuStepProgram:
                          layer.k_cache, layer.v_cache, slots_p, self.kv_half)
             attend(layer)
             layer.o.cpu_weight.matmul(attn, proj)
+            if adapted:
+                layer.o.adapters.add_numpy(attn, proj)
             lib.add_rms_norm(proj_p, hidden_p, layer.norm2, normed_p, n, size, eps)
             layer.gate_up.cpu_weight.matmul(normed, gate_up)
+            if adapted:
+                layer.gate_up.adapters.add_numpy(normed, gate_up)
             lib.silu_mul(gate_up_p, n, self.intermediate, act_p)
             layer.down.cpu_weight.matmul(act, proj)
+            if adapted:
+                layer.down.adapters.add_numpy(act, proj)
         lib.add_rms_norm(proj_p, hidden_p, self.final_norm, normed_p, n, size, eps)
         return normed
 
@@ -302,7 +317,10 @@ class NativeStepProgram(CpuStepProgram):
     formats (GGUF files, ``--quantization``): the same steps, each written once as a
     program of C kernel operations (kernels/cpu/program.py) and run in one call, on one
     team of threads that meets at a barrier between operations, instead of ten calls a
-    layer. Its results are ``model.forward``'s bit for bit, as the Python program's are."""
+    layer. Its results are ``model.forward``'s bit for bit, as the Python program's are.
+    It has no place for LoRA deltas: steps with adapters go through the forward pass."""
+
+    applies_lora = False
 
     @staticmethod
     def takes(parts: DecoderParts) -> bool:

@@ -35,7 +35,7 @@ import msgspec
 
 from core.config import EngineConfig
 from core.models.loader import load_model
-from core.protocol import MemoryUsage
+from core.protocol import LoRARequest, MemoryUsage
 from core.sched.output import DraftTokenIds, ModelRunnerOutput, SchedulerOutput
 from core.worker.async_output import AsyncModelRunnerOutput
 from core.worker.faults import fault_injector_from_env
@@ -201,6 +201,25 @@ class UniProcExecutor:
             kv_cache_bytes=tensor_bytes(caches),
             weights_bytes=weight_bytes(runner.model) if runner.model is not None else 0,
         )
+
+    # ----------------------------------------------------------- LoRA adapters
+
+    def has_lora(self, lora_id: int) -> bool:
+        """Whether the runner holds the adapter now (read from any thread: a dict look-up)."""
+        lora = self.runner.lora
+        return lora is not None and lora_id in lora.loaded
+
+    def add_lora(self, request: LoRARequest, in_use: set[int]) -> bool:
+        return self._on_runner_thread(lambda: self.runner.add_lora(request, in_use))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._on_runner_thread(lambda: self.runner.remove_lora(lora_id))
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self._on_runner_thread(lambda: self.runner.pin_lora(lora_id))
+
+    def list_loras(self) -> list[int]:
+        return self._on_runner_thread(self.runner.list_loras)
 
     # ---------------------------------------------------------- collective RPC
 

@@ -35,6 +35,7 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.lora_ids = np.zeros(max_num_reqs, dtype=np.int64)  # each row's LoRA adapter (0: none)
         # Sampling parameters and history per row; generators are seeded once
         # per request and survive preemption (see ``park_request``).
         self.sampling = SamplingBatch(max_num_reqs, vocab_size, device or torch.device("cpu"), processed_logprobs)
@@ -60,6 +61,7 @@ class InputBatch:
         nb = len(new.block_ids)
         self.block_table[row, :nb] = new.block_ids
         self.num_blocks[row] = nb
+        self.lora_ids[row] = new.lora_int_id
         params = new.sampling_params
         gen = self.parked_generators.pop(new.req_id, None)
         if gen is None and params.seed is not None and not params.greedy:
@@ -107,6 +109,7 @@ class InputBatch:
             nb = self.num_blocks[last]
             self.block_table[row, :nb] = self.block_table[last, :nb]
             self.num_blocks[row] = nb
+            self.lora_ids[row] = self.lora_ids[last]
         self.req_ids.pop()
         self.prompt_embeds.pop()
 

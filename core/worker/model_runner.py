@@ -42,7 +42,7 @@ import torch
 from core import envs
 from core.config import CPU_KV_CACHE_MEMORY, CPU_KV_CACHE_MIN_MEMORY, EngineConfig
 from core.models.loader import load_model, resolve_dtype, resolve_kv_dtype
-from core.protocol import LogprobsArrays, SamplingParams
+from core.protocol import LogprobsArrays, LoRARequest, SamplingParams
 from core.sched.output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     DraftTokenIds,
@@ -62,6 +62,7 @@ from core.worker.gpu_memory import gpu_kv_cache_budget
 from core.worker.input_batch import InputBatch
 from core.worker.input_buffers import InputBuffers
 from core.worker.logprobs import gather_logprobs
+from core.worker.lora_adapters import LoRAAdapters
 from core.worker.ngram_proposer import NgramProposer
 from core.worker.pooler import Pooler
 from core.worker.prompt_logprobs import PromptLogprobs
@@ -224,6 +225,12 @@ class ModelRunner:
         # A pooling model's pooler (set with the model): its steps pool hidden states, never sample.
         self.pooler: Pooler | None = None
         self.encoder = self.model_config.encoder  # bidirectional, whole prompts, no KV cache
+        # --enable-lora: the loaded adapters, and each step's rows grouped by adapter.
+        self.lora: LoRAAdapters | None = None
+        if config.enable_lora:
+            self.lora = LoRAAdapters(
+                self.model_config, config.max_lora_rank, config.max_cpu_loras, self.device, self.dtype
+            )
 
     # ------------------------------------------------------------------ setup
 
@@ -232,6 +239,8 @@ class ModelRunner:
         self.model = load_model(self.config, self.device, self.dtype)
         if self.config.pooler_config is not None:
             self.pooler = Pooler(self.config.pooler_config, self.model)
+        if self.lora is not None:
+            self.lora.attach(self.model)
         if self.config.speculative_config is not None and self.device.type == "cpu":
             # Verification steps (a few rows) and plain ones (one row) through one kernel and its
             # thread pool: switching pools at every step costs more than a step of a large model.
@@ -337,7 +346,9 @@ class ModelRunner:
         speculative = self.config.speculative_config
         if speculative is not None and speculative.method == "draft_model" and self.proposer is None:
             self.proposer = DraftModelProposer(self.config, self.device, self.dtype, num_blocks)
-        capture = self.device.type == "cuda" and not self.config.enforce_eager and self.pooler is None
+        # A captured graph would replay the adapters of the step it recorded: none with LoRA.
+        capture = self.device.type == "cuda" and not self.config.enforce_eager and self.pooler is None \
+            and self.lora is None
         if capture or (self.emulate_gpu_paths and self.pooler is None):
             sizes = decode_batch_sizes(self.config.max_num_seqs, self.config.max_num_batched_tokens)
             self.decode_graphs = DecodeGraphs(sizes)
@@ -351,6 +362,8 @@ class ModelRunner:
             raise RuntimeError("a captured model's weights are replaced in place, not swapped")
         self.cpu_program = None
         self.model = model
+        if self.lora is not None:
+            self.lora.attach(model)
         release_freed_memory(self.device)
         if self.kv_caches and self.device.type == "cpu" and not self.emulate_gpu_paths:
             self.cpu_program = CpuStepProgram.build(self.model, self.kv_caches, self.buffers, self.max_model_len)
@@ -621,6 +634,8 @@ class ModelRunner:
         step or a lone prefill chunk runs the prepared kernel sequence; every other step
         the model's forward pass (with CUDA graphs for padded decode batches)."""
         program = self.cpu_program
+        if program is not None and not program.applies_lora and self.lora is not None and self.lora.batch.groups:
+            program = None  # its one C call per step has no place for the adapters' products
         if program is not None and staged.plain_decode:
             return program.run(len(staged.req_ids))
         if program is not None and staged.num_drafts is not None and staged.all_queries_sample:
@@ -644,6 +659,26 @@ class ModelRunner:
         if step.logits_indices is None:
             return None
         return self.model.compute_logits(hidden[step.logits_indices])
+
+    # ------------------------------------------------------------ LoRA adapters
+
+    def add_lora(self, request: LoRARequest, in_use: set[int]) -> bool:
+        """Load an adapter (LoRAAdapterError when it cannot be served); False if it was loaded."""
+        return self._lora_adapters().add(request, in_use)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._lora_adapters().remove(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self._lora_adapters().pin(lora_id)
+
+    def list_loras(self) -> list[int]:
+        return self._lora_adapters().list()
+
+    def _lora_adapters(self) -> LoRAAdapters:
+        if self.lora is None:
+            raise ValueError("LoRA adapters are off: start the server with --enable-lora")
+        return self.lora
 
     def products_are_small(self) -> bool:
         """Whether every dense product of the model goes through numpy's BLAS with a
@@ -790,6 +825,8 @@ class ModelRunner:
         if max_query_len == 1 and not embeds_rows and self.decode_graphs is not None:
             decode_size = self.decode_graphs.padded_size(num_reqs)
 
+        if self.lora is not None:
+            self.lora.stage(batch.lora_ids[rows], starts, counts, decode_only=total == num_reqs)
         b.input_ids.np[:total] = batch.token_ids[tok_rows, positions]
         b.slot_mapping.np[:total] = batch.block_table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
         b.query_start_loc.np[0] = 0
