@@ -53,6 +53,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+    if args.allow_runtime_lora_updating and not args.enable_lora:
+        parser.error("--allow-runtime-lora-updating needs --enable-lora")
+    if args.allow_runtime_lora_updating and args.api_server_count > 1:
+        # Each API server keeps its own table of adapter names: one could not tell the others.
+        parser.error("--allow-runtime-lora-updating works with one API server (--api-server-count 1)")
     if args.model is not None and (problem := model_dir_error(args.model)) is not None:
         parser.exit(2, f"{parser.prog}: error: {problem}\n")  # as argparse's errors, less the long usage
     try:

@@ -28,7 +28,12 @@ from app.frontend_config import (
     ScaleOutConfig,
 )
 from core import envs
-from core.config import DEFAULT_JSON_MAX_WHITESPACE, EngineArgs, SpeculativeConfig
+from core.config import (
+    DEFAULT_JSON_MAX_WHITESPACE,
+    EngineArgs,
+    LoRAModule,
+    SpeculativeConfig,
+)
 from core.pooler_config import PoolerConfig, parse_override
 
 _SIZE_UNITS = {
@@ -53,7 +58,8 @@ _ENGINE_FIELDS = (
     "gpu_memory_utilization", "enforce_eager", "transport", "scheduling_policy", "enable_prompt_embeds",
     "async_scheduling", "enable_sleep_mode", "logprobs_mode", "structured_outputs_backend", "engine_cpu",
     "data_parallel_size", "engine_threads", "data_parallel_size_local", "speculative_config",
-    "runner", "convert", "override_pooler_config",
+    "runner", "convert", "override_pooler_config", "enable_lora", "lora_modules", "max_loras", "max_lora_rank",
+    "max_cpu_loras",
 )
 
 
@@ -80,6 +86,19 @@ def _speculative_config(text: str) -> SpeculativeConfig:
         return msgspec.json.decode(text, type=SpeculativeConfig).resolved()
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
         raise argparse.ArgumentTypeError(f"invalid speculative config {text!r}: {exc}") from None
+
+
+def _lora_module(text: str) -> LoRAModule:
+    """``name=path``, or vLLM's JSON form ``{"name": ..., "path": ..., "base_model_name": ...}``."""
+    if text.lstrip().startswith("{"):
+        try:
+            return msgspec.json.decode(text, type=LoRAModule)
+        except msgspec.MsgspecError as exc:
+            raise argparse.ArgumentTypeError(f"invalid LoRA module {text!r}: {exc}") from None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"invalid LoRA module {text!r}: expected name=path or JSON")
+    return LoRAModule(name=name, path=path)
 
 
 def _pooler_config(text: str) -> PoolerConfig:
@@ -222,6 +241,29 @@ def make_parser() -> argparse.ArgumentParser:
         '"prompt_lookup_min": 2, "prompt_lookup_max": 5} proposes tokens that followed the same '
         "n-gram earlier in the request and verifies them in one step; disable_by_batch_size pauses it "
         "for batches that large (default: off)",
+    )
+
+    lora = p.add_argument_group("LoRA", "fine-tuned adapters served beside the base model")
+    lora.add_argument(
+        "--enable-lora", action="store_true", default=None,
+        help="serve LoRA adapters (PEFT directories): a request picks one by its model name",
+    )
+    lora.add_argument(
+        "--lora-modules", type=_lora_module, nargs="+", action="extend", metavar="NAME=PATH",
+        help='adapters served from start-up: name=path, or {"name": ..., "path": ..., "base_model_name": ...}',
+    )
+    lora.add_argument(
+        "--max-loras", type=_positive_int, metavar="N", help="most distinct adapters in one batch (default 1)"
+    )
+    lora.add_argument("--max-lora-rank", type=_positive_int, metavar="R", help="largest adapter rank accepted (default 16)")
+    lora.add_argument(
+        "--max-cpu-loras", type=_positive_int, metavar="N",
+        help="adapters kept loaded; more are read again from their directory when used (default: --max-loras)",
+    )
+    lora.add_argument(
+        "--allow-runtime-lora-updating", action="store_true",
+        help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING); they are behind --api-key like every route",
     )
 
     cache = p.add_argument_group("cache", "the paged KV cache")
@@ -522,6 +564,7 @@ def build_frontend_config(args: argparse.Namespace) -> FrontendConfig:
         max_log_len=args.max_log_len,
         enable_sleep_mode=bool(args.enable_sleep_mode),
         enable_dev_endpoints=args.enable_dev_endpoints,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         max_num_waiting=args.max_num_waiting,

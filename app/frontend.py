@@ -98,6 +98,7 @@ async def serve(
             # The chat page chats: a pooling model has nothing to say there.
             model_aliases=model_aliases, enable_ui=frontend.enable_ui and not engine.config.is_pooling,
             enable_sleep_mode=frontend.enable_sleep_mode, enable_dev_endpoints=frontend.enable_dev_endpoints,
+            allow_runtime_lora_updating=frontend.allow_runtime_lora_updating,
             enable_auto_tool_choice=frontend.enable_auto_tool_choice, tool_call_parser=frontend.tool_call_parser,
             limits=limits, admission=admission, allowed_origins=frontend.allowed_origins,
         )

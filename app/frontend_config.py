@@ -56,6 +56,7 @@ class FrontendConfig:
     max_log_len: int = 0
     enable_sleep_mode: bool = False
     enable_dev_endpoints: bool = False
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     # Limits and shutdown.

@@ -45,11 +45,13 @@ from app.errors import (
     error_body,
 )
 from app.limits import Admission, LimitsMiddleware, ServerLimits, ticket_of
+from app.lora_adapters import LoRARegistry
 from app.openapi import openapi_document
 from app.protocol.common import VersionResponse
 from app.serving.base import json_response
 from app.serving.chat import OpenAIServingChat
 from app.serving.completions import OpenAIServingCompletion
+from app.serving.lora import lora_routes
 from app.serving.pooling import OpenAIServingPooling
 from app.serving.sse import EventStreamResponse, until_disconnect
 from app.serving.tokenize import OpenAIServingTokenization
@@ -119,6 +121,7 @@ def build_app(
     enable_ui: bool = True,
     enable_sleep_mode: bool = False,
     enable_dev_endpoints: bool = False,
+    allow_runtime_lora_updating: bool = False,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
     limits: ServerLimits | None = None,
@@ -132,8 +135,9 @@ def build_app(
         engine_config = getattr(engine, "config", None)
         max_num_seqs = getattr(engine_config, "max_num_seqs", 1)
         admission = Admission(max_num_seqs, limits.max_num_waiting, limits.retry_after_s)
+    loras = LoRARegistry(getattr(engine, "config", None), served_model_name)
     options = dict(
-        engine=engine, served_model_name=served_model_name, max_model_len=max_model_len,
+        engine=engine, served_model_name=served_model_name, max_model_len=max_model_len, loras=loras,
         chat_template=chat_template, model_aliases=model_aliases, enable_auto_tool_choice=enable_auto_tool_choice,
         tool_call_parser=tool_call_parser, stream_stall_timeout=limits.stream_stall_timeout,
     )
@@ -273,6 +277,8 @@ def build_app(
         Route("/metrics", openai_route(metrics), methods=["GET"]),
         Route("/engine/stats", openai_route(engine_stats), methods=["GET"]),
     ]
+    if allow_runtime_lora_updating:
+        routes += lora_routes(engine, loras, openai_route)
     routes += control_routes(
         engine, openai_route, enable_sleep_mode=enable_sleep_mode, enable_dev_endpoints=enable_dev_endpoints
     )

@@ -32,6 +32,7 @@ from app.errors import (
 )
 from app.input_processor import InputProcessor
 from app.logprobs import TokenTexts, prompt_logprobs
+from app.lora_adapters import LoRARegistry
 from app.output_processor import RequestOutput
 from app.protocol.chat import ChatCompletionRequest
 from app.protocol.common import ModelCard, ModelList, UsageInfo, now
@@ -101,8 +102,11 @@ class OpenAIServing:
         enable_auto_tool_choice: bool = False,
         tool_call_parser: str | None = None,
         stream_stall_timeout: float | None = None,
+        loras: LoRARegistry | None = None,
     ) -> None:
         self.engine = engine
+        # The LoRA adapters requests may name as their model (app/lora_adapters.py).
+        self.loras = loras if loras is not None else LoRARegistry(None, served_model_name)
         self.stream_stall_timeout = stream_stall_timeout
         # tool_choice "auto" needs both (--enable-auto-tool-choice --tool-call-parser), as in vLLM.
         self.tool_call_parser = tool_call_parser if enable_auto_tool_choice else None
@@ -123,12 +127,17 @@ class OpenAIServing:
     # ------------------------------------------------------------------ models
 
     def list_models(self) -> Response:
+        """The base model, then each LoRA adapter (its ``parent`` the base model, its ``root`` its directory)."""
         card = ModelCard(id=self.served_model_name, created=self.created, max_model_len=self.max_model_len)
-        return json_response(ModelList(data=[card]))
+        return json_response(ModelList(data=[card, *self.loras.cards(self.created, self.max_model_len)]))
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.accepted_model_names:
+        if model is not None and model not in self.accepted_model_names and self.loras.get(model) is None:
             raise NotFoundError(f"The model `{model}` does not exist.", "model")
+
+    def response_model(self, model: str | None) -> str:
+        """The model a response names: the adapter asked for, else the served model's name."""
+        return model if model is not None and self.loras.get(model) is not None else self.served_model_name
 
     def _check_alive(self) -> None:
         if self.engine.is_dead:
@@ -162,7 +171,8 @@ class OpenAIServing:
             )
         try:
             return self.input_processor.process(
-                request_id, prompt_ids, params, req.priority, req.cache_salt, prompt_embeds, rank
+                request_id, prompt_ids, params, req.priority, req.cache_salt, prompt_embeds, rank,
+                lora_request=self.loras.get(req.model),
             )
         except ValueError as exc:
             raise BadRequestError(str(exc), getattr(exc, "param", None)) from None

@@ -97,7 +97,7 @@ class OpenAIServingChat(OpenAIServing):
             ChatCompletionResponse(
                 id=request_id,
                 created=now(),
-                model=self.served_model_name,
+                model=self.response_model(req.model),
                 choices=response_choices,
                 usage=usage_of(choices, outputs),
                 prompt_logprobs=self._prompt_logprobs(req, outputs[0]),
@@ -137,7 +137,7 @@ class OpenAIServingChat(OpenAIServing):
         def chunk(choice_objects: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
             return sse_event(
                 ChatCompletionChunk(
-                    id=request_id, created=created, model=self.served_model_name,
+                    id=request_id, created=created, model=self.response_model(req.model),
                     choices=choice_objects, usage=usage,
                 )
             )

@@ -98,7 +98,7 @@ class OpenAIServingCompletion(OpenAIServing):
             CompletionResponse(
                 id=request_id,
                 created=now(),
-                model=self.served_model_name,
+                model=self.response_model(req.model),
                 choices=response_choices,
                 usage=usage_of(choices, outputs, echo_only),
             )
@@ -146,7 +146,7 @@ class OpenAIServingCompletion(OpenAIServing):
         def chunk(choice_objects: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
             return sse_event(
                 CompletionResponse(
-                    id=request_id, created=created, model=self.served_model_name,
+                    id=request_id, created=created, model=self.response_model(req.model),
                     choices=choice_objects, usage=usage,
                 )
             )
