@@ -25,6 +25,7 @@ SUBCOMMANDS = {
     "compare": "bench.compare",
     "soak": "bench.soak",
     "embed": "bench.embed",
+    "lora": "bench.lora",
 }
 
 

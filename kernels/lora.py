@@ -2,19 +2,20 @@
 
 A step's rows may belong to the base model and to several adapters at once
 (punica's segmented gather: SGMV). Each adapted product of the model has, per
-adapter, a shrink ``a_t`` [in, R] and an expand ``b_t`` [R, out]
+adapter, a shrink ``a_t`` [in, R] and an expand per adapted part
 (core/lora/weights.py); the step's ``LoRABatch`` lists, per adapter present,
 its products and its token rows. After the base product ``y = x W``, every
-group adds ``(x[rows] @ a_t) @ b_t`` to ``y[rows]``: two small products over
-that adapter's rows only. Rows of the base model are in no group, and a step
+group shrinks its rows once, ``s = x[rows] @ a_t``, and each part adds
+``s[:, ranks] @ b_t`` to its columns of ``y[rows]``: small products over that
+adapter's rows only. Rows of the base model are in no group, and a step
 without adapters has no groups: its products pay one empty loop each.
 
 On a CPU the products go through numpy's BLAS on the arrays the layers
 already use (the forward pass's tensors share their memory), so the forward
 pass and the CPU step program (core/worker/cpu_program.py) add the same bits.
 Elsewhere torch's ``addmm``/``index_add_`` do it on the device. Rows are a
-slice when the group's rows are contiguous (one request's chunk, a decode
-batch whose adapter rows are neighbours), else an index array.
+slice when the group's rows are contiguous (the scheduler orders a step's
+requests by adapter for that), else an index array.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class LoRASlot:
         self.key = key
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """``y[rows] += (x[rows] @ a_t) @ b_t`` for every group whose adapter adapts this product."""
+        """For every group whose adapter adapts this product, its rows' delta added to ``y``."""
         if not self.batch.groups:
             return
         if x.device.type == "cpu" and x.dtype == torch.float32 and y.is_contiguous():
@@ -69,9 +70,13 @@ class LoRASlot:
                 continue
             rows = group.rows
             if isinstance(rows, slice):
-                y[rows].addmm_(x[rows] @ product.a_t, product.b_t)
+                shrunk = x[rows] @ product.a_t
+                for part in product.parts:
+                    y[rows, part.columns].addmm_(shrunk[:, part.ranks], part.b_t)
             else:
-                y.index_add_(0, group.rows_t, (x[group.rows_t] @ product.a_t) @ product.b_t)
+                shrunk = x[group.rows_t] @ product.a_t
+                for part in product.parts:
+                    y[:, part.columns].index_add_(0, group.rows_t, shrunk[:, part.ranks] @ part.b_t)
 
     def add_numpy(self, x: np.ndarray, y: np.ndarray) -> None:
         """The CPU path on float32 arrays (the step program calls it directly)."""
@@ -80,7 +85,9 @@ class LoRASlot:
             if product is None:
                 continue
             rows = group.rows
-            y[rows] += (x[rows] @ product.a_np) @ product.b_np
+            shrunk = x[rows] @ product.a_np
+            for part in product.parts:
+                y[rows, part.columns] += shrunk[:, part.ranks] @ part.b_np
 
 
 def group_rows(token_rows: np.ndarray) -> Rows:

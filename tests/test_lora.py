@@ -231,17 +231,25 @@ def test_requests_with_adapters_need_enable_lora(stories_dir, tmp_path):
 @pytest.mark.parametrize("rows", [[1, 2, 3], [0, 2, 5]])
 def test_grouped_products_numpy_and_torch_paths_agree_with_dense(rows):
     """The CPU path (numpy, float32) and the device path (torch's addmm / index_add_, run here
-    in float64) add the same deltas as a dense ``x @ A^T @ B^T`` to the group's rows only."""
+    in float64) add the same deltas as dense products to the group's rows only: a fused product
+    of two parts, each with its own A and B, into its own columns."""
+    from core.lora.weights import LoRAPart, LoRAProduct
+
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(6, 10, generator=g), torch.randn(6, 14, generator=g)
-    a_t, b_t = torch.randn(10, 3, generator=g), torch.randn(3, 14, generator=g)
+    a1, b1 = torch.randn(2, 10, generator=g), torch.randn(8, 2, generator=g)  # columns 0:8, rank 2
+    a2, b2 = torch.randn(3, 10, generator=g), torch.randn(4, 3, generator=g)  # columns 10:14, rank 3
     expected = y.double().clone()
-    expected[rows] += x.double()[rows] @ a_t.double() @ b_t.double()
-
-    from core.lora.weights import LoRAProduct
+    expected[rows, 0:8] += x.double()[rows] @ a1.double().t() @ b1.double().t()
+    expected[rows, 10:14] += x.double()[rows] @ a2.double().t() @ b2.double().t()
 
     for dtype in (torch.float32, torch.float64):
-        product = LoRAProduct.of(a_t.to(dtype), b_t.to(dtype))
+        a_t = torch.cat([a1, a2]).t().contiguous().to(dtype)
+        parts = []
+        for ranks, columns, b in ((slice(0, 2), slice(0, 8), b1), (slice(2, 5), slice(10, 14), b2)):
+            b_t = b.t().contiguous().to(dtype)
+            parts.append(LoRAPart(ranks, columns, b_t, b_t.numpy() if dtype == torch.float32 else None))
+        product = LoRAProduct(a_t, tuple(parts), a_t.numpy() if dtype == torch.float32 else None)
         grouped = group_rows(np.array(rows, dtype=np.int64))
         assert isinstance(grouped, slice) == (rows == [1, 2, 3])
         index = None if isinstance(grouped, slice) else torch.from_numpy(grouped)

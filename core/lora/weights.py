@@ -3,10 +3,11 @@
 Our layers fuse q/k/v into one product and gate/up into another
 (core/models/llama.py), so an adapter's matrices are fused the same way: the
 A matrices of the parts it targets are stacked into one shrink ``a_t``
-[in, R], and their B matrices, scaled, placed block-diagonally into one
-expand ``b_t`` [R, out] whose columns are the fused product's (zero where
-a part is not targeted). A product's delta for rows ``x`` is then
-``(x @ a_t) @ b_t``: two small products, whatever the number of parts.
+[in, R] (one product reads the activations once for all parts), and each
+part's B, scaled, expands its ranks of the shrink's output into that part's
+columns of the fused output. Expanding part by part, rather than through one
+block-diagonal matrix, reads no zeros: B is most of an adapter's bytes, and a
+decode step is bound by the bytes it reads.
 """
 
 from __future__ import annotations
@@ -30,19 +31,27 @@ _PARTS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("
 
 
 @dataclass(frozen=True)
+class LoRAPart:
+    """One adapted part of a fused product: its ranks' columns of the shrink's output, and the
+    product's output columns it expands into."""
+
+    ranks: slice
+    columns: slice
+    b_t: torch.Tensor  # [r, columns], scaling applied
+    b_np: np.ndarray | None = field(default=None, repr=False)  # the same, as numpy, on a CPU
+
+
+@dataclass(frozen=True)
 class LoRAProduct:
-    """One fused product's adapter: ``out += (x @ a_t) @ b_t``."""
+    """One fused product's adapter: ``s = x @ a_t``, then ``out[:, part.columns] += s[:, part.ranks] @ part.b_t``."""
 
-    a_t: torch.Tensor  # [in, R]
-    b_t: torch.Tensor  # [R, out], scaling applied
-    # The same tensors as numpy arrays on a CPU (what the CPU products multiply), else None.
-    a_np: np.ndarray | None = field(default=None, repr=False)
-    b_np: np.ndarray | None = field(default=None, repr=False)
+    a_t: torch.Tensor  # [in, R]: the A matrices of every adapted part, stacked
+    parts: tuple[LoRAPart, ...]
+    a_np: np.ndarray | None = field(default=None, repr=False)  # a_t as numpy on a CPU (what its products use)
 
-    @classmethod
-    def of(cls, a_t: torch.Tensor, b_t: torch.Tensor) -> LoRAProduct:
-        on_cpu = a_t.device.type == "cpu" and a_t.dtype == torch.float32
-        return cls(a_t, b_t, a_t.numpy() if on_cpu else None, b_t.numpy() if on_cpu else None)
+
+def _numpy(t: torch.Tensor) -> np.ndarray | None:
+    return t.numpy() if t.device.type == "cpu" and t.dtype == torch.float32 else None
 
 
 @dataclass(frozen=True)
@@ -72,16 +81,15 @@ def load_lora_weights(
     products = {}
     for (layer, product), parts in by_product.items():
         modules = [m for m in _PARTS[product] if m in parts]
-        a_t = torch.cat([parts[m][0] for m in modules]).t()  # [in, R]
+        a_t = torch.cat([parts[m][0] for m in modules]).t().to(device, dtype).contiguous()  # [in, R]
         widths = [module_shape(cfg, m)[1] for m in _PARTS[product]]
-        b_t = torch.zeros(a_t.shape[1], sum(widths))
-        row = 0
+        expands, rank = [], 0
         for m in modules:
             b = parts[m][1]  # [out, r]
             column = sum(widths[: _PARTS[product].index(m)])
-            b_t[row : row + b.shape[1], column : column + b.shape[0]] = b.t()
-            row += b.shape[1]
-        products[(layer, product)] = LoRAProduct.of(
-            a_t.to(device, dtype).contiguous(), b_t.to(device, dtype).contiguous()
-        )
+            b_t = b.t().to(device, dtype).contiguous()
+            expands.append(LoRAPart(slice(rank, rank + b.shape[1]), slice(column, column + b.shape[0]), b_t,
+                                    _numpy(b_t)))
+            rank += b.shape[1]
+        products[(layer, product)] = LoRAProduct(a_t, tuple(expands), _numpy(a_t))
     return LoRAWeights(lora_int_id, name, spec.rank, products)

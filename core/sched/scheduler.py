@@ -273,7 +273,9 @@ class Scheduler:
                 new_block_ids=[new_block_ids.get(r.request_id, _NO_BLOCK_IDS) for r in plan.running],
                 num_computed_tokens=[r.num_computed_tokens for r in plan.running],
             ),
-            num_scheduled_tokens=plan.num_scheduled_tokens,
+            num_scheduled_tokens=(
+                plan.num_scheduled_tokens if self.max_loras is None else self._by_adapter(plan.num_scheduled_tokens)
+            ),
             total_num_scheduled_tokens=self.max_num_scheduled_tokens - plan.token_budget,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=self.preempted_req_ids | {r.request_id for r in plan.preempted},
@@ -355,6 +357,16 @@ class Scheduler:
                     plan.spec_tokens[req_id] = drafts[:num_drafts]
                 request.spec_token_ids = []
             req_index += 1
+
+    def _by_adapter(self, scheduled: dict[str, int]) -> dict[str, int]:
+        """The step's requests ordered by LoRA adapter (stable): each adapter's rows are then
+        one contiguous run, which the runner's grouped products take as a slice."""
+        requests = self.requests
+        ids = [requests[r].lora_int_id for r in scheduled]
+        if all(a <= b for a, b in zip(ids, ids[1:])):
+            return scheduled
+        items = list(scheduled.items())
+        return dict(items[i] for i in sorted(range(len(ids)), key=ids.__getitem__))
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         """Admit waiting requests in queue order, each from its longest cached prefix."""
