@@ -4,8 +4,8 @@
 rank ``--rank``), as a trained adapter is saved: speed depends on shapes, not values.
 
 ``compare`` starts two servers on the same model: one plain, one with ``--enable-lora`` and
-the adapters as ``--lora-modules`` (``--max-loras`` their count). Then, taking turns for
-``--rounds`` rounds, it measures the same loads (greedy, ``--input-len`` random prompt tokens,
+the adapters as ``--lora-modules`` (``--max-loras`` their count), ``--restarts`` times. After
+each start, in each of ``--rounds`` rounds it measures, in a rotating order, the same loads (greedy, ``--input-len`` random prompt tokens,
 ``--output-len`` tokens each, every stream one request started at once):
 
 - ``base``: ``--streams`` streams on the plain server;
@@ -14,8 +14,9 @@ the adapters as ``--lora-modules`` (``--max-loras`` their count). Then, taking t
 - ``adapters``: ``--streams`` streams on the LoRA server spread evenly over the adapters;
 - ``one base`` / ``one adapter``: a single stream, for its time per output token.
 
-It prints medians with their spread and the ratios the issue set goals for: adapters' output
-tok/s over the base's, and one stream's TPOT on an adapter over the base's.
+It prints medians with their spread and, as the median of each round's ratio, the ratios the
+issue set goals for: adapters' output tok/s over the base's, and one stream's TPOT on an
+adapter over the base's.
 
     python -m bench lora make-adapters --model ~/.cache/ringllm-peer/models/llama50M --out /tmp/adapters
     python -m bench lora compare --model ~/.cache/ringllm-peer/models/llama50M --adapters /tmp/adapters/*
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import statistics
 import tempfile
@@ -50,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     compare.add_argument("--streams", type=int, default=16)
     compare.add_argument("--input-len", type=int, default=128)
     compare.add_argument("--output-len", type=int, default=128)
-    compare.add_argument("--rounds", type=int, default=3)
+    compare.add_argument("--rounds", type=int, default=5, help="rounds per server start")
+    compare.add_argument("--restarts", type=int, default=2, help="server starts (fresh servers, in turns)")
     compare.add_argument("--server-args", default="--dtype float32", help="flags both servers get")
 
 
@@ -122,28 +125,47 @@ def compare(args: argparse.Namespace) -> int:
         ("one adapter", "lora", names[:1], 1),
     ]
     measured: dict[str, list[dict[str, float]]] = {label: [] for label, *_ in loads}
-    with ManagedServer(common, logs / "plain.log") as plain, ManagedServer(common + lora, logs / "lora.log") as adapted:
-        servers = {"plain": plain, "lora": adapted}
-        for label, server, models, streams in loads:  # one untimed pass each: warm caches and code paths
-            prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(streams)]
-            asyncio.run(_load(servers[server].base_url, models, prompts, 8))
-        for round_ in range(args.rounds):
-            for label, server, models, streams in loads:
-                prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(streams)]
-                result = asyncio.run(_load(servers[server].base_url, models, prompts, args.output_len))
-                measured[label].append(result)
-                print(f"round {round_ + 1} {label:18s} {result['tok_s']:8.1f} tok/s  TPOT {result['tpot_ms']:.2f} ms",
-                      flush=True)
-    print(f"\nmedians (min-max) over {args.rounds} rounds; {args.streams} streams, {args.input_len} -> "
-          f"{args.output_len} tokens, {len(names)} adapters")
+
+    def prompts(streams: int) -> list[list[int]]:
+        return [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(streams)]
+
+    round_ = 0
+    for start in range(args.restarts):
+        # Fresh servers for each block of rounds, started one after the other in turns: a
+        # server's start-up choices (which weights keep a packed copy, timed as they load)
+        # vary from one start to the next, and would otherwise favour one side throughout.
+        order = [("plain", common), ("lora", common + lora)]
+        if start % 2:
+            order.reverse()
+        with contextlib.ExitStack() as stack:
+            servers = {
+                name: stack.enter_context(ManagedServer(flags, logs / f"{name}{start}.log")) for name, flags in order
+            }
+            for _ in range(args.rounds):
+                shift = round_ % len(loads)
+                for label, server, models, streams in loads[shift:] + loads[:shift]:
+                    url = servers[server].base_url
+                    asyncio.run(_load(url, models, prompts(streams), 4))  # untimed: wakes the engine's threads
+                    result = asyncio.run(_load(url, models, prompts(streams), args.output_len))
+                    measured[label].append(result)
+                    print(f"round {round_ + 1} {label:18s} {result['tok_s']:8.1f} tok/s  "
+                          f"TPOT {result['tpot_ms']:.2f} ms", flush=True)
+                round_ += 1
+    print(f"\n{round_} rounds ({args.restarts} server starts); {args.streams} streams, {args.input_len} -> "
+          f"{args.output_len} tokens, {len(names)} adapters; medians (min-max)")
     for label in measured:
         print(f"{label:18s} tok/s {_summary([m['tok_s'] for m in measured[label]])}   "
               f"TPOT ms {_summary([m['tpot_ms'] for m in measured[label]])}")
-    med = {label: {k: statistics.median(m[k] for m in v) for k in ("tok_s", "tpot_ms")} for label, v in measured.items()}
-    print(f"adapters / base output tok/s: {med['adapters']['tok_s'] / med['base']['tok_s']:.3f}x (goal >= 0.8)")
-    print(f"LoRA server, base model / plain server tok/s: "
-          f"{med['lora-server base']['tok_s'] / med['base']['tok_s']:.3f}x")
-    print(f"one stream TPOT, adapter / base: {med['one adapter']['tpot_ms'] / med['one base']['tpot_ms']:.3f}x "
+
+    def ratio(what: str, over: str, key: str = "tok_s") -> str:
+        """The median (and range) of the rounds' ratios: each round's loads ran minutes apart at most."""
+        per_round = [a[key] / b[key] for a, b in zip(measured[what], measured[over])]
+        return _summary(per_round).strip() + "x"
+
+    print(f"adapters / base model alone, output tok/s:       {ratio('adapters', 'base')} (goal >= 0.8)")
+    print(f"adapters / base model, the same (LoRA) server:   {ratio('adapters', 'lora-server base')}")
+    print(f"LoRA server's base model / plain server, tok/s:  {ratio('lora-server base', 'base')}")
+    print(f"one stream TPOT, adapter / base:                 {ratio('one adapter', 'one base', 'tpot_ms')} "
           f"(goal <= 1.15)")
     return 0
 

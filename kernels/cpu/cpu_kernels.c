@@ -684,3 +684,106 @@ API void dense_few_rows(const float *x, int64_t m, int64_t x_stride, const float
 #pragma omp parallel num_threads(threads) if (parallel)
     dense_few_rows_share(x, m, x_stride, w, n, k, bias, out, out_stride, team_me(), team_size());
 }
+
+/* ---- LoRA deltas of a few rows (kernels/lora.py) ----
+ * For each of the m rows i (x row rows[i] and y row rows[i]; rows i of both when rows is NULL):
+ * s = A x_i, A being [r_total, k] row-major (the stacked A matrices of a fused product's parts),
+ * then for each part p, described by desc[4p..4p+3] = (first rank, ranks, first column,
+ * columns) and b[p] ([ranks, columns] row-major, the scaling folded in):
+ * y_i[columns of p] += s[ranks of p] · B_p. One call per product and adapter instead of a
+ * shrink, an expand per part and an add per part, each a BLAS call that costs more to make than
+ * these few rows cost to compute. ``s`` is scratch for LORA_ROWS * r_total floats. */
+#define LORA_ROWS 4 /* rows shrunk together: each A row is read once for all of them */
+
+/* s[r * r_total + j] = A_j · x_{row r} for ranks j in [j0, j0 + RB) and the ``count`` rows:
+ * count * RB independent sums (about eight: enough adds in flight to hide their latency). */
+static inline __attribute__((always_inline)) void lora_shrink_block(
+    const float *const *xs, const int64_t count, const int64_t rb, const float *a, int64_t k, int64_t j0,
+    int64_t r_total, float *s) {
+    const int64_t kv = k / VLANES * VLANES;
+    vfloat acc[LORA_ROWS][8] = {{{0}}};
+    for (int64_t i = 0; i < kv; i += VLANES) {
+        vfloat av[8];
+        for (int64_t q = 0; q < rb; q++) av[q] = vload(a + (j0 + q) * k + i);
+        for (int64_t r = 0; r < count; r++) {
+            const vfloat xv = vload(xs[r] + i);
+            for (int64_t q = 0; q < rb; q++) acc[r][q] += xv * av[q];
+        }
+    }
+    for (int64_t r = 0; r < count; r++) {
+        for (int64_t q = 0; q < rb; q++) {
+            float sum = vsum_lanes(acc[r][q]);
+            for (int64_t i = kv; i < k; i++) sum += xs[r][i] * a[(j0 + q) * k + i];
+            s[r * r_total + j0 + q] = sum;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void lora_shrink(
+    const float *const *xs, const int64_t count, const int64_t rb, const float *a, int64_t k, int64_t r_total,
+    float *s) {
+    int64_t j = 0;
+    for (; j + rb <= r_total; j += rb) lora_shrink_block(xs, count, rb, a, k, j, r_total, s);
+    for (; j < r_total; j++) lora_shrink_block(xs, count, 1, a, k, j, r_total, s);
+}
+
+/* For each of the ``count`` rows r: ys[r][0:cols] += sum over q < ranks of s_r[q] * B[q, 0:cols]
+ * (s_r = s + r * r_total), CB vectors of columns at a time: B is read once for all the rows,
+ * and count * CB independent sums (about eight) hide the adds' latency. */
+static inline __attribute__((always_inline)) void lora_expand(
+    float *const *ys, const int64_t count, const int64_t cb, const float *s, int64_t r_total, int64_t ranks,
+    const float *b, int64_t cols) {
+    int64_t c = 0;
+    for (; c + cb * VLANES <= cols; c += cb * VLANES) {
+        vfloat acc[LORA_ROWS][8];
+        for (int64_t r = 0; r < count; r++)
+            for (int64_t v = 0; v < cb; v++) acc[r][v] = vload(ys[r] + c + v * VLANES);
+        for (int64_t q = 0; q < ranks; q++) {
+            vfloat bv[8];
+            for (int64_t v = 0; v < cb; v++) bv[v] = vload(b + q * cols + c + v * VLANES);
+            for (int64_t r = 0; r < count; r++) {
+                const float sv = s[r * r_total + q];
+                for (int64_t v = 0; v < cb; v++) acc[r][v] += sv * bv[v];
+            }
+        }
+        for (int64_t r = 0; r < count; r++)
+            for (int64_t v = 0; v < cb; v++) vstore(ys[r] + c + v * VLANES, acc[r][v]);
+    }
+    for (; c < cols; c++) {
+        for (int64_t r = 0; r < count; r++) {
+            float acc = ys[r][c];
+            for (int64_t q = 0; q < ranks; q++) acc += s[r * r_total + q] * b[q * cols + c];
+            ys[r][c] = acc;
+        }
+    }
+}
+
+API __attribute__((optimize("fp-contract=fast"))) void lora_rows(
+    const float *x, int64_t x_stride, const int64_t *rows, int64_t m, const float *a, int64_t k, int64_t r_total,
+    const int64_t *desc, const int64_t *b, int64_t parts, float *y, int64_t y_stride, float *s) {
+    for (int64_t first = 0; first < m; first += LORA_ROWS) {
+        const int64_t count = m - first < LORA_ROWS ? m - first : LORA_ROWS;
+        const float *xs[LORA_ROWS];
+        for (int64_t r = 0; r < count; r++) xs[r] = x + (rows ? rows[first + r] : first + r) * x_stride;
+        switch (count) { /* constant shapes: the sums live in registers */
+        case 1: lora_shrink(xs, 1, 8, a, k, r_total, s); break;
+        case 2: lora_shrink(xs, 2, 4, a, k, r_total, s); break;
+        case 3: lora_shrink(xs, 3, 2, a, k, r_total, s); break;
+        default: lora_shrink(xs, LORA_ROWS, 2, a, k, r_total, s); break;
+        }
+        for (int64_t p = 0; p < parts; p++) {
+            const int64_t rank0 = desc[4 * p], ranks = desc[4 * p + 1], col0 = desc[4 * p + 2], cols = desc[4 * p + 3];
+            const float *bp = (const float *)b[p];
+            float *ys[LORA_ROWS];
+            for (int64_t r = 0; r < count; r++) ys[r] = y + (rows ? rows[first + r] : first + r) * y_stride + col0;
+            switch (count) {
+            case 1: lora_expand(ys, 1, 8, s + rank0, r_total, ranks, bp, cols); break;
+            case 2: lora_expand(ys, 2, 4, s + rank0, r_total, ranks, bp, cols); break;
+            case 3: lora_expand(ys, 3, 2, s + rank0, r_total, ranks, bp, cols); break;
+            default: lora_expand(ys, LORA_ROWS, 2, s + rank0, r_total, ranks, bp, cols); break;
+            }
+        }
+    }
+}
+
+API int64_t lora_scratch_floats(int64_t r_total) { return LORA_ROWS * r_total; }
