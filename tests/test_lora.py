@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from app.llm import LLM
-from core.config import EngineArgs, LoRAModule, SpeculativeConfig
+from core.config import EngineArgs, LoRAModule
 from core.protocol import LoRARequest, SamplingParams
 from kernels.lora import LoRABatch, LoRAGroup, LoRASlot, group_rows
 from tests.support.lora_adapters import make_adapter, peft_greedy, peft_model
@@ -78,8 +78,6 @@ def _mixed(prompts: list[list[int]], requests: list[LoRARequest]):
     dict(max_loras=4),  # whole prompts, and decodes through the CPU step program
     dict(max_loras=4, max_num_batched_tokens=8),  # prompts in chunks beside decodes: the forward pass
     dict(max_loras=2, max_num_batched_tokens=16, max_cpu_loras=2),  # at most two adapters a step, one evicted
-    dict(max_loras=4, async_scheduling=True),  # the next step scheduled while this one runs
-    dict(max_loras=4, speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3)),  # drafts
 ])
 def test_mixed_batches_equal_peft(case, engine):
     base, adapters, prompts, reference = case
@@ -230,32 +228,28 @@ def test_requests_with_adapters_need_enable_lora(stories_dir, tmp_path):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("few_rows", [16, 0], ids=["C kernel", "BLAS"])
 @pytest.mark.parametrize("rows", [[1, 2, 3], [0, 2, 5]])
-def test_grouped_products_agree_with_dense(rows, few_rows, monkeypatch):
-    """Each way of adding a group's deltas — kernels/cpu's lora_rows and numpy's BLAS (float32),
-    torch's addmm / index_add_ (the device path, run here in float64) — adds what dense products
-    give, to the group's rows only: a fused product of two parts, each with its own A and B, into
-    its own columns."""
-    import kernels.lora
+def test_grouped_products_numpy_and_torch_paths_agree_with_dense(rows):
+    """The CPU path (numpy, float32) and the device path (torch's addmm / index_add_, run here
+    in float64) add the same deltas as dense products to the group's rows only: a fused product
+    of two parts, each with its own A and B, into its own columns."""
     from core.lora.weights import LoRAPart, LoRAProduct
 
-    monkeypatch.setattr(kernels.lora, "FEW_ROWS", few_rows)
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(6, 37, generator=g), torch.randn(6, 30, generator=g)
-    a1, b1 = torch.randn(2, 37, generator=g), torch.randn(19, 2, generator=g)  # columns 0:19, rank 2
-    a2, b2 = torch.randn(3, 37, generator=g), torch.randn(9, 3, generator=g)  # columns 21:30, rank 3
+    x, y = torch.randn(6, 10, generator=g), torch.randn(6, 14, generator=g)
+    a1, b1 = torch.randn(2, 10, generator=g), torch.randn(8, 2, generator=g)  # columns 0:8, rank 2
+    a2, b2 = torch.randn(3, 10, generator=g), torch.randn(4, 3, generator=g)  # columns 10:14, rank 3
     expected = y.double().clone()
-    expected[rows, 0:19] += x.double()[rows] @ a1.double().t() @ b1.double().t()
-    expected[rows, 21:30] += x.double()[rows] @ a2.double().t() @ b2.double().t()
+    expected[rows, 0:8] += x.double()[rows] @ a1.double().t() @ b1.double().t()
+    expected[rows, 10:14] += x.double()[rows] @ a2.double().t() @ b2.double().t()
 
     for dtype in (torch.float32, torch.float64):
+        a_t = torch.cat([a1, a2]).t().contiguous().to(dtype)
         parts = []
-        for ranks, columns, b in ((slice(0, 2), slice(0, 19), b1), (slice(2, 5), slice(21, 30), b2)):
+        for ranks, columns, b in ((slice(0, 2), slice(0, 8), b1), (slice(2, 5), slice(10, 14), b2)):
             b_t = b.t().contiguous().to(dtype)
             parts.append(LoRAPart(ranks, columns, b_t, b_t.numpy() if dtype == torch.float32 else None))
-        product = LoRAProduct.of(torch.cat([a1, a2]).to(dtype), tuple(parts))
-        assert (product.desc is not None) == (dtype == torch.float32)
+        product = LoRAProduct(a_t, tuple(parts), a_t.numpy() if dtype == torch.float32 else None)
         grouped = group_rows(np.array(rows, dtype=np.int64))
         assert isinstance(grouped, slice) == (rows == [1, 2, 3])
         index = None if isinstance(grouped, slice) else torch.from_numpy(grouped)

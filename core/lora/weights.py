@@ -2,8 +2,8 @@
 
 Our layers fuse q/k/v into one product and gate/up into another
 (core/models/llama.py), so an adapter's matrices are fused the same way: the
-A matrices of the parts it targets are stacked into one shrink ``a``
-[R, in] (one product reads the activations once for all parts), and each
+A matrices of the parts it targets are stacked into one shrink ``a_t``
+[in, R] (one product reads the activations once for all parts), and each
 part's B, scaled, expands its ranks of the shrink's output into that part's
 columns of the fused output. Expanding part by part, rather than through one
 block-diagonal matrix, reads no zeros: B is most of an adapter's bytes, and a
@@ -20,7 +20,6 @@ from safetensors import safe_open
 
 from core.lora.adapter_spec import AdapterSpec, module_shape
 from core.model_config import ModelConfig
-from kernels.lora import lora_kernel_scratch
 
 # Hugging Face projection -> (our fused product, its place among the product's parts).
 FUSED_PARTS = {
@@ -44,33 +43,11 @@ class LoRAPart:
 
 @dataclass(frozen=True)
 class LoRAProduct:
-    """One fused product's adapter: ``s = x @ a.T``, then ``out[:, part.columns] += s[:, part.ranks] @ part.b_t``."""
+    """One fused product's adapter: ``s = x @ a_t``, then ``out[:, part.columns] += s[:, part.ranks] @ part.b_t``."""
 
-    a: torch.Tensor  # [R, in]: the A matrices of every adapted part, stacked
+    a_t: torch.Tensor  # [in, R]: the A matrices of every adapted part, stacked
     parts: tuple[LoRAPart, ...]
-    a_np: np.ndarray | None = field(default=None, repr=False)  # ``a`` as numpy on a CPU (what its products use)
-    # On a CPU, the parts for kernels/cpu's lora_rows: (first rank, ranks, first column, columns)
-    # of each, and the addresses of their B matrices.
-    desc: np.ndarray | None = field(default=None, repr=False)
-    b_addresses: np.ndarray | None = field(default=None, repr=False)
-    scratch: np.ndarray | None = field(default=None, repr=False)  # the kernel's shrunk row
-    # The kernel's arguments that never change: the addresses of a, desc, b_addresses, scratch
-    # (looked up once: numpy's ``.ctypes.data`` costs more than the kernel on a few rows).
-    kernel_args: tuple[int, ...] = ()
-
-    @classmethod
-    def of(cls, a: torch.Tensor, parts: tuple[LoRAPart, ...]) -> LoRAProduct:
-        a_np = _numpy(a)
-        if a_np is None or any(part.b_np is None for part in parts):
-            return cls(a, parts)
-        desc = np.array([[p.ranks.start, p.ranks.stop - p.ranks.start, p.columns.start, p.columns.stop - p.columns.start]
-                         for p in parts], np.int64)
-        addresses = np.array([p.b_np.ctypes.data for p in parts], np.int64)  # type: ignore[union-attr]
-        scratch = lora_kernel_scratch(a_np.shape[0])
-        if scratch is None:  # no C kernels here
-            return cls(a, parts, a_np)
-        kernel_args = (a_np.ctypes.data, desc.ctypes.data, addresses.ctypes.data, scratch.ctypes.data)
-        return cls(a, parts, a_np, desc, addresses, scratch, kernel_args)
+    a_np: np.ndarray | None = field(default=None, repr=False)  # a_t as numpy on a CPU (what its products use)
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray | None:
@@ -88,7 +65,7 @@ class LoRAWeights:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.a.nbytes + sum(part.b_t.nbytes for part in p.parts) for p in self.products.values())
+        return sum(p.a_t.nbytes + sum(part.b_t.nbytes for part in p.parts) for p in self.products.values())
 
 
 def load_lora_weights(
@@ -104,7 +81,7 @@ def load_lora_weights(
     products = {}
     for (layer, product), parts in by_product.items():
         modules = [m for m in _PARTS[product] if m in parts]
-        a = torch.cat([parts[m][0] for m in modules]).to(device, dtype).contiguous()  # [R, in]
+        a_t = torch.cat([parts[m][0] for m in modules]).t().to(device, dtype).contiguous()  # [in, R]
         widths = [module_shape(cfg, m)[1] for m in _PARTS[product]]
         expands, rank = [], 0
         for m in modules:
@@ -114,5 +91,5 @@ def load_lora_weights(
             expands.append(LoRAPart(slice(rank, rank + b.shape[1]), slice(column, column + b.shape[0]), b_t,
                                     _numpy(b_t)))
             rank += b.shape[1]
-        products[(layer, product)] = LoRAProduct.of(a, tuple(expands))
+        products[(layer, product)] = LoRAProduct(a_t, tuple(expands), _numpy(a_t))
     return LoRAWeights(lora_int_id, name, spec.rank, products)
