@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from app.llm import LLM
-from core.config import EngineArgs, LoRAModule
+from core.config import EngineArgs, LoRAModule, SpeculativeConfig
 from core.protocol import LoRARequest, SamplingParams
 from kernels.lora import LoRABatch, LoRAGroup, LoRASlot, group_rows
 from tests.support.lora_adapters import make_adapter, peft_greedy, peft_model
@@ -78,6 +78,8 @@ def _mixed(prompts: list[list[int]], requests: list[LoRARequest]):
     dict(max_loras=4),  # whole prompts, and decodes through the CPU step program
     dict(max_loras=4, max_num_batched_tokens=8),  # prompts in chunks beside decodes: the forward pass
     dict(max_loras=2, max_num_batched_tokens=16, max_cpu_loras=2),  # at most two adapters a step, one evicted
+    dict(max_loras=4, async_scheduling=True),  # the next step scheduled while this one runs
+    dict(max_loras=4, speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3)),  # drafts
 ])
 def test_mixed_batches_equal_peft(case, engine):
     base, adapters, prompts, reference = case
