@@ -263,3 +263,21 @@ def test_grouped_products_numpy_and_torch_paths_agree_with_dense(rows):
         untouched = y.to(dtype).clone()
         LoRASlot(batch, (1, "qkv")).add(x.to(dtype), untouched)  # a product the adapter does not adapt
         assert torch.equal(untouched, y.to(dtype))
+
+
+def test_gpu_paths_equal_peft(case, monkeypatch):
+    """The runner's GPU-only paths, run on the CPU (ModelRunner.emulate_gpu_paths): padded decode
+    batches, sampled tokens fed back on the device, no CPU step program; the adapters' products
+    through the forward pass, as a GPU runs them."""
+    from core.worker.model_runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "emulate_gpu_paths", True)
+    base, adapters, prompts, reference = case
+    llm = LLM(base, **ENGINE, enable_lora=True, max_loras=4)
+    try:
+        assert llm.engine.engine_core.model_executor.runner.cpu_program is None
+        all_prompts, loras, jobs = _mixed(prompts, _requests(adapters))
+        for (p, k), result in zip(jobs, llm.generate(all_prompts, GREEDY, lora_request=loras)):
+            assert result.token_ids == reference[k][p], (p, k)
+    finally:
+        llm.shutdown()
