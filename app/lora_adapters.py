@@ -3,9 +3,7 @@
 A request whose ``model`` names an adapter runs with it; the engine loads the
 adapter's weights (core/worker/lora_adapters.py). The table starts with
 ``--lora-modules`` (numbers 1, 2, ..., as the engine numbers them) and, with
-``--allow-runtime-lora-updating``, changes through vLLM's routes
-
-(app/serving/lora.py):
+``--allow-runtime-lora-updating``, changes through vLLM's routes (app/serving/lora.py):
 
 - ``POST /v1/load_lora_adapter`` ``{"lora_name": ..., "lora_path": ...}``: the
   adapter is checked here from its files' headers (a 400 saying what is wrong)

@@ -306,8 +306,10 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
         names: set[str] = set()
         served = self.served_model_name or self.model
         for module in self.lora_modules:
-            if module.name in names or module.name == served:
+            if module.name in names:
                 raise ValueError(f"LoRA module name {module.name!r} is used twice")
+            if module.name == served:
+                raise ValueError(f"LoRA module name {module.name!r} is the served model's name")
             names.add(module.name)
             if module.base_model_name is not None and module.base_model_name != served:
                 raise ValueError(

@@ -131,13 +131,13 @@ class OpenAIServingChat(OpenAIServing):
         source: AsyncGenerator[tuple[Choice, RequestOutput], None] | None = None,
         param: str | None = None,
     ) -> AsyncGenerator[bytes, None]:
-        created = now()
+        created, model = now(), self.response_model(req.model)  # once, not per chunk
         tool_streams = {c.index: tool_call_stream(req, self.tool_call_parser) for c in choices}
 
         def chunk(choice_objects: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
             return sse_event(
                 ChatCompletionChunk(
-                    id=request_id, created=created, model=self.response_model(req.model),
+                    id=request_id, created=created, model=model,
                     choices=choice_objects, usage=usage,
                 )
             )

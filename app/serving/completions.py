@@ -141,12 +141,12 @@ class OpenAIServingCompletion(OpenAIServing):
         source: AsyncGenerator[tuple[Choice, RequestOutput], None] | None = None,
         param: str | None = None,
     ) -> AsyncGenerator[bytes, None]:
-        created = now()
+        created, model = now(), self.response_model(req.model)  # once, not per chunk
 
         def chunk(choice_objects: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
             return sse_event(
                 CompletionResponse(
-                    id=request_id, created=created, model=self.response_model(req.model),
+                    id=request_id, created=created, model=model,
                     choices=choice_objects, usage=usage,
                 )
             )
