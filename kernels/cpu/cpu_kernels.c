@@ -286,6 +286,18 @@ static inline float vmax_lanes(vfloat v) {
     return m;
 }
 
+/* a * b + c rounded once, on every build: left to contraction, the compiler fuses some inlined
+ * copies of a loop and not others, and then a product's bits depend on which copy ran it. */
+static inline vfloat vfma(vfloat a, vfloat b, vfloat c) {
+#if defined(__FMA__) && defined(__AVX__)
+    return (vfloat)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    vfloat r;
+    for (int i = 0; i < VLANES; i++) r[i] = fmaf(a[i], b[i], c[i]);
+    return r;
+#endif
+}
+
 static inline float vsum_lanes(vfloat v) {
     float t = 0.0f;
     for (int i = 0; i < VLANES; i++) t += v[i];
@@ -636,13 +648,14 @@ static inline __attribute__((always_inline)) void dense_block(
         }
         for (int64_t r = 0; r < m; r++) {
             vfloat xv = vload(x + r * x_stride + i);
-            for (int64_t j = 0; j < count; j++) acc[j][r] += xv * wv[j];
+            for (int64_t j = 0; j < count; j++) acc[j][r] = vfma(xv, wv[j], acc[j][r]);
         }
     }
     for (int64_t j = 0; j < count; j++) {
         for (int64_t r = 0; r < m; r++) {
             float sum = vsum_lanes(acc[j][r]);
-            for (int64_t i = kv; i < k; i++) sum += x[r * x_stride + i] * wr[j * k + i];
+            /* fmaf, as vfma above: a row's bits must not depend on the row count. */
+            for (int64_t i = kv; i < k; i++) sum = fmaf(x[r * x_stride + i], wr[j * k + i], sum);
             out[r * out_stride + first + j] = bias ? sum + bias[first + j] : sum;
         }
     }
@@ -656,9 +669,9 @@ static inline __attribute__((always_inline)) void dense_rows_range(
     for (; o < end; o++) dense_block(x, m, x_stride, w, k, bias, out, out_stride, o, 1);
 }
 
-/* Fused multiply-adds here (the file is built without contraction, for the element-wise kernels'
- * sake): a product's sums are in an order of their own anyway. */
-__attribute__((optimize("fp-contract=fast"))) static void dense_few_rows_share(const float *x, int64_t m, int64_t x_stride, const float *w, int64_t n, int64_t k,
+/* Fused multiply-adds are explicit (vfma, fmaf): the file is built without contraction, for the
+ * element-wise kernels' sake. */
+static void dense_few_rows_share(const float *x, int64_t m, int64_t x_stride, const float *w, int64_t n, int64_t k,
                                  const float *bias, float *out, int64_t out_stride, int me, int threads) {
     /* Output rows in whole cache lines per thread, so that no two threads write one line. */
     int64_t per = (n + threads - 1) / threads;
