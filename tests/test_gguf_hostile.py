@@ -158,8 +158,20 @@ def test_the_command_line_exits_2_without_a_traceback(tmp_path: Path, good: Path
     assert "truncated or corrupt" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_metadata_transformers_cannot_read_is_named(tmp_path: Path) -> None:
-    """No tokenizer, no sizes: what transformers (run in a child process, so that the frontend
-    never imports it) could not read comes back as the refusal."""
+def test_metadata_without_the_model_sizes_is_named(tmp_path: Path) -> None:
+    """No sizes in the metadata: the missing key is named."""
     message = _refused(_small_file(tmp_path / "bare.gguf"))
-    assert "bare.gguf" in message and "transformers could not read its config or tokenizer" in message
+    assert "bare.gguf" in message and "vocabulary size" in message
+
+
+def test_a_tokenizer_transformers_cannot_read_is_named(tmp_path: Path, good: Path) -> None:
+    """A SentencePiece vocabulary goes to transformers' GGUF reader (in a child process, so that
+    the frontend never imports it): what it could not read comes back as the refusal."""
+    data = bytearray(good.read_bytes())
+    name = b"tokenizer.ggml.scores"
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    data[at - len(name): at] = b"tokenizer.ggml.xxxxxx"  # the scores renamed away
+    bad = tmp_path / "no-scores.gguf"
+    bad.write_bytes(bytes(data))
+    message = _refused(bad)
+    assert "no-scores.gguf" in message and "transformers could not read its tokenizer" in message

@@ -1,30 +1,28 @@
-"""A GGUF file (llama.cpp's format) as a checkpoint: read with the gguf package, weights left in blocks.
+"""A GGUF file (llama.cpp's format) as a checkpoint: its header read once, weights left in blocks.
 
 ``--model FILE.gguf`` (or a directory holding one ``.gguf`` and no
-``config.json``) serves the file's weights as they are: it is memory-mapped
-and read once, each quantized tensor's blocks repacked into the tiles the
-kernels read (kernels/quant.py; no float32 copy is ever made), the float
-tensors (norms, biases, unquantized matrices) copied into torch tensors; then
-the mapping is closed.
+``config.json``) serves the file's weights as they are: it is memory-mapped,
+each quantized tensor's blocks repacked into the tiles the kernels read
+(kernels/quant.py; no float32 copy is ever made), the float tensors (norms,
+biases, unquantized matrices) copied into torch tensors.
 
 Before anything is loaded the file is checked whole (``GGUFCheckpoint``): the
 magic and version, every tensor's type among those served and its bytes
 within the file, the architecture among those served. A file that fails is a
 ``GGUFError`` naming what is wrong, and the command line exits with status 2.
 
-The file's metadata is its config and its tokenizer: transformers, which
-reads GGUF metadata, writes them once as a Hugging Face directory
-(``config.json``, ``tokenizer.json``, ``tokenizer_config.json``...) in the
-cache, keyed by the file's header, so that the rest of ringllm (the
-frontend's tokenizer, ``ModelConfig``) reads a GGUF model as it reads any
-other. Tensor names map to Hugging Face's with the gguf package's own
+The file's metadata is its config and its tokenizer, written once as a Hugging
+Face directory (``config.json``, ``tokenizer.json``, ``tokenizer_config.json``...)
+in the cache, keyed by a hash of the metadata's bytes (core/models/gguf_metadata.py;
+transformers' GGUF reader for the tokenizers it does not build), so that the rest
+of ringllm (the frontend's tokenizer, ``ModelConfig``) reads a GGUF model as it
+reads any other. Tensor names map to Hugging Face's with the gguf package's own
 table, and llama.cpp's converter interleaves the rows of Llama's q and k
 projections for its rotary convention: they are put back.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -37,14 +35,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from core import envs
+from core.models import gguf_metadata
+from core.models.gguf_header import GGUFFormatError, GGUFHeader, TensorInfo
 
 if TYPE_CHECKING:
     import torch
 
     from core.model_config import ModelConfig
 
-# GGUF architecture -> the Hugging Face architecture it is served as.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = gguf_metadata.ARCHITECTURES  # GGUF architecture -> the Hugging Face one it is served as
 # llama.cpp's converter permutes these architectures' q/k rows (its rotary pairs neighbours).
 _PERMUTED = {"llama"}
 # Tensor types served: F32, F16, BF16 and the block formats of kernels/quant.py, by GGML id.
@@ -87,99 +86,76 @@ def _type_name(ggml_type: int) -> str:
         return f"an unknown type (id {ggml_type})"
 
 
-# The child process of ``GGUFCheckpoint.metadata_dir``: argv = [file, output directory].
-_WRITE_METADATA = """
+# The child process of ``GGUFCheckpoint._write_tokenizer_with_transformers``: argv = [file, output directory].
+_WRITE_TOKENIZER = """
 import sys
 from core.models.gguf_checkpoint import GGUFCheckpoint, GGUFError
 try:
-    GGUFCheckpoint(sys.argv[1]).write_metadata(sys.argv[2])
+    GGUFCheckpoint(sys.argv[1]).write_transformers_tokenizer(sys.argv[2])
 except GGUFError as exc:
     sys.exit(str(exc))
 """
 
 
 class GGUFCheckpoint:
-    """An opened, checked GGUF file (GGUFError if it cannot be served)."""
+    """An opened, checked GGUF file (GGUFError if it cannot be served): its header read by
+    core/models/gguf_header.py, every tensor's type and extent checked against the file."""
 
     def __init__(self, path: str) -> None:
-        import gguf
-
         self.path = path
-        served = {**_FLOAT_TYPES, **_BLOCK_TYPES}
-        size = os.path.getsize(path)
-
-        class Reader(gguf.GGUFReader):
-            """gguf's reader, checking each tensor's type and extent before it makes a view of it."""
-
-            def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
-                for field in fields:
-                    _, name_data, _, dims, raw_type, offset = field.parts
-                    name, ggml_type = bytes(name_data).decode("utf-8", "replace"), int(raw_type[0])
-                    if ggml_type not in served:
-                        raise GGUFError(
-                            f"{path}: tensor {name} is {_type_name(ggml_type)}, which ringllm does not serve "
-                            f"(served: {', '.join(served.values())})"
-                        )
-                    elements = int(np.prod(dims.astype(np.float64)))
-                    block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
-                    end = start_offs + int(offset[0]) + elements // block * block_bytes
-                    if (int(dims[0]) if len(dims) else 1) % block or end > size:
-                        raise GGUFError(
-                            f"{path}: tensor {name} ({'x'.join(map(str, dims.tolist()))}, "
-                            f"{_type_name(ggml_type)}) does not fit in the file's {size} bytes: the file is "
-                            "truncated or corrupt"
-                        )
-                super()._build_tensors(start_offs, fields)
-
         try:
-            self.reader = Reader(path)
-        except GGUFError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - whatever the bytes were, the answer is the same
-            raise GGUFError(f"{path}: not a GGUF file ringllm can read ({type(exc).__name__}: {exc})") from None
+            self.header = GGUFHeader(path)
+        except (GGUFFormatError, OSError) as exc:
+            raise GGUFError(f"{path}: not a GGUF file ringllm can read ({exc})") from None
+        served = {**_FLOAT_TYPES, **_BLOCK_TYPES}
+        size = self.header.file_size
+        for name, info in self.header.tensors.items():
+            if info.ggml_type not in served:
+                raise GGUFError(
+                    f"{path}: tensor {name} is {_type_name(info.ggml_type)}, which ringllm does not serve "
+                    f"(served: {', '.join(served.values())})"
+                )
+            block, block_bytes = _block_size(info.ggml_type)
+            fastest = info.shape[0] if info.shape else 1
+            if fastest % block or info.offset + tensor_bytes(info) > size:
+                raise GGUFError(
+                    f"{path}: tensor {name} ({'x'.join(map(str, info.shape))}, {_type_name(info.ggml_type)}) "
+                    f"does not fit in the file's {size} bytes: the file is truncated or corrupt"
+                )
         self.architecture = self._string("general.architecture")
         if self.architecture not in ARCHITECTURES:
             raise GGUFError(
                 f"{path}: the architecture {self.architecture!r} is not served; served: {', '.join(ARCHITECTURES)}"
             )
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.tensors = self.header.tensors
 
     def _string(self, key: str) -> str:
-        field = self.reader.get_field(key)
-        if field is None:
+        value = self.header.get(key)
+        if not isinstance(value, str):
             raise GGUFError(f"{self.path}: the metadata has no {key}")
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
+        return value
 
-    def _number(self, key: str) -> int | None:
-        field = self.reader.get_field(key)
-        return None if field is None else int(field.parts[field.data[0]][0])
-
-    def header_digest(self) -> str:
-        """A hash of the metadata and tensor table: what the config and tokenizer come from."""
-        with open(self.path, "rb") as f:
-            return hashlib.sha256(f.read(self.reader.data_offset)).hexdigest()[:16]
+    def metadata_digest(self) -> str:
+        """A hash of the metadata: what the config and tokenizer come from."""
+        return self.header.metadata_digest()
 
     # ------------------------------------------------------------ metadata
 
     def metadata_dir(self) -> Path:
-        """A Hugging Face directory with this file's config and tokenizer, made on first use."""
-        target = Path(envs.RINGLLM_CACHE) / "gguf" / f"{Path(self.path).stem}-{self.header_digest()}"
+        """A Hugging Face directory with this file's config and tokenizer, made on first use
+        (keyed by the metadata's bytes, which the header has hashed without decoding them)."""
+        target = Path(envs.RINGLLM_CACHE) / "gguf" / f"{Path(self.path).stem}-{self.metadata_digest()}"
         if (target / "config.json").is_file():
             return target
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
         try:
-            # transformers (and torch beneath it) read the metadata in a child process: the
-            # frontend resolves configs too, and would otherwise carry both for its whole life.
-            child = subprocess.run(
-                [sys.executable, "-c", _WRITE_METADATA, self.path, str(staging)], capture_output=True, text=True,
-                env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},  # this one's imports
-            )
-            if child.returncode:
-                lines = child.stderr.strip().splitlines()
-                raise GGUFError(
-                    lines[-1] if lines else f"{self.path}: reading its metadata failed (exit {child.returncode})"
-                )
+            try:
+                gguf_metadata.write_config(self.header, "output.weight" in self.tensors, staging)
+            except gguf_metadata.MetadataError as exc:
+                raise GGUFError(f"{self.path}: {exc}") from None
+            if not gguf_metadata.write_tokenizer(self.header, staging):
+                self._write_tokenizer_with_transformers(staging)
             try:
                 os.replace(staging, target)
             except OSError:  # made meanwhile by another process: theirs is the same
@@ -189,28 +165,28 @@ class GGUFCheckpoint:
             shutil.rmtree(staging, ignore_errors=True)
         return target
 
-    def write_metadata(self, out: Path) -> None:
-        """Write this file's config, tokenizer and generation config to ``out`` as Hugging
-        Face files (what ``metadata_dir`` runs in a child process)."""
-        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    def _write_tokenizer_with_transformers(self, out: Path) -> None:
+        """A tokenizer gguf_metadata does not build (SentencePiece vocabularies...), by
+        transformers' GGUF reader in a child process: the frontend resolves configs too, and
+        would otherwise carry transformers and torch for its whole life."""
+        child = subprocess.run(
+            [sys.executable, "-c", _WRITE_TOKENIZER, self.path, str(out)], capture_output=True, text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},  # this one's imports
+        )
+        if child.returncode:
+            lines = child.stderr.strip().splitlines()
+            raise GGUFError(lines[-1] if lines else f"{self.path}: reading its tokenizer failed (exit {child.returncode})")
+
+    def write_transformers_tokenizer(self, out: str) -> None:
+        """Write this file's tokenizer as transformers reads it (what the child process runs)."""
+        from transformers import AutoTokenizer
 
         folder, name = os.path.split(os.path.abspath(self.path))
         try:
-            config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
         except Exception as exc:  # noqa: BLE001 - transformers says what it could not read
-            raise GGUFError(f"{self.path}: transformers could not read its config or tokenizer: {exc}") from exc
-        config.architectures = [ARCHITECTURES[self.architecture]]
-        if "output.weight" not in self.tensors:
-            config.tie_word_embeddings = True
-        head_dim = self._number(f"{self.architecture}.attention.key_length")
-        if head_dim is not None:  # transformers' Qwen3 mapping leaves it at the class default
-            config.head_dim = head_dim
-        config.save_pretrained(out)
+            raise GGUFError(f"{self.path}: transformers could not read its tokenizer: {exc}") from exc
         tokenizer.save_pretrained(out)
-        eos = tokenizer.eos_token_id
-        if eos is not None:
-            GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos).save_pretrained(out)
 
     # ------------------------------------------------------------ weights
 
@@ -252,24 +228,25 @@ class GGUFCheckpoint:
         from kernels.quant import QuantizedMatrix, QuantType
 
         names = self.hf_names(config)
-        for tensor in self.reader.tensors:
+        for tensor in self.tensors.values():
             hf = names.get(tensor.name)
             if hf is None:
                 raise GGUFError(f"{self.path}: tensor {tensor.name} has no place in a {self.architecture} model")
-            ggml_type = int(tensor.tensor_type)
-            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists the fastest axis first
+            ggml_type = tensor.ggml_type
+            shape = tuple(reversed(tensor.shape))  # GGUF lists the fastest axis first
+            data = self.tensor_bytes(tensor)
             if ggml_type in _BLOCK_TYPES:
                 order = _interleaved_order(shape[0], self._heads(config, hf)) if self._permuted(hf) else None
-                value: Any = QuantizedMatrix(QuantType(ggml_type), np.ascontiguousarray(tensor.data), shape[0],
+                value: Any = QuantizedMatrix(QuantType(ggml_type), data.reshape(shape[0], -1), shape[0],
                                              int(np.prod(shape[1:])), order)
                 if dense is not None:
                     value = torch.from_numpy(value.dequantize()).to(dense)
             elif len(shape) == 2 and dense is None:  # a float matrix: the same tiles (F32, or F16 as it is)
-                values = _float_tensor(ggml_type, tensor.data, keep_half=True).reshape(shape).numpy()
+                values = _float_tensor(ggml_type, data, keep_half=True).reshape(shape).numpy()
                 order = _interleaved_order(shape[0], self._heads(config, hf)) if self._permuted(hf) else None
                 value = QuantizedMatrix.from_floats(values, order)
             else:
-                value = _float_tensor(ggml_type, tensor.data).reshape(shape)
+                value = _float_tensor(ggml_type, data).reshape(shape)
                 if self._permuted(hf):
                     value = _unpermute(value, self._heads(config, hf))
                 if dense is not None:
@@ -283,23 +260,40 @@ class GGUFCheckpoint:
     def _heads(config: ModelConfig, hf_name: str) -> int:
         return config.num_heads if hf_name.endswith("q_proj.weight") else config.num_kv_heads
 
+    def tensor_bytes(self, tensor: TensorInfo) -> np.ndarray:
+        """A tensor's bytes: a read-only view of the mapped file (uint8)."""
+        return np.frombuffer(self.header.buffer(), np.uint8, tensor_bytes(tensor), tensor.offset)
+
     def close(self) -> None:
-        """Drops the reader and its views of the file: the mapping goes with the last of them
-        (what was loaded holds copies, never views)."""
-        self.reader = None
+        """Drops the header and the mapping (what was loaded holds copies, never views)."""
+        self.header.close()
         self.tensors = {}
 
 
+def _block_size(ggml_type: int) -> tuple[int, int]:
+    """(values, bytes) per block of a GGML type (the gguf package's table)."""
+    import gguf
+
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+
+
+def tensor_bytes(tensor: TensorInfo) -> int:
+    """The bytes a tensor's data takes in the file."""
+    block, block_bytes = _block_size(tensor.ggml_type)
+    return tensor.elements // block * block_bytes
+
+
 def _float_tensor(ggml_type: int, data: np.ndarray, keep_half: bool = False) -> torch.Tensor:
-    """A float tensor's values, copied out of the file: float32 (float16 with ``keep_half``)."""
+    """A float tensor's values from its bytes, copied out of the file: float32 (float16 with
+    ``keep_half``)."""
     import torch
 
     if ggml_type == 0:
-        return torch.from_numpy(np.array(data, dtype=np.float32))
+        return torch.from_numpy(data.view(np.float32).copy())
     if ggml_type == 1:
-        half = torch.from_numpy(np.array(data, dtype=np.float16))
+        half = torch.from_numpy(data.view(np.float16).copy())
         return half if keep_half else half.float()
-    bits = np.frombuffer(np.ascontiguousarray(data).tobytes(), np.uint16).astype(np.uint32) << 16  # BF16
+    bits = data.view(np.uint16).astype(np.uint32) << 16  # BF16
     return torch.from_numpy(bits.view(np.float32))
 
 
