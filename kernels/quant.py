@@ -83,6 +83,19 @@ class QuantizedMatrix:
         self.qtype, self.rows, self.k = qtype, rows, k
 
     @classmethod
+    def from_packed(cls, qtype: QuantType, data: np.ndarray, rows: int, k: int) -> QuantizedMatrix:
+        """A matrix already in the kernels' tiles (``data``: uint8, packed_bytes of them, e.g. a
+        view of kernels/packed_file.py's mapped file), taken as it is."""
+        if k % BLOCKS[qtype][0]:
+            raise ValueError(f"{qtype.name} rows hold multiples of {BLOCKS[qtype][0]} values, not {k}")
+        need = cpu.load().packed_bytes(qtype, rows, k)
+        if data.dtype != np.uint8 or data.shape != (need,):
+            raise ValueError(f"{qtype.name} tiles of {rows} x {k} are {need} bytes, not {data.shape}")
+        matrix = cls.__new__(cls)
+        matrix.qtype, matrix.data, matrix.rows, matrix.k = qtype, data, rows, k
+        return matrix
+
+    @classmethod
     def from_floats(cls, weight: np.ndarray, order: np.ndarray | None = None) -> QuantizedMatrix:
         """A float32 or float16 [rows, k] matrix in the same tiles (kept in its own precision)."""
         qtype = QuantType.F16 if weight.dtype == np.float16 else QuantType.F32

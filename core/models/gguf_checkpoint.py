@@ -28,7 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -218,40 +218,64 @@ class GGUFCheckpoint:
             if name not in names:
                 raise GGUFError(f"{self.path}: tensor {name} has no place in a {self.architecture} model")
 
-    def weights(self, config: ModelConfig, dense: torch.dtype | None = None) -> Iterator[tuple[str, Any]]:
+    def weights(self, config: ModelConfig, dense: torch.dtype | None = None,
+                progress: Callable[[int], None] | None = None) -> Iterator[tuple[str, Any]]:
         """(Hugging Face name, tensor) for every tensor: matrices as ``QuantizedMatrix``
-        (block formats packed from the file's bytes; float ones as F32 or F16 tiles), vectors
-        as torch tensors; or, with ``dense``, everything as torch tensors of that dtype (a
-        device without these kernels)."""
+        (block formats, and F32/F16 matrices, in the kernels' tiles: kernels/packed_file.py
+        keeps them in a file made at the first load and mapped after), vectors as torch tensors;
+        or, with ``dense``, everything as torch tensors of that dtype (a device without these
+        kernels). ``progress`` is told the bytes of the file's tensors as they are read."""
         import torch
 
+        from kernels.packed_file import PackSpec, packed_matrices
         from kernels.quant import QuantizedMatrix, QuantType
 
         names = self.hf_names(config)
         for tensor in self.tensors.values():
-            hf = names.get(tensor.name)
-            if hf is None:
+            if tensor.name not in names:
                 raise GGUFError(f"{self.path}: tensor {tensor.name} has no place in a {self.architecture} model")
-            ggml_type = tensor.ggml_type
-            shape = tuple(reversed(tensor.shape))  # GGUF lists the fastest axis first
+        specs = []
+        for tensor in self.tensors.values():
+            hf, shape = names[tensor.name], tuple(reversed(tensor.shape))  # GGUF lists the fastest axis first
+            tiled = tensor.ggml_type in _BLOCK_TYPES or (len(shape) == 2 and tensor.ggml_type in (0, 1))
+            if tiled:
+                order = _interleaved_order(shape[0], self._heads(config, hf)) if self._permuted(hf) else None
+                specs.append(PackSpec(tensor.name, QuantType(tensor.ggml_type), shape[0], int(np.prod(shape[1:])),
+                                      self.tensor_bytes(tensor).reshape(shape[0], -1), order))
+        packed: dict[str, Any] = {}
+        if specs and dense is None:
+            stat = os.stat(self.path)
+            identity = f"{os.path.realpath(self.path)}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
+            packed = packed_matrices(specs, identity, Path(self.path).stem, os.path.realpath(self.path),
+                                     torch.get_num_threads(), progress)
+        tiles = {spec.name: spec for spec in specs}
+        for tensor in self.tensors.values():
+            hf, shape = names[tensor.name], tuple(reversed(tensor.shape))
             data = self.tensor_bytes(tensor)
-            if ggml_type in _BLOCK_TYPES:
+            value: Any
+            if tensor.name in packed:
+                yield hf, packed[tensor.name]
+                continue
+            if tensor.name in tiles and dense is not None:  # a device without these kernels: the values
+                spec = tiles[tensor.name]
+                matrix = QuantizedMatrix(spec.qtype, spec.blocks, spec.rows, spec.k, spec.order)
+                value = torch.from_numpy(matrix.dequantize()).to(dense)
+            elif len(shape) == 2 and dense is None:  # BF16: widened to the F32 tiles
                 order = _interleaved_order(shape[0], self._heads(config, hf)) if self._permuted(hf) else None
-                value: Any = QuantizedMatrix(QuantType(ggml_type), data.reshape(shape[0], -1), shape[0],
-                                             int(np.prod(shape[1:])), order)
-                if dense is not None:
-                    value = torch.from_numpy(value.dequantize()).to(dense)
-            elif len(shape) == 2 and dense is None:  # a float matrix: the same tiles (F32, or F16 as it is)
-                values = _float_tensor(ggml_type, data, keep_half=True).reshape(shape).numpy()
-                order = _interleaved_order(shape[0], self._heads(config, hf)) if self._permuted(hf) else None
-                value = QuantizedMatrix.from_floats(values, order)
+                value = QuantizedMatrix.from_floats(_float_tensor(tensor.ggml_type, data).reshape(shape).numpy(), order)
             else:
-                value = _float_tensor(ggml_type, data).reshape(shape)
+                value = _float_tensor(tensor.ggml_type, data).reshape(shape)
                 if self._permuted(hf):
                     value = _unpermute(value, self._heads(config, hf))
                 if dense is not None:
                     value = value.to(dense)
+            if progress is not None:
+                progress(data.nbytes)
             yield hf, value
+
+    def weight_bytes(self) -> int:
+        """The bytes of the file's tensors (a progress bar's total)."""
+        return sum(tensor_bytes(t) for t in self.tensors.values())
 
     def _permuted(self, hf_name: str) -> bool:
         return self.architecture in _PERMUTED and hf_name.endswith(("q_proj.weight", "k_proj.weight"))

@@ -119,10 +119,13 @@ def load_model(
     elif config.load_format in ("auto", "safetensors", "gguf"):
         if config.load_format == "gguf":
             checkpoint = GGUFCheckpoint(config.model)
+            total = checkpoint.weight_bytes()
             # Off a CPU the block formats have no kernels: their values, in the compute dtype.
             try:
-                loaded = model.load_weights(checkpoint.weights(config.model_config,
-                                                               dense=None if device.type == "cpu" else dtype))
+                with _ProgressBar(total=total, desc="Loading weights", unit="B", unit_scale=True, unit_divisor=1024,
+                                  disable=total < PROGRESS_MIN_BYTES, mininterval=0.5) as bar:
+                    loaded = model.load_weights(checkpoint.weights(
+                        config.model_config, dense=None if device.type == "cpu" else dtype, progress=bar.update))
             finally:
                 checkpoint.close()
         else:

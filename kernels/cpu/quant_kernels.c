@@ -15,7 +15,14 @@
  * as 16-row vectors. The packed form is as large as the file's (Q4_K: 3 %
  * larger). Products run up to ``ROWS_AT_ONCE`` activation rows per pass over
  * a tile, so a decode batch or a prefill chunk reads each weight byte once
- * per pass and expands it once for all of them.
+ * per pass and expands it once for all of them. Each kernel prefetches the
+ * weights PF_DISTANCE bytes ahead of its arithmetic: without it a lone decode,
+ * which reads every weight once, streams at a fraction of the memory's speed.
+ *
+ * On AVX2 without VNNI the K formats' products of two rows or more take each
+ * tile as two halves of eight rows (one ymm each), summing a sub-block's
+ * vpmaddubsw products in int16 lanes before one vpmaddwd by its scale; the
+ * generic kernels widen every product to int32 (twice the multiplies).
  *
  * The vector code is chosen when this file is compiled, for the CPU that
  * compiles it (``-march=native``; kernels/cpu/library.py): AVX-512 (with
@@ -38,6 +45,11 @@
 #include "cpu_common.h"
 
 #define INLINE static inline __attribute__((always_inline))
+/* Bytes ahead of the product's position that its weights are prefetched: a core streams them
+ * from memory at its full speed only with a few blocks requested ahead of the arithmetic. */
+#ifndef PF_DISTANCE
+#define PF_DISTANCE 8192
+#endif
 
 #define TYPE_F32 0
 #define TYPE_F16 1
@@ -104,6 +116,8 @@ typedef __m512i vi;
 typedef __m512 vf;
 
 INLINE vi vi_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+/* Keeps a sum in its register (see KEEP below). */
+INLINE void vi_keep(vi *v) { __asm__("" : "+v"(*v)); }
 INLINE vi vi_set1(int32_t x) { return _mm512_set1_epi32(x); }
 INLINE vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
 INLINE vi vi_mul(vi a, vi b) { return _mm512_mullo_epi32(a, b); }
@@ -165,6 +179,7 @@ typedef struct { __m256 l, h; } vf;
 INLINE vi vi_load(const uint8_t *p) {
     return (vi){_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 32))};
 }
+INLINE void vi_keep(vi *v) { __asm__("" : "+x"(v->l), "+x"(v->h)); }
 INLINE vi vi_set1(int32_t x) { return (vi){_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; }
 INLINE vi vi_add(vi a, vi b) { return (vi){_mm256_add_epi32(a.l, b.l), _mm256_add_epi32(a.h, b.h)}; }
 INLINE vi vi_mul(vi a, vi b) { return (vi){_mm256_mullo_epi32(a.l, b.l), _mm256_mullo_epi32(a.h, b.h)}; }
@@ -251,7 +266,8 @@ INLINE void vf_store(float *out, vf v, const float *bias, int count) {
     _mm256_storeu_ps(tmp + 8, v.h);
     for (int l = 0; l < count; l++) out[l] = bias ? tmp[l] + bias[l] : tmp[l];
 }
-#define ROWS_AT_ONCE 2
+#define ROWS_AT_ONCE 4 /* the K formats' half tiles (below); the other formats two at a time */
+#define GENERIC_ROWS 2
 
 #else
 #define VEC_PORTABLE 1
@@ -263,6 +279,7 @@ INLINE vi vi_load(const uint8_t *p) {
     memcpy(r.v, p, sizeof r.v);
     return r;
 }
+INLINE void vi_keep(vi *v) { (void)v; }
 INLINE vi vi_set1(int32_t x) {
     vi r;
     for (int l = 0; l < TILE; l++) r.v[l] = x;
@@ -332,6 +349,10 @@ INLINE void vf_store(float *out, vf v, const float *bias, int count) {
     for (int l = 0; l < count; l++) out[l] = bias ? v.v[l] + bias[l] : v.v[l];
 }
 #define ROWS_AT_ONCE 2
+#endif
+
+#ifndef GENERIC_ROWS
+#define GENERIC_ROWS ROWS_AT_ONCE /* rows the generic tile kernels take at once */
 #endif
 
 /* Which of the paths above this build runs: 0 portable, 1 AVX2, 2 AVX2 + AVX-VNNI,
@@ -640,8 +661,14 @@ API void quantize_activations(int64_t type, const float *x, int64_t rows, int64_
  * Each adds to acc[i] (16 rows of the tile) the products with activation rows a[i], i < R,
  * over the tile's nb blocks. R is a constant where they are inlined (tile_product). */
 
+/* Prefetches the cache lines of [p, p + bytes) PF_DISTANCE ahead. */
+INLINE void prefetch_ahead(const uint8_t *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + PF_DISTANCE + o);
+}
+
 INLINE void tile_q8_0(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
     for (int64_t b = 0; b < nb; b++, tile += Q8_0_TILE) {
+        prefetch_ahead(tile, Q8_0_TILE);
         vf d = vf_halves(tile + 512);
         vi sum[ROWS_AT_ONCE], odd[ROWS_AT_ONCE]; /* two chains each: the sums' latency overlaps */
         for (int i = 0; i < R; i++) {
@@ -654,6 +681,8 @@ INLINE void tile_q8_0(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
                 const int8_t *q = ((const act_q8_0 *)a[i])[b].qs + 4 * g;
                 sum[i] = vi_dot_q8(sum[i], w, load_i32(q));
                 odd[i] = vi_dot_q8(odd[i], w2, load_i32(q + 4));
+                vi_keep(&sum[i]);
+                vi_keep(&odd[i]);
             }
         }
         for (int i = 0; i < R; i++)
@@ -666,6 +695,7 @@ INLINE void tile_q4_q5(const uint8_t *tile, int64_t nb, const uint8_t *const *a,
     const int64_t size = five ? Q5_0_TILE : Q4_0_TILE;
     const int offset = five ? 16 : 8;
     for (int64_t b = 0; b < nb; b++, tile += size) {
+        prefetch_ahead(tile, size);
         vf d = vf_halves(tile + (five ? 320 : 256));
         vi sum[ROWS_AT_ONCE], high[ROWS_AT_ONCE]; /* low and high nibbles: two chains */
         for (int i = 0; i < R; i++) {
@@ -684,6 +714,8 @@ INLINE void tile_q4_q5(const uint8_t *tile, int64_t nb, const uint8_t *const *a,
                 const int8_t *q = ((const act_q8_0 *)a[i])[b].qs;
                 sum[i] = vi_dot(sum[i], lo, load_i32(q + 4 * c));
                 high[i] = vi_dot(high[i], hi, load_i32(q + 16 + 4 * c));
+                vi_keep(&sum[i]);
+                vi_keep(&high[i]);
             }
         }
         for (int i = 0; i < R; i++) acc[i] = vf_fma(vf_from(vi_add(sum[i], high[i])), vf_mul(d, vf_set1(((const act_q8_0 *)a[i])[b].d)), acc[i]);
@@ -693,6 +725,7 @@ INLINE void tile_q4_q5(const uint8_t *tile, int64_t nb, const uint8_t *const *a,
 /* Q4_K: d * scale_s * q - dmin * min_s for the 8 sub-blocks s of 32. */
 INLINE void tile_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
     for (int64_t b = 0; b < nb; b++, tile += Q4_K_TILE) {
+        prefetch_ahead(tile, Q4_K_TILE);
         vi total[ROWS_AT_ONCE], mins[ROWS_AT_ONCE];
         for (int i = 0; i < R; i++) total[i] = mins[i] = vi_set1(0);
         for (int c = 0; c < 4; c++) {
@@ -734,6 +767,7 @@ INLINE void tile_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
 /* Q6_K: d * scale_s * (q - 32) for the 16 sub-blocks s of 16. */
 INLINE void tile_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
     for (int64_t b = 0; b < nb; b++, tile += Q6_K_TILE) {
+        prefetch_ahead(tile, Q6_K_TILE);
         vi total[ROWS_AT_ONCE];
         for (int i = 0; i < R; i++) total[i] = vi_set1(0);
         for (int h = 0; h < 2; h++)
@@ -765,6 +799,156 @@ INLINE void tile_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
     }
 }
 
+#if defined(VEC_AVX2) && Q8_OFFSET == 0
+/* The K formats on AVX2, half a tile at a time: rows 8s..8s+7 of a tile (side s) are bytes
+ * 32s..32s+31 of each 64-byte group, one ymm. A Q4_K sub-block's eight groups are summed in
+ * the int16 lanes of vpmaddubsw's output before one vpmaddwd by the sub-block's scale (at most
+ * 8 x 2 x 15 x 127 = 30480: no saturation), where the generic kernel widens every group; Q6_K's
+ * 6-bit values allow two groups (2 x 2 x 63 x 127 = 32004). The integers are the generic
+ * kernel's exactly, and the float operations per output the same, so the bits are too. */
+
+INLINE __m256i bcast4(const int8_t *p) { return _mm256_set1_epi32(load_i32(p)); }
+
+/* Keeps an accumulator in its register: without it GCC regroups the integer sums of a
+ * sub-block (they are associative) into trees whose partial sums spill to the stack. */
+#define KEEP(v) __asm__("" : "+x"(v))
+
+/* Eight unsigned bytes as int32 lanes holding the byte in both int16 halves: vpmaddwd's scale. */
+INLINE __m256i scale_pairs(const uint8_t *p) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
+}
+
+INLINE void half_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, int side, __m256 *acc) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    const int o = 32 * side;
+    for (int64_t b = 0; b < nb; b++, tile += Q4_K_TILE) {
+        if (!side) prefetch_ahead(tile, Q4_K_TILE);
+        __m256i total[4], mins[4];
+        for (int i = 0; i < R; i++) total[i] = mins[i] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            __m256i lo[4], hi[4];
+            for (int i = 0; i < R; i++) lo[i] = hi[i] = _mm256_setzero_si256();
+            for (int l4 = 0; l4 < 8; l4++) {
+                __m256i w = _mm256_loadu_si256((const __m256i *)(tile + (c * 8 + l4) * 64 + o));
+                __m256i wl = _mm256_and_si256(w, low), wh = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+                for (int i = 0; i < R; i++) {
+                    const int8_t *q = ((const act_q8_k *)a[i])[b].qs + c * 64 + 4 * l4;
+                    lo[i] = _mm256_add_epi16(lo[i], _mm256_maddubs_epi16(wl, bcast4(q)));
+                    hi[i] = _mm256_add_epi16(hi[i], _mm256_maddubs_epi16(wh, bcast4(q + 32)));
+                    KEEP(lo[i]);
+                    KEEP(hi[i]);
+                }
+            }
+            __m256i s_lo = scale_pairs(tile + 2048 + (2 * c) * 16 + 8 * side);
+            __m256i s_hi = scale_pairs(tile + 2048 + (2 * c + 1) * 16 + 8 * side);
+            for (int i = 0; i < R; i++)
+                total[i] = _mm256_add_epi32(total[i], _mm256_add_epi32(_mm256_madd_epi16(lo[i], s_lo),
+                                                                       _mm256_madd_epi16(hi[i], s_hi)));
+        }
+        for (int p = 0; p < 4; p++) {
+            __m256i m = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(tile + 2176 + p * 32 + 16 * side)));
+            for (int i = 0; i < R; i++) {
+                const int16_t *bs = ((const act_q8_k *)a[i])[b].bsums + 4 * p;
+                int32_t s0 = bs[0] + bs[1], s1 = bs[2] + bs[3]; /* the activations' sums of sub-blocks 2p, 2p+1 */
+                __m256i pair = _mm256_set1_epi32((int32_t)((uint32_t)(uint16_t)s0 | (uint32_t)s1 << 16));
+                mins[i] = _mm256_add_epi32(mins[i], _mm256_madd_epi16(m, pair));
+            }
+        }
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 2304 + 16 * side)));
+        __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 2336 + 16 * side)));
+        for (int i = 0; i < R; i++) {
+            float ad = ((const act_q8_k *)a[i])[b].d;
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[i]), _mm256_mul_ps(d, _mm256_set1_ps(ad)), acc[i]);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins[i]), _mm256_mul_ps(dmin, _mm256_set1_ps(-ad)), acc[i]);
+        }
+    }
+}
+
+/* One 6-bit group of Q6_K for the half tile: values h*128 + 32p + 4g .. +3 of eight rows
+ * (low nibbles from the p & 1 group, high ones for p >= 2; bits 2p, 2p+1 of qh on top). */
+INLINE __m256i q6_group(const uint8_t *tile, int o, int h, int p, int g) {
+    const __m256i low = _mm256_set1_epi8(0x0f), bits = _mm256_set1_epi8(0x30);
+    __m256i n = _mm256_loadu_si256((const __m256i *)(tile + (h * 16 + (p & 1) * 8 + g) * 64 + o));
+    __m256i qh = _mm256_loadu_si256((const __m256i *)(tile + 2048 + (h * 8 + g) * 64 + o));
+    n = p < 2 ? _mm256_and_si256(n, low) : _mm256_and_si256(_mm256_srli_epi16(n, 4), low);
+    qh = p == 0 ? _mm256_slli_epi16(qh, 4) : p == 1 ? _mm256_slli_epi16(qh, 2) : p == 3 ? _mm256_srli_epi16(qh, 2) : qh;
+    return _mm256_or_si256(n, _mm256_and_si256(qh, bits));
+}
+
+/* One sub-block of Q6_K (16 values, four groups) for R rows: its scaled sum, centred on 32. */
+INLINE void q6_sub_block(const uint8_t *tile, int o, int64_t b, const uint8_t *const *a, int R, int h, int p,
+                         int quad, __m256i *total) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i part[4];
+    for (int i = 0; i < R; i++) part[i] = _mm256_setzero_si256();
+    for (int g = quad * 4; g < quad * 4 + 4; g += 2) {
+        __m256i v0 = q6_group(tile, o, h, p, g), v1 = q6_group(tile, o, h, p, g + 1);
+        for (int i = 0; i < R; i++) {
+            const int8_t *q = ((const act_q8_k *)a[i])[b].qs + h * 128 + 32 * p + 4 * g;
+            __m256i two = _mm256_add_epi16(_mm256_maddubs_epi16(v0, bcast4(q)), _mm256_maddubs_epi16(v1, bcast4(q + 4)));
+            part[i] = _mm256_add_epi32(part[i], _mm256_madd_epi16(two, ones));
+            KEEP(part[i]);
+        }
+    }
+    int s = h * 8 + 2 * p + quad;
+    __m256i scale = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(tile + 3072 + s * 16 + o / 4)));
+    for (int i = 0; i < R; i++) {
+        __m256i centred = _mm256_add_epi32(part[i], _mm256_set1_epi32(-32 * ((const act_q8_k *)a[i])[b].bsums[s]));
+        total[i] = _mm256_add_epi32(total[i], _mm256_mullo_epi32(centred, scale));
+        KEEP(total[i]);
+    }
+}
+
+INLINE void half_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, int side, __m256 *acc) {
+    const int o = 32 * side;
+    for (int64_t b = 0; b < nb; b++, tile += Q6_K_TILE) {
+        if (!side) prefetch_ahead(tile, Q6_K_TILE);
+        __m256i total[4];
+        for (int i = 0; i < R; i++) total[i] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++)
+#pragma GCC unroll 2
+            for (int quad = 0; quad < 2; quad++) {
+                q6_sub_block(tile, o, b, a, R, h, 0, quad, total);
+                q6_sub_block(tile, o, b, a, R, h, 1, quad, total);
+                q6_sub_block(tile, o, b, a, R, h, 2, quad, total);
+                q6_sub_block(tile, o, b, a, R, h, 3, quad, total);
+            }
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 3328 + 16 * side)));
+        for (int i = 0; i < R; i++)
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[i]), _mm256_mul_ps(d, _mm256_set1_ps(((const act_q8_k *)a[i])[b].d)), acc[i]);
+    }
+}
+
+INLINE void k_half(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, int side, __m256 *acc) {
+    if (type == TYPE_Q4_K)
+        half_q4_k(tile, nb, a, R, side, acc);
+    else
+        half_q6_k(tile, nb, a, R, side, acc);
+}
+
+/* Both sides of a K-format tile for up to four rows (the first side's pass prefetches ahead). */
+static void k_tile_rows_avx2(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
+    for (int side = 0; side < 2; side++) {
+        __m256 part[4];
+        for (int i = 0; i < R; i++) part[i] = _mm256_setzero_ps();
+        switch (R) {
+            case 1: k_half(type, tile, nb, a, 1, side, part); break;
+            case 2: k_half(type, tile, nb, a, 2, side, part); break;
+            case 3: k_half(type, tile, nb, a, 3, side, part); break;
+            default: k_half(type, tile, nb, a, 4, side, part); break;
+        }
+        for (int i = 0; i < R; i++) {
+            if (side)
+                acc[i].h = part[i];
+            else
+                acc[i].l = part[i];
+        }
+    }
+}
+#endif
+
 /* F32 and F16: float32 activations, two chains of multiply-adds (even and odd columns). */
 INLINE void tile_float(const uint8_t *tile, int64_t k, const uint8_t *const *a, int R, vf *acc, int half) {
     const int64_t size = half ? F16_TILE : F32_TILE;
@@ -772,6 +956,7 @@ INLINE void tile_float(const uint8_t *tile, int64_t k, const uint8_t *const *a, 
     for (int i = 0; i < R; i++) odd[i] = vf_zero();
     int64_t j = 0;
     for (; j + 2 <= k; j += 2, tile += 2 * size) {
+        prefetch_ahead(tile, 2 * size);
         vf w = half ? vf_halves(tile) : vf_floats(tile), w2 = half ? vf_halves(tile + size) : vf_floats(tile + size);
         for (int i = 0; i < R; i++) {
             const float *x = (const float *)a[i] + j;
@@ -799,15 +984,28 @@ INLINE void tile_product(int64_t type, const uint8_t *tile, int64_t nb, const ui
 }
 
 /* The tile product for R activation rows, R a constant in each case (registers, unrolling). */
-static void tile_rows(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
+static void tile_rows_generic(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
     switch (R) {
         case 1: tile_product(type, tile, nb, a, 1, acc); break;
         case 2: tile_product(type, tile, nb, a, 2, acc); break;
-#if ROWS_AT_ONCE >= 4
+#if GENERIC_ROWS >= 4
         case 3: tile_product(type, tile, nb, a, 3, acc); break;
         case 4: tile_product(type, tile, nb, a, 4, acc); break;
 #endif
     }
+}
+
+static void tile_rows(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
+#if defined(VEC_AVX2) && Q8_OFFSET == 0 /* AVX-VNNI's vpdpbusd serves the generic kernels better */
+    /* One row (a lone decode) streams the whole tile once through the generic kernel; the half
+     * tiles pay off from two rows on, where the arithmetic rather than memory bounds the speed. */
+    if ((type == TYPE_Q4_K || type == TYPE_Q6_K) && R >= 2) {
+        k_tile_rows_avx2(type, tile, nb, a, R, acc);
+        return;
+    }
+#endif
+    for (int i = 0; i < R; i += GENERIC_ROWS)
+        tile_rows_generic(type, tile, nb, a + i, R - i < GENERIC_ROWS ? R - i : GENERIC_ROWS, acc + i);
 }
 
 /* Activation rows per pass over the weights: enough to keep each pass's activations in
