@@ -26,6 +26,7 @@ SUBCOMMANDS = {
     "soak": "bench.soak",
     "embed": "bench.embed",
     "lora": "bench.lora",
+    "membw": "bench.membw",
 }
 
 

@@ -53,21 +53,59 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
 
 
-def process_tree_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` and all its descendants (Linux /proc)."""
-    total, pending, seen = 0.0, [pid], set()
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (Linux /proc)."""
+    found, pending = [], [pid]
     while pending:
         p = pending.pop()
-        if p in seen:
+        if p in found:
             continue
-        seen.add(p)
         try:
-            total += process_cpu_s(p)
             for task in Path(f"/proc/{p}/task").iterdir():
                 pending += [int(c) for c in (task / "children").read_text().split()]
         except (FileNotFoundError, ProcessLookupError):
             continue
+        found.append(p)
+    return found
+
+
+def process_tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and all its descendants (Linux /proc)."""
+    total = 0.0
+    for p in process_tree(pid):
+        try:
+            total += process_cpu_s(p)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
     return total
+
+
+def process_tree_rss_mb(pid: int) -> float:
+    """Resident memory of ``pid`` and its descendants, MB (VmRSS: file-mapped weights included)."""
+    total = 0
+    for p in process_tree(pid):
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total / 1024
+
+
+def weight_bytes_per_token(model: str) -> int | None:
+    """The bytes of weights a decode step reads, for a GGUF file: every matrix but the
+    embedding, which is looked up by row (unless the head is tied to it, reading it whole)."""
+    if not model.endswith(".gguf"):
+        return None
+    from core.models.gguf_checkpoint import tensor_bytes
+    from core.models.gguf_header import GGUFHeader
+
+    with GGUFHeader(model) as header:
+        matrices = {name: tensor_bytes(t) for name, t in header.tensors.items() if len(t.shape) == 2}
+        if "output.weight" in matrices:
+            matrices.pop("token_embd.weight", None)
+        return sum(matrices.values())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,6 +140,8 @@ def measure(server: ManagedServer, args: argparse.Namespace, concurrency: int, t
     result = run_benchmark(ns)
     cpu = process_tree_cpu_s(server.proc.pid) - before
     result["server_cpu_ms_per_token"] = cpu * 1e3 / max(result["total_output_tokens"], 1)
+    result["server_rss_mb"] = process_tree_rss_mb(server.proc.pid)
+    result["startup_s"] = server.ready_s
     return result
 
 
@@ -110,6 +150,8 @@ ROWS = [
     ("median_tpot_ms", "median TPOT ms"),
     ("median_ttft_ms", "median TTFT ms"),
     ("server_cpu_ms_per_token", "server CPU ms/token"),
+    ("startup_s", "start-up s"),
+    ("server_rss_mb", "RSS MB after the run"),
 ]
 
 
@@ -132,6 +174,16 @@ def run(args: argparse.Namespace) -> int:
                         runs[name].append(measure(server, args, concurrency, tokenizer_of(args.model) or args.model))
             results[concurrency] = runs
     table = comparison_table(results, args.peer_name)
+    weights = weight_bytes_per_token(args.model)
+    if weights is not None and 1 in results:
+        from bench.membw import measure as probe
+
+        floor = statistics.median(probe())
+        for name, rs in results[1].items():
+            tpot = _median(rs, "median_tpot_ms") / 1e3
+            table += (f"\n{name}, one stream: {weights / 1e9:.2f} GB of weights per token / TPOT = "
+                      f"{weights / tpot / 1e9:.1f} GB/s, {weights / tpot / 1e9 / floor:.0%} of the "
+                      f"{floor:.1f} GB/s that bench membw reads now")
     print("\n" + table)
     summary = {
         "date": date, "model": args.model, "peer_cmd": args.peer_cmd, "server_args": args.server_args,

@@ -36,7 +36,7 @@ def random_blocks(qtype: QuantType, rows: int, k: int, seed: int = 0) -> np.ndar
     values, nbytes = BLOCKS[qtype]
     data = rng.integers(0, 256, (rows, k // values, nbytes), dtype=np.uint8)
     scale = rng.uniform(0.001, 0.02, (rows, k // values)).astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
-    if qtype == QuantType.Q4_K:  # d and dmin first
+    if qtype in (QuantType.Q4_K, QuantType.Q5_K):  # d and dmin first
         data[:, :, 0:2] = scale
         data[:, :, 2:4] = (rng.uniform(0.001, 0.02, (rows, k // values)).astype(np.float16)
                            .view(np.uint8).reshape(rows, -1, 2))
@@ -173,21 +173,23 @@ def test_every_vector_path_computes_the_same_bits(variant: str, qtype: QuantType
     bytes, the same quantized activations, the same float32 results to the bit."""
     other, native = _variant(variant), _variant("native")
     assert other.quant_vector_path() == {"portable": 0, "avx2": 1, "avx512": 3}[variant]
-    m, k, n = 37, 512, 7
+    m, k = 37, 512
     data = random_blocks(qtype, m, k, seed=20)
-    x = np.random.default_rng(21).standard_normal((n, k)).astype(np.float32)
     bias = np.random.default_rng(22).standard_normal(m).astype(np.float32)
-    results = []
-    for lib in (native, other):
-        packed = np.empty(lib.packed_bytes(qtype, m, k), np.uint8)
-        lib.pack_matrix(qtype, data.ctypes.data, m, k, None, packed.ctypes.data, 2)
-        xq = np.empty((n, lib.activation_row_bytes(qtype, k)), np.uint8)
-        lib.quantize_activations(qtype, x.ctypes.data, n, k, xq.ctypes.data, 2)
-        out = np.empty((n, m), np.float32)
-        inputs = x if BLOCKS[qtype][0] == 1 else xq  # F32 and F16 take the activations as they are
-        lib.quant_matmul(qtype, packed.ctypes.data, m, k, inputs.ctypes.data, n, out.ctypes.data, m, bias.ctypes.data, 2)
-        results.append((packed, xq, out))
-    for ours, theirs in zip(*results):
-        np.testing.assert_array_equal(ours, theirs)
+    for n in (1, 2, 7):  # a lone row, and the kernels of several rows at once
+        x = np.random.default_rng(21 + n).standard_normal((n, k)).astype(np.float32)
+        results = []
+        for lib in (native, other):
+            packed = np.empty(lib.packed_bytes(qtype, m, k), np.uint8)
+            lib.pack_matrix(qtype, data.ctypes.data, m, k, None, packed.ctypes.data, 2)
+            xq = np.empty((n, lib.activation_row_bytes(qtype, k)), np.uint8)
+            lib.quantize_activations(qtype, x.ctypes.data, n, k, xq.ctypes.data, 2)
+            out = np.empty((n, m), np.float32)
+            inputs = x if BLOCKS[qtype][0] == 1 else xq  # F32 and F16 take the activations as they are
+            lib.quant_matmul(qtype, packed.ctypes.data, m, k, inputs.ctypes.data, n, out.ctypes.data, m,
+                             bias.ctypes.data, 2)
+            results.append((packed, xq, out))
+        for ours, theirs in zip(*results):
+            np.testing.assert_array_equal(ours, theirs)
     exact = x.astype(np.float64) @ oracle(qtype, data).T + bias
     assert (np.abs(results[1][2] - exact) <= activation_rounding_bound(qtype, oracle(qtype, data), x)).all()

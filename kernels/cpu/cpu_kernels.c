@@ -619,6 +619,31 @@ API uint64_t built_isa(void) {
     return bits;
 }
 
+/* Reads ``bytes`` (a multiple of 4096) at ``p`` once on ``threads`` threads, each a contiguous
+ * share, as a product streams its weights: the memory's read bandwidth that bench membw
+ * reports and the quantized products are measured against. Returns the xor of the 64-bit
+ * words, so that no load can be left out. */
+API uint64_t stream_read(const void *p, int64_t bytes, int64_t threads) {
+    uint64_t total = 0;
+    (void)threads;
+#pragma omp parallel num_threads(threads) reduction(^ : total)
+    {
+        int64_t begin, end;
+        team_share(bytes / 4096, team_me(), team_size(), &begin, &end);
+        const uint8_t *w = (const uint8_t *)p + begin * 4096, *stop = (const uint8_t *)p + end * 4096;
+        vint acc[8] = {{0}};
+        for (; w < stop; w += 8 * sizeof(vint)) /* eight independent chains of loads */
+            for (int j = 0; j < 8; j++) {
+                vint v;
+                memcpy(&v, w + j * sizeof(vint), sizeof v);
+                acc[j] ^= v;
+            }
+        for (int j = 1; j < 8; j++) acc[0] ^= acc[j];
+        for (int l = 0; l < VLANES; l++) total ^= (uint64_t)(uint32_t)acc[0][l] << (l % 2 * 32);
+    }
+    return total;
+}
+
 /* A few rows times a float32 weight [n][k]: out[r][o] = sum_i x[r][i] * w[o][i] (+ bias[o]),
  * for up to DENSE_FEW_ROWS rows (a speculative verification's: a request's last token and its
  * drafts). BLAS's gemm repacks the whole weight on every call, which for so few rows costs

@@ -1,5 +1,5 @@
 /* Products with weights kept in llama.cpp's block formats (GGUF): Q8_0, Q4_0,
- * Q5_0 (blocks of 32 values), Q4_K and Q6_K (super-blocks of 256).
+ * Q5_0 (blocks of 32 values), Q4_K, Q5_K and Q6_K (super-blocks of 256).
  *
  * As llama.cpp computes them: each activation row is quantized per block to
  * int8 with one scale (per 32 values for the 32-value formats, per 256 with
@@ -34,7 +34,7 @@
  * ``quant_matmul_f32`` is the product with float32 activations and each
  * weight row expanded to float32 first: no activation rounding, for checking
  * against a float32 reference (kernels.settings.quantize_activations off).
- * Types are the GGML type ids (GGUF's): 2 Q4_0, 6 Q5_0, 8 Q8_0, 12 Q4_K, 14 Q6_K.
+ * Types are the GGML type ids (GGUF's): 2 Q4_0, 6 Q5_0, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K.
  */
 
 #include <math.h>
@@ -57,6 +57,7 @@
 #define TYPE_Q5_0 6
 #define TYPE_Q8_0 8
 #define TYPE_Q4_K 12
+#define TYPE_Q5_K 13
 #define TYPE_Q6_K 14
 
 #define QK 32    /* values per block of the 32-value formats */
@@ -68,12 +69,14 @@ typedef struct { uint16_t d; uint8_t qs[QK / 2]; } block_q4_0;                  
 typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[QK / 2]; } block_q5_0;   /* 22 bytes */
 typedef struct { uint16_t d; int8_t qs[QK]; } block_q8_0;                       /* 34 bytes */
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[QK_K / 2]; } block_q4_k; /* 144 bytes */
+typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[QK_K / 8]; uint8_t qs[QK_K / 2]; } block_q5_k; /* 176 */
 typedef struct { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16]; uint16_t d; } block_q6_k; /* 210 */
 
 _Static_assert(sizeof(block_q4_0) == 18, "Q4_0 block");
 _Static_assert(sizeof(block_q5_0) == 22, "Q5_0 block");
 _Static_assert(sizeof(block_q8_0) == 34, "Q8_0 block");
 _Static_assert(sizeof(block_q4_k) == 144, "Q4_K block");
+_Static_assert(sizeof(block_q5_k) == 176, "Q5_K block");
 _Static_assert(sizeof(block_q6_k) == 210, "Q6_K block");
 
 /* Quantized activations (our own layout): the scale, the block's sum (the 32-value
@@ -87,6 +90,7 @@ typedef struct { float d; int16_t bsums[QK_K / 16]; int8_t qs[QK_K]; } act_q8_k;
 #define Q4_0_TILE 288  /* 4 groups of nibble pairs | 16 half scales */
 #define Q5_0_TILE 352  /* 4 groups of nibble pairs | 8 masks of fifth bits (64 bits each) | 16 half scales */
 #define Q4_K_TILE 2368 /* 32 groups of nibble pairs | scales [8][16] | minimum pairs [4][16][2] | 16 d | 16 dmin */
+#define Q5_K_TILE 2880 /* Q4_K's tile | 8 groups of fifth bits (byte l of a row: bit 2c low, 2c+1 high nibble of chunk c) */
 #define Q6_K_TILE 3360 /* 32 groups of low nibble pairs | 16 groups of high bits | scales [16][16] | 16 d */
 #define F32_TILE 64    /* one column: 16 floats */
 #define F16_TILE 32    /* one column: 16 halves */
@@ -124,10 +128,11 @@ INLINE vi vi_mul(vi a, vi b) { return _mm512_mullo_epi32(a, b); }
 INLINE vi vi_lo4(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
 INLINE vi vi_hi4(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f)); }
 INLINE vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
-/* Bits 4-5 of each byte from bits (4 - shift)... of ``v``: (v << shift) & 0x30 for shift in -4..4. */
-INLINE vi vi_bits45(vi v, int shift) {
+/* Bits ``mask`` (within 0x30) of each byte from bits ``shift`` lower of ``v``: (v << shift) & mask
+ * for shift in -4..4 (Q6_K's high bits: 0x30; Q5_K's fifth bit: 0x10). */
+INLINE vi vi_bits(vi v, int shift, int mask) {
     vi s = shift >= 0 ? _mm512_slli_epi16(v, shift) : _mm512_srli_epi16(v, -shift);
-    return _mm512_and_si512(s, _mm512_set1_epi8(0x30));
+    return _mm512_and_si512(s, _mm512_set1_epi8((char)mask));
 }
 /* Adds 16 to the bytes whose bit is set in ``mask`` (Q5_0's fifth bits). */
 INLINE vi vi_add16_masked(vi v, uint64_t mask) { return _mm512_mask_add_epi8(v, mask, v, _mm512_set1_epi8(16)); }
@@ -192,11 +197,11 @@ INLINE vi vi_hi4(vi v) {
     return (vi){_mm256_and_si256(_mm256_srli_epi16(v.l, 4), m), _mm256_and_si256(_mm256_srli_epi16(v.h, 4), m)};
 }
 INLINE vi vi_or(vi a, vi b) { return (vi){_mm256_or_si256(a.l, b.l), _mm256_or_si256(a.h, b.h)}; }
-INLINE __m256i bits45_half(__m256i v, int shift) {
+INLINE __m256i bits_half(__m256i v, int shift, int mask) {
     __m256i s = shift >= 0 ? _mm256_slli_epi16(v, shift) : _mm256_srli_epi16(v, -shift);
-    return _mm256_and_si256(s, _mm256_set1_epi8(0x30));
+    return _mm256_and_si256(s, _mm256_set1_epi8((char)mask));
 }
-INLINE vi vi_bits45(vi v, int shift) { return (vi){bits45_half(v.l, shift), bits45_half(v.h, shift)}; }
+INLINE vi vi_bits(vi v, int shift, int mask) { return (vi){bits_half(v.l, shift, mask), bits_half(v.h, shift, mask)}; }
 /* 32 mask bits -> 32 bytes of 16 where set (byte i takes bit i). */
 INLINE __m256i bits_to_16s(uint32_t bits) {
     __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
@@ -294,8 +299,8 @@ INLINE vi vi_mul(vi a, vi b) { LANEWISE((int32_t)((uint32_t)a.v[l] * (uint32_t)b
 INLINE vi vi_lo4(vi v) { LANEWISE((int32_t)((uint32_t)v.v[l] & 0x0f0f0f0fu)); }
 INLINE vi vi_hi4(vi v) { LANEWISE((int32_t)(((uint32_t)v.v[l] >> 4) & 0x0f0f0f0fu)); }
 INLINE vi vi_or(vi a, vi b) { LANEWISE(a.v[l] | b.v[l]); }
-INLINE vi vi_bits45(vi v, int shift) {
-    LANEWISE((int32_t)((shift >= 0 ? (uint32_t)v.v[l] << shift : (uint32_t)v.v[l] >> -shift) & 0x30303030u));
+INLINE vi vi_bits(vi v, int shift, int mask) {
+    LANEWISE((int32_t)((shift >= 0 ? (uint32_t)v.v[l] << shift : (uint32_t)v.v[l] >> -shift) & (0x01010101u * (uint32_t)mask)));
 }
 INLINE vi vi_add16_masked(vi v, uint64_t mask) {
     vi r;
@@ -373,7 +378,7 @@ static int float_format(int64_t type) { return type == TYPE_F32 || type == TYPE_
 
 /* Values per block: 32, 256 for the K formats, 1 for F32 and F16 (a "block" is one value). */
 API int64_t block_values(int64_t type) {
-    return type == TYPE_Q4_K || type == TYPE_Q6_K ? QK_K : float_format(type) ? 1 : QK;
+    return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K ? QK_K : float_format(type) ? 1 : QK;
 }
 
 /* Bytes of one GGUF block. */
@@ -385,6 +390,7 @@ API int64_t block_bytes(int64_t type) {
         case TYPE_Q5_0: return sizeof(block_q5_0);
         case TYPE_Q8_0: return sizeof(block_q8_0);
         case TYPE_Q4_K: return sizeof(block_q4_k);
+        case TYPE_Q5_K: return sizeof(block_q5_k);
         case TYPE_Q6_K: return sizeof(block_q6_k);
         default: return 0;
     }
@@ -398,6 +404,7 @@ static int64_t tile_block_bytes(int64_t type) {
         case TYPE_Q5_0: return Q5_0_TILE;
         case TYPE_Q8_0: return Q8_0_TILE;
         case TYPE_Q4_K: return Q4_K_TILE;
+        case TYPE_Q5_K: return Q5_K_TILE;
         case TYPE_Q6_K: return Q6_K_TILE;
         default: return 0;
     }
@@ -455,10 +462,13 @@ static void pack_tile_block(int64_t type, const uint8_t *const *src, uint8_t *ds
                     }
                 memcpy(dst + 320 + 2 * r, &b->d, 2);
             }
-        } else if (type == TYPE_Q4_K) {
-            const block_q4_k *b = (const block_q4_k *)s;
+        } else if (type == TYPE_Q4_K || type == TYPE_Q5_K) {
+            const block_q4_k *b = (const block_q4_k *)s; /* Q5_K's d, dmin and scales lie where Q4_K's do */
+            const uint8_t *qs = type == TYPE_Q4_K ? b->qs : ((const block_q5_k *)s)->qs;
             for (int c = 0; c < 4; c++)
-                for (int l4 = 0; l4 < 8; l4++) memcpy(dst + (c * 8 + l4) * 64 + r * 4, b->qs + c * 32 + 4 * l4, 4);
+                for (int l4 = 0; l4 < 8; l4++) memcpy(dst + (c * 8 + l4) * 64 + r * 4, qs + c * 32 + 4 * l4, 4);
+            if (type == TYPE_Q5_K)
+                for (int l4 = 0; l4 < 8; l4++) memcpy(dst + 2368 + l4 * 64 + r * 4, ((const block_q5_k *)s)->qh + 4 * l4, 4);
             for (int j = 0; j < 8; j++) {
                 uint8_t scale, min;
                 q4_k_scale_min(b->scales, j, &scale, &min);
@@ -533,16 +543,17 @@ static void unpack_row(int64_t type, const uint8_t *w, int64_t k, int64_t row, f
                     y[b * QK + 4 * c + j] = d * (float)(lo - offset);
                     y[b * QK + 16 + 4 * c + j] = d * (float)(hi - offset);
                 }
-        } else if (type == TYPE_Q4_K) {
+        } else if (type == TYPE_Q4_K || type == TYPE_Q5_K) {
             float d = half_to_float(load_u16(t + 2304 + 2 * r)), dmin = half_to_float(load_u16(t + 2336 + 2 * r));
             for (int c = 0; c < 4; c++)
                 for (int l = 0; l < 32; l++) {
                     uint8_t q = t[(c * 8 + l / 4) * 64 + r * 4 + l % 4];
+                    uint8_t qh = type == TYPE_Q5_K ? t[2368 + (l / 4) * 64 + r * 4 + l % 4] : 0;
                     for (int half = 0; half < 2; half++) {
-                        int s = 2 * c + half;
+                        int s = 2 * c + half, fifth = (qh >> s & 1) << 4;
                         float scale = d * (float)t[2048 + s * 16 + r];
                         float min = dmin * (float)t[2176 + ((s / 2) * 16 + r) * 2 + s % 2];
-                        y[b * QK_K + c * 64 + 32 * half + l] = scale * (float)(half ? q >> 4 : q & 0x0f) - min;
+                        y[b * QK_K + c * 64 + 32 * half + l] = scale * (float)((half ? q >> 4 : q & 0x0f) | fifth) - min;
                     }
                 }
         } else { /* Q6_K */
@@ -629,7 +640,7 @@ static void quantize_row_q8_k(const float *x, act_q8_k *y, int64_t k) {
     }
 }
 
-static int k_format(int64_t type) { return type == TYPE_Q4_K || type == TYPE_Q6_K; }
+static int k_format(int64_t type) { return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K; }
 
 API int64_t activation_row_bytes(int64_t type, int64_t k) {
     return k_format(type) ? k / QK_K * (int64_t)sizeof(act_q8_k) : k / QK * (int64_t)sizeof(act_q8_0);
@@ -722,10 +733,12 @@ INLINE void tile_q4_q5(const uint8_t *tile, int64_t nb, const uint8_t *const *a,
     }
 }
 
-/* Q4_K: d * scale_s * q - dmin * min_s for the 8 sub-blocks s of 32. */
-INLINE void tile_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
-    for (int64_t b = 0; b < nb; b++, tile += Q4_K_TILE) {
-        prefetch_ahead(tile, Q4_K_TILE);
+/* Q4_K and Q5_K: d * scale_s * q - dmin * min_s for the 8 sub-blocks s of 32 (Q5_K's q with its
+ * fifth bit). */
+INLINE void tile_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc, int five) {
+    const int64_t size = five ? Q5_K_TILE : Q4_K_TILE;
+    for (int64_t b = 0; b < nb; b++, tile += size) {
+        prefetch_ahead(tile, size);
         vi total[ROWS_AT_ONCE], mins[ROWS_AT_ONCE];
         for (int i = 0; i < R; i++) total[i] = mins[i] = vi_set1(0);
         for (int c = 0; c < 4; c++) {
@@ -734,12 +747,23 @@ INLINE void tile_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
             for (int l4 = 0; l4 < 8; l4 += 2) { /* two chains each: the sums' latency overlaps */
                 vi w = vi_load(tile + (c * 8 + l4) * 64), wl = vi_lo4(w), wh = vi_hi4(w);
                 vi w2 = vi_load(tile + (c * 8 + l4 + 1) * 64), wl2 = vi_lo4(w2), wh2 = vi_hi4(w2);
+                if (five) { /* bit 2c of a row's qh byte tops its low nibble, bit 2c + 1 its high one */
+                    vi qh = vi_load(tile + 2368 + l4 * 64), qh2 = vi_load(tile + 2368 + (l4 + 1) * 64);
+                    wl = vi_or(wl, vi_bits(qh, 4 - 2 * c, 0x10));
+                    wh = vi_or(wh, vi_bits(qh, 3 - 2 * c, 0x10));
+                    wl2 = vi_or(wl2, vi_bits(qh2, 4 - 2 * c, 0x10));
+                    wh2 = vi_or(wh2, vi_bits(qh2, 3 - 2 * c, 0x10));
+                }
                 for (int i = 0; i < R; i++) {
                     const int8_t *q = ((const act_q8_k *)a[i])[b].qs + c * 64 + 4 * l4;
                     lo[i] = vi_dot(lo[i], wl, load_i32(q));
                     hi[i] = vi_dot(hi[i], wh, load_i32(q + 32));
                     lo2[i] = vi_dot(lo2[i], wl2, load_i32(q + 4));
                     hi2[i] = vi_dot(hi2[i], wh2, load_i32(q + 36));
+                    vi_keep(&lo[i]);
+                    vi_keep(&hi[i]);
+                    vi_keep(&lo2[i]);
+                    vi_keep(&hi2[i]);
                 }
             }
             for (int i = 0; i < R; i++) {
@@ -778,8 +802,8 @@ INLINE void tile_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
                 for (int g = quad * 4; g < quad * 4 + 4; g++) {
                     vi lo = vi_load(tile + (h * 16 + g) * 64), hi = vi_load(tile + (h * 16 + 8 + g) * 64);
                     vi qh = vi_load(tile + 2048 + (h * 8 + g) * 64);
-                    vi v[4] = {vi_or(vi_lo4(lo), vi_bits45(qh, 4)), vi_or(vi_lo4(hi), vi_bits45(qh, 2)),
-                               vi_or(vi_hi4(lo), vi_bits45(qh, 0)), vi_or(vi_hi4(hi), vi_bits45(qh, -2))};
+                    vi v[4] = {vi_or(vi_lo4(lo), vi_bits(qh, 4, 0x30)), vi_or(vi_lo4(hi), vi_bits(qh, 2, 0x30)),
+                               vi_or(vi_hi4(lo), vi_bits(qh, 0, 0x30)), vi_or(vi_hi4(hi), vi_bits(qh, -2, 0x30))};
                     for (int i = 0; i < R; i++) {
                         const int8_t *q = ((const act_q8_k *)a[i])[b].qs + h * 128 + 4 * g;
                         for (int p = 0; p < 4; p++) part[p][i] = vi_dot(part[p][i], v[p], load_i32(q + 32 * p));
@@ -819,32 +843,45 @@ INLINE __m256i scale_pairs(const uint8_t *p) {
     return _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
 }
 
-INLINE void half_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, int side, __m256 *acc) {
-    const __m256i low = _mm256_set1_epi8(0x0f);
+INLINE void half_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, int side, __m256 *acc,
+                      int five) {
+    const __m256i low = _mm256_set1_epi8(0x0f), fifth = _mm256_set1_epi8(0x10);
     const int o = 32 * side;
-    for (int64_t b = 0; b < nb; b++, tile += Q4_K_TILE) {
-        if (!side) prefetch_ahead(tile, Q4_K_TILE);
+    const int64_t size = five ? Q5_K_TILE : Q4_K_TILE;
+    /* int16 sums of at most 8 groups of 4-bit values (8 x 2 x 15 x 127 = 30480), 4 of 5-bit ones */
+    const int flush = five ? 4 : 8;
+    for (int64_t b = 0; b < nb; b++, tile += size) {
+        if (!side) prefetch_ahead(tile, size);
         __m256i total[4], mins[4];
         for (int i = 0; i < R; i++) total[i] = mins[i] = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
-            __m256i lo[4], hi[4];
-            for (int i = 0; i < R; i++) lo[i] = hi[i] = _mm256_setzero_si256();
-            for (int l4 = 0; l4 < 8; l4++) {
-                __m256i w = _mm256_loadu_si256((const __m256i *)(tile + (c * 8 + l4) * 64 + o));
-                __m256i wl = _mm256_and_si256(w, low), wh = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
-                for (int i = 0; i < R; i++) {
-                    const int8_t *q = ((const act_q8_k *)a[i])[b].qs + c * 64 + 4 * l4;
-                    lo[i] = _mm256_add_epi16(lo[i], _mm256_maddubs_epi16(wl, bcast4(q)));
-                    hi[i] = _mm256_add_epi16(hi[i], _mm256_maddubs_epi16(wh, bcast4(q + 32)));
-                    KEEP(lo[i]);
-                    KEEP(hi[i]);
-                }
-            }
             __m256i s_lo = scale_pairs(tile + 2048 + (2 * c) * 16 + 8 * side);
             __m256i s_hi = scale_pairs(tile + 2048 + (2 * c + 1) * 16 + 8 * side);
-            for (int i = 0; i < R; i++)
-                total[i] = _mm256_add_epi32(total[i], _mm256_add_epi32(_mm256_madd_epi16(lo[i], s_lo),
-                                                                       _mm256_madd_epi16(hi[i], s_hi)));
+            for (int l0 = 0; l0 < 8; l0 += flush) {
+                __m256i lo[4], hi[4];
+                for (int i = 0; i < R; i++) lo[i] = hi[i] = _mm256_setzero_si256();
+                for (int l4 = l0; l4 < l0 + flush; l4++) {
+                    __m256i w = _mm256_loadu_si256((const __m256i *)(tile + (c * 8 + l4) * 64 + o));
+                    __m256i wl = _mm256_and_si256(w, low), wh = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+                    if (five) { /* bit 2c of a row's qh byte tops its low nibble, 2c + 1 its high one */
+                        __m256i qh = _mm256_loadu_si256((const __m256i *)(tile + 2368 + l4 * 64 + o));
+                        __m256i up = c < 2 ? _mm256_slli_epi16(qh, 4 - 2 * c) : _mm256_srli_epi16(qh, 2 * c - 4);
+                        __m256i up2 = c < 2 ? _mm256_slli_epi16(qh, 3 - 2 * c) : _mm256_srli_epi16(qh, 2 * c - 3);
+                        wl = _mm256_or_si256(wl, _mm256_and_si256(up, fifth));
+                        wh = _mm256_or_si256(wh, _mm256_and_si256(up2, fifth));
+                    }
+                    for (int i = 0; i < R; i++) {
+                        const int8_t *q = ((const act_q8_k *)a[i])[b].qs + c * 64 + 4 * l4;
+                        lo[i] = _mm256_add_epi16(lo[i], _mm256_maddubs_epi16(wl, bcast4(q)));
+                        hi[i] = _mm256_add_epi16(hi[i], _mm256_maddubs_epi16(wh, bcast4(q + 32)));
+                        KEEP(lo[i]);
+                        KEEP(hi[i]);
+                    }
+                }
+                for (int i = 0; i < R; i++)
+                    total[i] = _mm256_add_epi32(total[i], _mm256_add_epi32(_mm256_madd_epi16(lo[i], s_lo),
+                                                                           _mm256_madd_epi16(hi[i], s_hi)));
+            }
         }
         for (int p = 0; p < 4; p++) {
             __m256i m = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(tile + 2176 + p * 32 + 16 * side)));
@@ -922,8 +959,8 @@ INLINE void half_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
 }
 
 INLINE void k_half(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, int side, __m256 *acc) {
-    if (type == TYPE_Q4_K)
-        half_q4_k(tile, nb, a, R, side, acc);
+    if (type == TYPE_Q4_K || type == TYPE_Q5_K)
+        half_q4_k(tile, nb, a, R, side, acc, type == TYPE_Q5_K);
     else
         half_q6_k(tile, nb, a, R, side, acc);
 }
@@ -978,7 +1015,8 @@ INLINE void tile_product(int64_t type, const uint8_t *tile, int64_t nb, const ui
         case TYPE_Q8_0: tile_q8_0(tile, nb, a, R, acc); break;
         case TYPE_Q4_0: tile_q4_q5(tile, nb, a, R, acc, 0); break;
         case TYPE_Q5_0: tile_q4_q5(tile, nb, a, R, acc, 1); break;
-        case TYPE_Q4_K: tile_q4_k(tile, nb, a, R, acc); break;
+        case TYPE_Q4_K: tile_q4_k(tile, nb, a, R, acc, 0); break;
+        case TYPE_Q5_K: tile_q4_k(tile, nb, a, R, acc, 1); break;
         case TYPE_Q6_K: tile_q6_k(tile, nb, a, R, acc); break;
     }
 }
@@ -999,7 +1037,7 @@ static void tile_rows(int64_t type, const uint8_t *tile, int64_t nb, const uint8
 #if defined(VEC_AVX2) && Q8_OFFSET == 0 /* AVX-VNNI's vpdpbusd serves the generic kernels better */
     /* One row (a lone decode) streams the whole tile once through the generic kernel; the half
      * tiles pay off from two rows on, where the arithmetic rather than memory bounds the speed. */
-    if ((type == TYPE_Q4_K || type == TYPE_Q6_K) && R >= 2) {
+    if (k_format(type) && R >= 2) {
         k_tile_rows_avx2(type, tile, nb, a, R, acc);
         return;
     }
