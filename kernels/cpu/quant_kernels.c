@@ -82,7 +82,9 @@ _Static_assert(sizeof(block_q6_k) == 210, "Q6_K block");
 /* Quantized activations (our own layout): the scale, the block's sum (the 32-value
  * formats' offsets are subtracted through it) or the sums of each 16, and the values. */
 typedef struct { float d; int32_t sum; int8_t qs[QK]; } act_q8_0;                    /* 40 bytes */
-typedef struct { float d; int16_t bsums[QK_K / 16]; int8_t qs[QK_K]; } act_q8_k;     /* 292 bytes */
+/* Q8_K: ``pairs[p]`` holds the sums of sub-blocks 2p and 2p + 1 of 32 as two int16, the operand
+ * that multiplies Q4_K's and Q5_K's minimum pairs (made once here, not in every product). */
+typedef struct { float d; int32_t pairs[4]; int16_t bsums[QK_K / 16]; int8_t qs[QK_K]; } act_q8_k; /* 308 bytes */
 
 /* A tile's block: 16 rows' values in 64-byte groups (row r's four values at bytes 4r..4r+3),
  * then the rows' scales. Offsets of each part within a tile block: */
@@ -636,6 +638,11 @@ static void quantize_row_q8_k(const float *x, act_q8_k *y, int64_t k) {
             for (int j = 0; j < 16; j++) sum += y[b].qs[g * 16 + j];
             y[b].bsums[g] = (int16_t)sum;
         }
+        for (int p = 0; p < 4; p++) {
+            const int16_t *bs = y[b].bsums + 4 * p;
+            int32_t s0 = bs[0] + bs[1], s1 = bs[2] + bs[3]; /* at most 32 x 127 each: int16 */
+            y[b].pairs[p] = (int32_t)((uint32_t)(uint16_t)s0 | (uint32_t)s1 << 16);
+        }
         y[b].d = 1.0f / iscale;
     }
 }
@@ -774,11 +781,8 @@ INLINE void tile_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
             for (int i = 0; i < R; i++) total[i] = vi_add(total[i], vi_add(vi_mul(lo[i], s_lo), vi_mul(hi[i], s_hi)));
         }
         for (int p = 0; p < 4; p++)
-            for (int i = 0; i < R; i++) {
-                const int16_t *bs = ((const act_q8_k *)a[i])[b].bsums + 4 * p;
-                int32_t s0 = bs[0] + bs[1], s1 = bs[2] + bs[3]; /* the activations' sums of sub-blocks 2p, 2p+1 */
-                mins[i] = vi_madd_u8_pairs(mins[i], tile + 2176 + p * 32, (int32_t)((uint32_t)(uint16_t)s0 | (uint32_t)s1 << 16));
-            }
+            for (int i = 0; i < R; i++)
+                mins[i] = vi_madd_u8_pairs(mins[i], tile + 2176 + p * 32, ((const act_q8_k *)a[i])[b].pairs[p]);
         vf d = vf_halves(tile + 2304), dmin = vf_halves(tile + 2336);
         for (int i = 0; i < R; i++) {
             float ad = ((const act_q8_k *)a[i])[b].d;
@@ -885,12 +889,8 @@ INLINE void half_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
         }
         for (int p = 0; p < 4; p++) {
             __m256i m = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(tile + 2176 + p * 32 + 16 * side)));
-            for (int i = 0; i < R; i++) {
-                const int16_t *bs = ((const act_q8_k *)a[i])[b].bsums + 4 * p;
-                int32_t s0 = bs[0] + bs[1], s1 = bs[2] + bs[3]; /* the activations' sums of sub-blocks 2p, 2p+1 */
-                __m256i pair = _mm256_set1_epi32((int32_t)((uint32_t)(uint16_t)s0 | (uint32_t)s1 << 16));
-                mins[i] = _mm256_add_epi32(mins[i], _mm256_madd_epi16(m, pair));
-            }
+            for (int i = 0; i < R; i++)
+                mins[i] = _mm256_add_epi32(mins[i], _mm256_madd_epi16(m, _mm256_set1_epi32(((const act_q8_k *)a[i])[b].pairs[p])));
         }
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 2304 + 16 * side)));
         __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 2336 + 16 * side)));
@@ -913,28 +913,47 @@ INLINE __m256i q6_group(const uint8_t *tile, int o, int h, int p, int g) {
     return _mm256_or_si256(n, _mm256_and_si256(qh, bits));
 }
 
-/* One sub-block of Q6_K (16 values, four groups) for R rows: its scaled sum, centred on 32. */
+/* Eight int8 scales as int32 lanes holding the scale in both int16 halves (vpmaddwd's operand). */
+INLINE __m256i scale_pairs_s8(const uint8_t *p) {
+    __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
+}
+
+/* One sub-block of Q6_K (16 values, four groups) for R rows: scale_s times the sum of q * a, its
+ * groups summed two at a time in int16 (2 x 2 x 63 x 127 = 32004) and scaled by vpmaddwd. The
+ * values' offset of 32 is taken off once per super-block (q6_offsets). */
 INLINE void q6_sub_block(const uint8_t *tile, int o, int64_t b, const uint8_t *const *a, int R, int h, int p,
                          int quad, __m256i *total) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256i part[4];
-    for (int i = 0; i < R; i++) part[i] = _mm256_setzero_si256();
+    int s = h * 8 + 2 * p + quad;
+    __m256i scale = scale_pairs_s8(tile + 3072 + s * 16 + o / 4);
     for (int g = quad * 4; g < quad * 4 + 4; g += 2) {
         __m256i v0 = q6_group(tile, o, h, p, g), v1 = q6_group(tile, o, h, p, g + 1);
         for (int i = 0; i < R; i++) {
             const int8_t *q = ((const act_q8_k *)a[i])[b].qs + h * 128 + 32 * p + 4 * g;
             __m256i two = _mm256_add_epi16(_mm256_maddubs_epi16(v0, bcast4(q)), _mm256_maddubs_epi16(v1, bcast4(q + 4)));
-            part[i] = _mm256_add_epi32(part[i], _mm256_madd_epi16(two, ones));
-            KEEP(part[i]);
+            total[i] = _mm256_add_epi32(total[i], _mm256_madd_epi16(two, scale));
+            KEEP(total[i]);
         }
     }
-    int s = h * 8 + 2 * p + quad;
-    __m256i scale = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(tile + 3072 + s * 16 + o / 4)));
-    for (int i = 0; i < R; i++) {
-        __m256i centred = _mm256_add_epi32(part[i], _mm256_set1_epi32(-32 * ((const act_q8_k *)a[i])[b].bsums[s]));
-        total[i] = _mm256_add_epi32(total[i], _mm256_mullo_epi32(centred, scale));
-        KEEP(total[i]);
+}
+
+/* total -= 32 * sum over the 16 sub-blocks s of scale_s * (the activations' sum over s), eight
+ * vpmaddwd a row: the scales of sub-blocks 2j and 2j + 1 as int16 pairs, against the
+ * activations' sums of the same pair (two consecutive int16 of bsums). */
+INLINE void q6_offsets(const uint8_t *tile, int o, int64_t b, const uint8_t *const *a, int R, __m256i *total) {
+    __m256i corr[4];
+    for (int i = 0; i < R; i++) corr[i] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) {
+        __m128i even = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(tile + 3072 + (2 * j) * 16 + o / 4)));
+        __m128i odd = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(tile + 3072 + (2 * j + 1) * 16 + o / 4)));
+        __m256i pairs = _mm256_set_m128i(_mm_unpackhi_epi16(even, odd), _mm_unpacklo_epi16(even, odd));
+        for (int i = 0; i < R; i++) {
+            int32_t sums;
+            memcpy(&sums, ((const act_q8_k *)a[i])[b].bsums + 2 * j, 4);
+            corr[i] = _mm256_add_epi32(corr[i], _mm256_madd_epi16(pairs, _mm256_set1_epi32(sums)));
+        }
     }
+    for (int i = 0; i < R; i++) total[i] = _mm256_sub_epi32(total[i], _mm256_slli_epi32(corr[i], 5));
 }
 
 INLINE void half_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, int side, __m256 *acc) {
@@ -952,6 +971,7 @@ INLINE void half_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
                 q6_sub_block(tile, o, b, a, R, h, 2, quad, total);
                 q6_sub_block(tile, o, b, a, R, h, 3, quad, total);
             }
+        q6_offsets(tile, o, b, a, R, total);
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 3328 + 16 * side)));
         for (int i = 0; i < R; i++)
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[i]), _mm256_mul_ps(d, _mm256_set1_ps(((const act_q8_k *)a[i])[b].d)), acc[i]);
