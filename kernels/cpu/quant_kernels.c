@@ -1079,28 +1079,64 @@ static int64_t input_row_bytes(int64_t type, int64_t k) {
  * out[i * out_stride + r] = (row r of W) . (activation row i) (+ bias[r]), r < m, i < n:
  * ``w`` packed (pack_matrix); ``x`` the activations as ``type`` takes them (quantized by
  * quantize_activations, or float32 rows for F32 and F16). */
-static void matmul_share(int64_t type, const void *w, int64_t m, int64_t k, const void *x, int64_t n, float *out,
-                         int64_t out_stride, const float *bias, int me, int threads) {
-    int64_t nb = k / block_values(type), tb = tile_block_bytes(type), tiles = (m + TILE - 1) / TILE;
-    int64_t x_bytes = input_row_bytes(type, k), first, last;
-    team_share(tiles, me, threads, &first, &last);
-    for (int64_t i_pass = 0; i_pass < n; i_pass += ROWS_PER_PASS) {
-        int64_t pass_end = i_pass + ROWS_PER_PASS < n ? i_pass + ROWS_PER_PASS : n;
-        for (int64_t t = first; t < last; t++) {
-            const uint8_t *tile = (const uint8_t *)w + t * nb * tb;
-            int rows = m - t * TILE < TILE ? (int)(m - t * TILE) : TILE;
-            for (int64_t i0 = i_pass; i0 < pass_end; i0 += ROWS_AT_ONCE) {
-                int R = pass_end - i0 < ROWS_AT_ONCE ? (int)(pass_end - i0) : ROWS_AT_ONCE;
-                const uint8_t *a[ROWS_AT_ONCE];
-                vf acc[ROWS_AT_ONCE];
-                for (int i = 0; i < R; i++) {
-                    a[i] = (const uint8_t *)x + (i0 + i) * x_bytes;
-                    acc[i] = vf_zero();
-                }
-                tile_rows(type, tile, nb, a, R, acc);
-                for (int i = 0; i < R; i++)
-                    vf_store(out + (i0 + i) * out_stride + t * TILE, acc[i], bias ? bias + t * TILE : NULL, rows);
+static void matmul_tiles(int64_t type, const void *w, int64_t m, int64_t k, const void *x, int64_t i_pass, int64_t n,
+                         int64_t first, int64_t last, float *out, int64_t out_stride, const float *bias) {
+    int64_t nb = k / block_values(type), tb = tile_block_bytes(type), x_bytes = input_row_bytes(type, k);
+    int64_t pass_end = i_pass + ROWS_PER_PASS < n ? i_pass + ROWS_PER_PASS : n;
+    for (int64_t t = first; t < last; t++) {
+        const uint8_t *tile = (const uint8_t *)w + t * nb * tb;
+        int rows = m - t * TILE < TILE ? (int)(m - t * TILE) : TILE;
+        for (int64_t i0 = i_pass; i0 < pass_end; i0 += ROWS_AT_ONCE) {
+            int R = pass_end - i0 < ROWS_AT_ONCE ? (int)(pass_end - i0) : ROWS_AT_ONCE;
+            const uint8_t *a[ROWS_AT_ONCE];
+            vf acc[ROWS_AT_ONCE];
+            for (int i = 0; i < R; i++) {
+                a[i] = (const uint8_t *)x + (i0 + i) * x_bytes;
+                acc[i] = vf_zero();
             }
+            tile_rows(type, tile, nb, a, R, acc);
+            for (int i = 0; i < R; i++)
+                vf_store(out + (i0 + i) * out_stride + t * TILE, acc[i], bias ? bias + t * TILE : NULL, rows);
+        }
+    }
+}
+
+/* Bytes of weights a thread claims at a time once it helps another thread's share. */
+#define CHUNK_BYTES 65536
+/* Cursors of the dynamic shares: one per thread, each on its own cache line. */
+#define CURSOR_STRIDE 8
+#define MAX_TEAM 256
+
+/* Thread me of ``threads``' share of out[i * out_stride + r] = (row r of W) . (activation row i)
+ * (+ bias[r]), r < m, i < n: ``w`` packed (pack_matrix); ``x`` the activations as ``type`` takes
+ * them (quantized by quantize_activations, or float32 rows for F32 and F16).
+ *
+ * Each thread starts on its contiguous share of the tiles (a sequential stream of weights), in
+ * chunks of about CHUNK_BYTES claimed from its share's cursor; a thread done with its share
+ * claims the rest of the others' chunks, so a thread slowed by another process (two cores, and
+ * the frontend on one of them) holds the team back by one chunk, not by its lag. ``cursors``
+ * (threads * CURSOR_STRIDE int64, zero, shared by the team) NULL: the contiguous shares alone.
+ * Every output is computed whole by one thread: the bits never depend on who took it. */
+static void matmul_share(int64_t type, const void *w, int64_t m, int64_t k, const void *x, int64_t n, float *out,
+                         int64_t out_stride, const float *bias, int me, int threads, int64_t *cursors) {
+    int64_t tiles = (m + TILE - 1) / TILE, strip = k / block_values(type) * tile_block_bytes(type);
+    int64_t passes = (n + ROWS_PER_PASS - 1) / ROWS_PER_PASS, first, last;
+    if (cursors == NULL || threads == 1) {
+        team_share(tiles, me, threads, &first, &last);
+        for (int64_t pass = 0; pass < passes; pass++)
+            matmul_tiles(type, w, m, k, x, pass * ROWS_PER_PASS, n, first, last, out, out_stride, bias);
+        return;
+    }
+    int64_t per_chunk = CHUNK_BYTES / strip > 1 ? CHUNK_BYTES / strip : 1;
+    for (int v = 0; v < threads; v++) {
+        int owner = (me + v) % threads; /* its own share first, then the others' */
+        team_share(tiles, owner, threads, &first, &last);
+        int64_t chunks = (last - first + per_chunk - 1) / per_chunk;
+        for (;;) {
+            int64_t c = __atomic_fetch_add(&cursors[owner * CURSOR_STRIDE], 1, __ATOMIC_RELAXED);
+            if (c >= chunks * passes) break;
+            int64_t t0 = first + c % chunks * per_chunk, t1 = t0 + per_chunk < last ? t0 + per_chunk : last;
+            matmul_tiles(type, w, m, k, x, c / chunks * ROWS_PER_PASS, n, t0, t1, out, out_stride, bias);
         }
     }
 }
@@ -1116,7 +1152,7 @@ API void quant_matmul(int64_t type, const void *w, int64_t m, int64_t k, const v
     int parallel = worth_threads(m, n, k, threads);
     (void)parallel;
 #pragma omp parallel num_threads(threads) if (parallel)
-    matmul_share(type, w, m, k, x, n, out, out_stride, bias, team_me(), team_size());
+    matmul_share(type, w, m, k, x, n, out, out_stride, bias, team_me(), team_size(), NULL);
 }
 
 /* Thread me's share (rows of W) of the product with float32 activations, each weight row
@@ -1146,10 +1182,17 @@ typedef struct {
     int64_t type, data, rows, bias;
 } layer_part;
 
-/* Bytes of scratch linear_share needs for n rows: each activation format's copy of them. */
+/* The dynamic shares' cursors of a layer's parts, at the start of its scratch. */
+static int64_t cursor_bytes(const int64_t *layer) {
+    return layer[0] * MAX_TEAM * CURSOR_STRIDE * (int64_t)sizeof(int64_t);
+}
+
+/* Bytes of scratch linear_share needs for n rows: the cursors, each activation format's copy of
+ * the rows, a row of floats. */
 API int64_t linear_scratch_bytes(const int64_t *layer, int64_t n) {
     int64_t k = layer[1];
-    return n * (activation_row_bytes(TYPE_Q8_0, k) + activation_row_bytes(TYPE_Q4_K, k)) + k * (int64_t)sizeof(float);
+    return cursor_bytes(layer) + n * (activation_row_bytes(TYPE_Q8_0, k) + activation_row_bytes(TYPE_Q4_K, k)) +
+           k * (int64_t)sizeof(float);
 }
 
 /* Thread me of ``threads``' share of out[i * out_stride + column] = layer(x row i), i < n
@@ -1162,25 +1205,30 @@ void linear_share(const int64_t *layer, const float *x, int64_t n, float *out, i
                   int64_t quantize, uint8_t *scratch, team_barrier *barrier, int me, int threads) {
     int64_t count = layer[0], k = layer[1];
     const layer_part *parts = (const layer_part *)(layer + 2);
-    uint8_t *xq[2] = {scratch, scratch + n * activation_row_bytes(TYPE_Q8_0, k)}; /* 32-value, K formats */
+    int64_t *cursors = threads > 1 && threads <= MAX_TEAM ? (int64_t *)scratch : NULL;
+    uint8_t *rows = scratch + cursor_bytes(layer);
+    uint8_t *xq[2] = {rows, rows + n * activation_row_bytes(TYPE_Q8_0, k)}; /* 32-value, K formats */
+    if (cursors != NULL && me == 0) /* the previous operation is over (a barrier): nobody reads them now */
+        memset(cursors, 0, (size_t)(count * threads * CURSOR_STRIDE) * sizeof(int64_t));
     if (quantize) {
         int need[2] = {0, 0};
         for (int64_t p = 0; p < count; p++)
             if (!float_format(parts[p].type)) need[k_format(parts[p].type)] = 1;
         for (int f = 0; f < 2; f++)
             if (need[f]) quantize_share(f ? TYPE_Q4_K : TYPE_Q8_0, x, n, k, xq[f], me, threads);
-        if (need[0] || need[1]) team_sync(barrier, threads);
     }
+    team_sync(barrier, threads); /* the rows quantized, the cursors zeroed */
     int64_t column = 0;
     for (int64_t p = 0; p < count; p++) {
         const layer_part *part = &parts[p];
         const void *w = (const void *)(intptr_t)part->data;
         const float *bias = part->bias ? (const float *)(intptr_t)part->bias : NULL;
+        int64_t *part_cursors = cursors ? cursors + p * threads * CURSOR_STRIDE : NULL;
         if (float_format(part->type))
-            matmul_share(part->type, w, part->rows, k, x, n, out + column, out_stride, bias, me, threads);
+            matmul_share(part->type, w, part->rows, k, x, n, out + column, out_stride, bias, me, threads, part_cursors);
         else if (quantize)
             matmul_share(part->type, w, part->rows, k, xq[k_format(part->type)], n, out + column, out_stride, bias,
-                         me, threads);
+                         me, threads, part_cursors);
         else
             matmul_f32_share(part->type, w, part->rows, k, x, n, out + column, out_stride, bias,
                              (float *)(scratch + linear_scratch_bytes(layer, n) - k * (int64_t)sizeof(float)), me,
