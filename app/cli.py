@@ -145,8 +145,8 @@ def make_parser() -> argparse.ArgumentParser:
     )
     model.add_argument(
         "--kv-cache-dtype", choices=["auto", "float32", "float16"],
-        help="what the KV cache holds (default auto: the compute dtype); float16 on a CPU halves its "
-        "memory and what attention reads, as llama.cpp's default f16 cache does",
+        help="what the KV cache holds (default auto: float16 on a CPU under float32 compute, as "
+        "llama.cpp's default f16 cache; else the compute dtype); float32 keeps a CPU's cache exact",
     )
     model.add_argument(
         "--device", choices=["auto", "cpu", "cuda"], help="where the model runs (default auto: a GPU if any)"

@@ -115,14 +115,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--peer-cmd", required=True, help="the other server's command, with {port} and {concurrency}")
     g.add_argument("--peer-name", default="peer", help="its name in the table")
     g.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    g.add_argument("--prompts-per-stream", type=int, default=4, help="requests per concurrent stream (at least 8)")
+    g.add_argument("--prompts-per-stream", type=int, default=4, help="requests per concurrent stream (at least 8 in all, unless --num-prompts says)")
     g.add_argument("--repeats", type=int, default=2)
     g.add_argument("--server-timeout", type=float, default=300.0)
     g.add_argument("--endpoint", help="/v1/completions (default) or /v1/chat/completions")
     g.add_argument("--backend", choices=sorted(BACKENDS), default="openai")
     add_workload_arguments(parser)
     parser.set_defaults(random_input_len=128, random_output_len=128, ignore_eos=True, disable_tqdm=True,
-                        result_dir=str(RESULTS_DIR))
+                        result_dir=str(RESULTS_DIR), num_prompts=None)
 
 
 def measure(server: ManagedServer, args: argparse.Namespace, concurrency: int, tokenizer: str) -> dict[str, Any]:
@@ -131,7 +131,8 @@ def measure(server: ManagedServer, args: argparse.Namespace, concurrency: int, t
     ns.base_url, ns.host, ns.port = server.base_url, None, None
     ns.model, ns.served_model_name, ns.tokenizer = None, None, tokenizer
     ns.max_concurrency = concurrency
-    ns.num_prompts = max(8, concurrency * args.prompts_per_stream)
+    # --num-prompts, when given, replaces the count (long prompts on a big model: fewer of them).
+    ns.num_prompts = args.num_prompts or max(8, concurrency * args.prompts_per_stream)
     ns.save_result = False
     ns.ready_check_timeout_sec = 60.0
     ns.label = server.log_path.stem

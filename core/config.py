@@ -107,8 +107,9 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
     served_model_name: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
-    # What the KV cache holds: auto (the compute dtype) | float32 | float16 (CPU: half the
-    # memory and the bytes attention reads, keys and values rounded as llama.cpp's are).
+    # What the KV cache holds: auto (float16 under float32 compute on a CPU, as llama.cpp's
+    # default; else the compute dtype) | float32 | float16 (CPU: half the memory and the
+    # bytes attention reads, keys and values rounded as llama.cpp's are).
     kv_cache_dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     load_format: str = "auto"  # auto | safetensors | gguf | dummy (a GGUF file is read as gguf)

@@ -218,7 +218,7 @@ def test_sleep_frees_the_kv_cache_and_wake_up_serves_the_same_output(server_fact
         dict(labels) for (name, labels) in parse_metrics(httpx.get(base + "/metrics").text)
         if name == "vllm:cache_config_info"
     )
-    per_block = ModelConfig.from_dir(stories_dir).kv_bytes_per_block(int(info["block_size"]), torch.float32.itemsize)
+    per_block = ModelConfig.from_dir(stories_dir).kv_bytes_per_block(int(info["block_size"]), torch.float16.itemsize)
     kv_bytes = int(info["num_gpu_blocks"]) * per_block
     pid = server.engine_pid()
 

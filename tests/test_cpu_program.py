@@ -63,16 +63,16 @@ def _forward_logits(runner, staged) -> torch.Tensor:
     return runner.model.compute_logits(hidden[step.logits_indices])
 
 
-# float16 caches (--kv-cache-dtype float16) with one float and one block-format model.
-@pytest.mark.parametrize("model,kv_cache_dtype", [(m, "auto") for m in MODELS] + [
-    ("stories", "float16"), ("qwen2-q4_0", "float16"),
+# float16 caches (the CPU's default, auto) with one float and one block-format model.
+@pytest.mark.parametrize("model,kv_cache_dtype", [(m, "float32") for m in MODELS] + [
+    ("stories", "auto"), ("qwen2-q4_0", "float16"),
 ])
 def test_decode_logits_equal_the_forward_pass(
     model: str, kv_cache_dtype: str, stories_dir: str, llama, qwen_dirs
 ) -> None:
     engine = _engine(model, stories_dir, llama, qwen_dirs, kv_cache_dtype=kv_cache_dtype)
     runner = engine.model_executor.runner
-    expected = torch.float16 if kv_cache_dtype == "float16" else torch.float32
+    expected = torch.float32 if kv_cache_dtype == "float32" else torch.float16
     assert all(k.dtype == v.dtype == expected for k, v in runner.kv_caches)
     g = torch.Generator().manual_seed(0)
     for i, length in enumerate((3, 17, 40)):

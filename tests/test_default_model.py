@@ -123,4 +123,4 @@ def test_start_up_banner(server) -> None:
     assert "float32 on cpu" in banner and "transport  shm" in banner
     assert f"chat page  {server.base_url}/" in banner and f"API        {server.base_url}/v1" in banner
     assert f"metrics    {server.base_url}/metrics" in banner
-    assert "KV cache" in banner and " tokens of float32; max_model_len 512" in banner
+    assert "KV cache" in banner and " tokens of float16; max_model_len 512" in banner

@@ -19,7 +19,7 @@ from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
-SERVER_ARGS = ["--max-model-len", "2048", "--max-num-batched-tokens", "256", "--seed", "0"]
+SERVER_ARGS = ["--kv-cache-dtype", "float32", "--max-model-len", "2048", "--max-num-batched-tokens", "256", "--seed", "0"]
 
 
 TRANSPORTS = ["shm", "zmq"]

@@ -231,7 +231,8 @@ def test_a_gguf_file_served_to_the_openai_client(stories_gguf, tmp_path) -> None
     path = stories_gguf["f32"]
     tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     oracle = _oracle(path)
-    server = start_server(["--model", str(path), "--served-model-name", "s"], tmp_path / "f32.log")
+    server = start_server(["--model", str(path), "--served-model-name", "s", "--kv-cache-dtype", "float32"],
+                          tmp_path / "f32.log")
     try:
         client = server.openai()
         for prompt in STORY_PROMPTS[:3]:

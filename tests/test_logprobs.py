@@ -31,7 +31,7 @@ from tests.support.oracle import check_logprobs, hf_logprobs, load_hf
 from tests.support.pools import tensor_pool_pair
 
 K = 5
-ENGINE = dict(dtype="float32", device="cpu", block_size=4, max_num_seqs=8, max_model_len=128, max_num_batched_tokens=16)
+ENGINE = dict(dtype="float32", kv_cache_dtype="float32", device="cpu", block_size=4, max_num_seqs=8, max_model_len=128, max_num_batched_tokens=16)
 
 
 @pytest.fixture(scope="module", params=["stories260K", "tiny-llama"])

@@ -23,7 +23,7 @@ from tests.support.lora_adapters import make_adapter, peft_greedy, peft_model
 
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-ENGINE = dict(dtype="float32", device="cpu", block_size=4, max_num_seqs=16, max_model_len=128)
+ENGINE = dict(dtype="float32", kv_cache_dtype="float32", device="cpu", block_size=4, max_num_seqs=16, max_model_len=128)
 
 
 def _prompts(vocab: int, seed: int = 5) -> list[list[int]]:

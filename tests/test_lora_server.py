@@ -49,7 +49,7 @@ def server(module_server_factory, adapters):
     paths, _ = adapters
     fables = json.dumps({"name": "fables", "path": paths["fables"], "base_model_name": "stories"})
     return module_server_factory([
-        "--served-model-name", "stories", "--dtype", "float32", "--api-key", KEY, "--block-size", "4",
+        "--served-model-name", "stories", "--dtype", "float32", "--kv-cache-dtype", "float32", "--api-key", KEY, "--block-size", "4",
         "--enable-lora", "--max-loras", "2", "--max-cpu-loras", "3", "--lora-modules", f"tales={paths['tales']}",
         fables, "--allow-runtime-lora-updating",
     ])

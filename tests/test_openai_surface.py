@@ -41,7 +41,7 @@ def hf_tokenizer(stories_dir):
 
 @pytest.fixture
 async def engine(stories_dir):
-    return make_engine(stories_dir, max_model_len=256)
+    return make_engine(stories_dir, max_model_len=256, kv_cache_dtype="float32")
 
 
 @pytest.fixture

@@ -38,7 +38,7 @@ def _assert_same(ours: list[np.ndarray], reference: np.ndarray, normalized: bool
 
 
 def _encode(model_dir: str, texts, params: PoolingParams | None = None, **engine_args) -> list[np.ndarray]:
-    llm = LLM(model_dir, **engine_args)
+    llm = LLM(model_dir, kv_cache_dtype="float32", **engine_args)
     try:
         return llm.encode(texts, params)
     finally:
@@ -209,7 +209,7 @@ def test_prompts_preempted_mid_way_pool_what_they_recompute(st_dirs):
 
     model_dir = st_dirs["llama-mean"]
     reference = SentenceTransformer(model_dir, device="cpu").encode(SENTENCES)
-    llm = LLM(model_dir, max_num_batched_tokens=8, max_num_seqs=4)
+    llm = LLM(model_dir, max_num_batched_tokens=8, max_num_seqs=4, kv_cache_dtype="float32")
     try:
         processor = OutputProcessor(llm.tokenizer)
         collectors = []

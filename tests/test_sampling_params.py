@@ -24,7 +24,7 @@ from core.worker.sampling_batch import SamplingBatch, _fold_tokens, sampling_met
 from tests.support.oracle import load_hf
 
 VOCAB = 40
-ENGINE = dict(dtype="float32", device="cpu", block_size=4, max_num_seqs=8, max_model_len=128, max_num_batched_tokens=32)
+ENGINE = dict(dtype="float32", kv_cache_dtype="float32", device="cpu", block_size=4, max_num_seqs=8, max_model_len=128, max_num_batched_tokens=32)
 
 
 def reference_logits(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:

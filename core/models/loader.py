@@ -74,12 +74,17 @@ def resolve_dtype(dtype: str | torch.dtype, model_config: ModelConfig, device: t
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """What the KV cache holds: ``"auto"`` is the compute ``dtype``. A CPU's attention
-    kernels also read a float16 cache under float32 compute (widening as they read);
-    the GPU kernels read the compute dtype only."""
+    """What the KV cache holds. ``"auto"`` is float16 under float32 compute on a CPU, as
+    llama.cpp's default cache: half the memory and half the bytes attention reads, the
+    kernels widening each value as they read it; elsewhere it is the compute ``dtype``.
+    Tests that compare with transformers pin ``"float32"``. The GPU kernels read the
+    compute dtype only."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
-    kv_dtype = dtype if kv_cache_dtype == "auto" else _DTYPES[kv_cache_dtype]
+    if kv_cache_dtype == "auto":
+        kv_dtype = torch.float16 if device.type == "cpu" and dtype == torch.float32 else dtype
+    else:
+        kv_dtype = _DTYPES[kv_cache_dtype]
     if device.type != "cpu" and kv_dtype != dtype:
         raise ValueError(f"on a GPU the KV cache holds the compute dtype ({str(dtype)[6:]}): "
                          "leave --kv-cache-dtype at auto")
