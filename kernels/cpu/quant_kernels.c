@@ -50,8 +50,11 @@
 #ifndef PF_DISTANCE
 #define PF_DISTANCE 8192
 #endif
-/* Q6_K's blocks are larger: the same three and a half blocks ahead (measured, bench/README.md). */
+/* Q6_K's blocks are larger: as many blocks ahead as Q4_K's (within noise of 8 KB ahead on Zen 3:
+ * bench/README.md; -D overrides both distances for such A/B runs). */
+#ifndef Q6_K_EXTRA_DISTANCE
 #define Q6_K_EXTRA_DISTANCE 4096
+#endif
 
 #define TYPE_F32 0
 #define TYPE_F16 1
