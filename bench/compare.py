@@ -177,13 +177,13 @@ def run(args: argparse.Namespace) -> int:
     table = comparison_table(results, args.peer_name)
     weights = weight_bytes_per_token(args.model)
     if weights is not None and 1 in results:
-        from bench.membw import measure as probe
+        from bench.membw import bandwidth_fraction, measure as probe
 
         floor = statistics.median(probe())
         for name, rs in results[1].items():
             tpot = _median(rs, "median_tpot_ms") / 1e3
             table += (f"\n{name}, one stream: {weights / 1e9:.2f} GB of weights per token / TPOT = "
-                      f"{weights / tpot / 1e9:.1f} GB/s, {weights / tpot / 1e9 / floor:.0%} of the "
+                      f"{weights / tpot / 1e9:.1f} GB/s, {bandwidth_fraction(weights, tpot, floor):.0%} of the "
                       f"{floor:.1f} GB/s that bench membw reads now")
     print("\n" + table)
     summary = {

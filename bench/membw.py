@@ -58,6 +58,7 @@ def measure(gib: float = 1.0, tries: int = 9, threads: int | None = None, hugepa
 
 
 def bandwidth_fraction(weight_bytes: float, seconds_per_token: float, probe_gb_s: float) -> float:
+    """The share of ``probe_gb_s`` that reading ``weight_bytes`` per token at that speed is."""
     return weight_bytes / seconds_per_token / 1e9 / probe_gb_s
 
 

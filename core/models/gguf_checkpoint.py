@@ -231,11 +231,10 @@ class GGUFCheckpoint:
         from kernels.quant import QuantizedMatrix, QuantType
 
         names = self.hf_names(config)
-        for tensor in self.tensors.values():
+        specs = []
+        for tensor in self.tensors.values():  # every name checked before anything is packed
             if tensor.name not in names:
                 raise GGUFError(f"{self.path}: tensor {tensor.name} has no place in a {self.architecture} model")
-        specs = []
-        for tensor in self.tensors.values():
             hf, shape = names[tensor.name], tuple(reversed(tensor.shape))  # GGUF lists the fastest axis first
             tiled = tensor.ggml_type in _BLOCK_TYPES or (len(shape) == 2 and tensor.ggml_type in (0, 1))
             if tiled:
@@ -251,11 +250,11 @@ class GGUFCheckpoint:
         tiles = {spec.name: spec for spec in specs}
         for tensor in self.tensors.values():
             hf, shape = names[tensor.name], tuple(reversed(tensor.shape))
-            data = self.tensor_bytes(tensor)
-            value: Any
-            if tensor.name in packed:
+            if tensor.name in packed:  # packed_matrices told the progress bar
                 yield hf, packed[tensor.name]
                 continue
+            data = self.tensor_bytes(tensor)
+            value: Any
             if tensor.name in tiles and dense is not None:  # a device without these kernels: the values
                 spec = tiles[tensor.name]
                 matrix = QuantizedMatrix(spec.qtype, spec.blocks, spec.rows, spec.k, spec.order)
