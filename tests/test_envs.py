@@ -26,7 +26,7 @@ def test_every_variable_the_code_names_is_declared_and_read_in_envs_only() -> No
 
 
 def test_the_readme_lists_every_variable() -> None:
-    assert set(envs.ENV_VARS) <= _names_in([REPO / "README.md"])
+    assert set(envs.ENV_VARS) <= _names_in([REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
 
 
 def test_unset_variables_give_the_kernels_their_own_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
