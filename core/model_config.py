@@ -29,6 +29,7 @@ DECODER_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "MistralForCausalLM": {},
     "Qwen2ForCausalLM": {"qwen2_biases": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
+    "Gemma3ForCausalLM": {"qk_norm": True, "gemma3": True},
     "LlamaModel": {"headless": True},
     "MistralModel": {"headless": True},
     "Qwen2Model": {"qwen2_biases": True, "headless": True},
@@ -67,6 +68,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     qk_norm: bool
     tie_word_embeddings: bool
     hidden_act: str
+    # The attention window of windowed layers (all of them unless ``layer_types`` says which).
     sliding_window: int | None
     dtype: str | None = None  # the checkpoint's own (float32, bfloat16...), if it says
     eos_token_ids: tuple[int, ...] = ()  # generation_config.json's, else config.json's
@@ -84,6 +86,20 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     labels: tuple[str, ...] = ()  # a classifier's label names, by index (config.json's id2label)
     # Matryoshka embeddings: the model was trained so that a prefix of its vector is one too.
     matryoshka: bool = False
+    # Each layer's "sliding_attention" or "full_attention" where the config lists them (Gemma 3's
+    # interleaved local/global layers, Qwen2's windowed upper layers); Gemma 3's local layers
+    # rotate with their own rope base and scaling.
+    layer_types: tuple[str, ...] = ()
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = None
+    # Attention scales scores by query_pre_attn_scalar ** -0.5 (Gemma), else head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+
+    def layer_window(self, index: int) -> int:
+        """Layer ``index``'s sliding window, 0 where it attends to the whole context."""
+        if not self.sliding_window or self.layer_types and self.layer_types[index] != "sliding_attention":
+            return 0
+        return self.sliding_window
 
     @property
     def has_lm_head(self) -> bool:
@@ -114,12 +130,16 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         qwen2_biases = switches.get("qwen2_biases", False)
         heads = cfg["num_attention_heads"]
         attention_bias = bool(cfg.get("attention_bias", False))
-        act = cfg.get("hidden_act", "silu")
+        act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(ACTIVATIONS)}")
+        gemma3 = _gemma3_settings(cfg) if switches.get("gemma3") else {}
         theta, scaling = _rope_settings(cfg)
+        theta, scaling = gemma3.pop("rope_theta", theta), gemma3.pop("rope_scaling", scaling)
         eos = cfg.get("eos_token_id") if eos_token_id is None else eos_token_id
+        gemma3.setdefault("layer_types", tuple(cfg.get("layer_types") or ()))
         return cls(
+            **gemma3,
             architecture=architecture,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -136,7 +156,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             o_bias=attention_bias and not qwen2_biases,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=switches.get("qk_norm", False),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", bool(gemma3))),
             hidden_act=act,
             sliding_window=_sliding_window(cfg),
             dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
@@ -195,6 +215,30 @@ def _served_architecture(listed: list[str]) -> str:
 def _matryoshka(cfg: dict[str, Any]) -> bool:
     """Whether config.json declares Matryoshka embeddings (as vLLM reads it)."""
     return bool(cfg.get("is_matryoshka") or cfg.get("matryoshka_dimensions"))
+
+
+def _gemma3_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's fields beyond the Llama family's: layer kinds, the two ropes, the score scale
+    (ValueError for the soft-capping Gemma 2 had, which Gemma 3 configs leave off)."""
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(cap) is not None:
+            raise ValueError(f"{cap} is not supported")
+    layers = cfg["num_hidden_layers"]
+    pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+    types = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
+    ]
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:  # transformers 5: one rope per layer kind
+        theta, scaling = _rope_settings({"rope_parameters": params["full_attention"]})
+        local_theta, local_scaling = _rope_settings({"rope_parameters": params["sliding_attention"]})
+    else:
+        theta, scaling = _rope_settings({**cfg, "rope_theta": cfg.get("rope_theta", 1_000_000.0)})
+        local_theta, local_scaling = float(cfg.get("rope_local_base_freq", 10000.0)), None
+    return dict(
+        layer_types=tuple(types), rope_theta=theta, rope_scaling=scaling, local_rope_theta=local_theta,
+        local_rope_scaling=local_scaling, query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+    )
 
 
 def _rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

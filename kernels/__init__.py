@@ -26,7 +26,8 @@ from kernels.metadata import AttentionMetadata
 from kernels.settings import settings
 
 __all__ = [
-    "AttentionMetadata", "add_rms_norm", "paged_attention", "rms_norm", "rotary", "silu_mul", "write_kv_cache",
+    "AttentionMetadata", "add_rms_norm", "gelu_tanh_mul", "paged_attention", "rms_norm", "rotary", "scale_rows",
+    "silu_mul", "write_kv_cache",
 ]
 
 _triton: ModuleType | None = None
@@ -76,6 +77,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch_ref.silu_mul(gate_up)
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up for gate_up rows [gate | up] (GeGLU)."""
+    if cpu.usable(gate_up) and gate_up.is_contiguous():
+        return cpu.gelu_tanh_mul(gate_up)
+    return torch_ref.gelu_tanh_mul(gate_up)
+
+
+def scale_rows(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """x * factor (in place on the C path; factor rounded to x's dtype, as Gemma scales its embeddings)."""
+    if cpu.usable(x) and x.is_contiguous():
+        return cpu.scale_rows(x, factor)
+    return x * torch.tensor(factor, dtype=x.dtype, device=x.device)
+
+
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -102,23 +117,25 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """query [T, Hq, D] attends causally over each request's paged context -> [T, Hq, D]."""
+    """query [T, Hq, D] attends causally over each request's paged context -> [T, Hq, D];
+    with a sliding ``window`` > 0 each query sees the last ``window`` positions up to its own."""
     backend = _attention_backend(query)
     if backend is not torch_ref or not (cpu.usable(query, cache=k_cache) and _heads_contiguous(query)):
-        return backend.paged_attention(query, k_cache, v_cache, meta, scale, out)
+        return backend.paged_attention(query, k_cache, v_cache, meta, scale, out, window)
     whole_chunks = query.shape[2] in cpu.PREFILL_KERNEL_HEAD_DIMS
-    step = torch_ref.plan(meta, k_cache.shape[1], query.device, settings.prefill_pairs, whole_chunks)
+    step = torch_ref.plan(meta, k_cache.shape[1], query.device, settings.prefill_pairs, whole_chunks, window)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype)
     if step.query_rows is not None:
         cpu.paged_decode_attention(
             query, k_cache, v_cache, meta.block_tables, step.query_rows, step.query_tables,
-            step.query_seq_lens, step.query_max_len, scale, out,
+            step.query_seq_lens, step.query_max_len, scale, out, window,
         )
     for start, end, r, seq_len in step.small_prefills:
         cpu.paged_prefill_attention(
-            query[start:end], k_cache, v_cache, meta.block_tables[r], seq_len, scale, out[start:end]
+            query[start:end], k_cache, v_cache, meta.block_tables[r], seq_len, scale, out[start:end], window
         )
     torch_ref.attend_prefills(query, k_cache, v_cache, step, scale, out)
     return out

@@ -32,7 +32,7 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     # False when no slot is negative (no padding token): the CPU path skips that check.
     may_pad: bool = True
-    # The CPU kernels' per-step plan, built by the first layer and reused by the others.
+    # The CPU kernels' per-step plans (one per sliding window), built by the first layer that needs one.
     cpu_plan: Any = field(default=None, repr=False)
 
     @property

@@ -43,6 +43,12 @@ def add_rms_norm(
     return rms_norm(residual, weight, eps), residual
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up for gate_up rows [gate | up] (GeGLU)."""
+    size = gate_up.shape[-1] // 2
+    return F.gelu(gate_up[..., :size], approximate="tanh") * gate_up[..., size:]
+
+
 def rotary(
     qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin_signed: torch.Tensor, positions: torch.Tensor
 ) -> None:
@@ -131,6 +137,7 @@ class CpuAttentionPlan:
         device: torch.device,
         row_pairs_limit: int = 0,
         whole_chunks: bool = False,
+        window: int = 0,
     ) -> CpuAttentionPlan:
         qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         decodes = [r for r in range(meta.num_reqs) if qsl[r + 1] - qsl[r] == 1]
@@ -151,8 +158,11 @@ class CpuAttentionPlan:
             row_tables, row_lens = list(decodes), list(lens)
             if rows != list(range(qsl[meta.num_reqs])):
                 decode_rows = torch.tensor(rows, dtype=torch.int64, device=device)
-            if min(lens) != decode_len:
-                pad = torch.arange(decode_len, device=device)[None, :] >= torch.tensor(lens, device=device)[:, None]
+            if min(lens) != decode_len or 0 < window < decode_len:
+                at, ends = torch.arange(decode_len, device=device)[None, :], torch.tensor(lens, device=device)[:, None]
+                pad = at >= ends
+                if window > 0:  # keys before each decode's window
+                    pad |= at < ends - window
                 decode_mask = torch.zeros(pad.shape, device=device).masked_fill_(pad, float("-inf"))[:, None, None]
         prefills = []
         small_prefills = []
@@ -171,10 +181,14 @@ class CpuAttentionPlan:
                 row_lens += range(first, seq_len + 1)
                 continue
             block_ids = tables[r, : -(-seq_len // block_size)].long()
-            mask, causal = None, q_len == seq_len  # no cached prefix: the plain causal mask
+            # No cached prefix and no window: the plain causal mask.
+            mask, causal = None, q_len == seq_len and not 0 < window < seq_len
             if not causal:
-                q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
+                keys = torch.arange(seq_len, device=device)[None, :]
+                mask = keys <= q_pos
+                if window > 0:
+                    mask &= keys > q_pos - window
             prefills.append(_Prefill(start, end, block_ids, seq_len, mask, causal))
         query_rows = query_tables = query_lens = None
         if rows:
@@ -193,11 +207,16 @@ def plan(
     device: torch.device,
     row_pairs_limit: int = 0,
     whole_chunks: bool = False,
+    window: int = 0,
 ) -> CpuAttentionPlan:
-    """The step's plan, built by the first layer that asks and cached on ``meta``."""
-    plan = meta.cpu_plan
+    """The step's plan for layers of this sliding ``window`` (0: none), built by the first layer
+    that asks and cached on ``meta``."""
+    plans = meta.cpu_plan
+    if plans is None:
+        plans = meta.cpu_plan = {}
+    plan = plans.get(window)
     if plan is None:
-        plan = meta.cpu_plan = CpuAttentionPlan.build(meta, block_size, device, row_pairs_limit, whole_chunks)
+        plan = plans[window] = CpuAttentionPlan.build(meta, block_size, device, row_pairs_limit, whole_chunks, window)
     return plan
 
 
@@ -208,8 +227,10 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Attention of query [T, Hq, D] over each request's paged context.
+    """Attention of query [T, Hq, D] over each request's paged context (the last ``window``
+    positions of it, up to the query's own, with a sliding window > 0).
 
     This step's K/V must already be in the cache. Query ``i`` of request ``r``
     sits at position ``seq_lens[r] - query_len[r] + i`` and sees keys at
@@ -218,7 +239,7 @@ def paged_attention(
     num_tokens = query.shape[0]
     if num_tokens == 0:
         return torch.empty_like(query) if out is None else out
-    step = plan(meta, k_cache.shape[1], query.device)
+    step = plan(meta, k_cache.shape[1], query.device, window=window)
     if step.num_decodes == num_tokens and out is None:
         return _decodes(query, k_cache, v_cache, step, scale)  # a pure decode step: no scatter
     if out is None:

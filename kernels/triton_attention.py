@@ -70,7 +70,7 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache, v_cache, out_ptr, block_tables, seq_lens, query_start_loc, scale,
+    q_ptr, k_cache, v_cache, out_ptr, block_tables, seq_lens, query_start_loc, scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     QPK: tl.constexpr, QPK_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -107,7 +107,11 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     # Keys past the tile's last query position are masked anyway: stop there.
     kv_end = tl.minimum(seq_len, context_start + (q_tile + 1) * BLOCK_Q)
-    for start in range(0, kv_end, BLOCK_N):
+    # A sliding window (window > 0): keys before the tile's first query's window are never seen.
+    kv_begin = 0
+    if window > 0:
+        kv_begin = tl.maximum(context_start + q_tile * BLOCK_Q - window + 1, 0) // BLOCK_N * BLOCK_N
+    for start in range(kv_begin, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < kv_end
         # int64: page * stride_cb overflows int32 once the cache passes 2**31 elements.
@@ -119,6 +123,8 @@ def _paged_attention_kernel(
 
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
         visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        if window > 0:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
@@ -137,9 +143,10 @@ def _paged_attention_kernel(
 
 def paged_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
+    meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None, window: int = 0,
 ) -> torch.Tensor:
-    """query [T, Hq, D] against the paged cache (this step's K/V already written)."""
+    """query [T, Hq, D] against the paged cache (this step's K/V already written); with a
+    sliding ``window`` > 0 each query sees the last ``window`` positions up to its own."""
     num_tokens, num_heads, head_dim = query.shape
     kv_heads = k_cache.shape[2]
     qpk = num_heads // kv_heads
@@ -154,7 +161,7 @@ def paged_attention(
     block_q = max(16 // qpk_pad, 1) if meta.max_query_len == 1 else max(64 // qpk_pad, 1)
     grid = (meta.num_reqs, kv_heads, triton.cdiv(meta.max_query_len, block_q))
     _paged_attention_kernel[grid](
-        query, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+        query, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, window,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         QPK=qpk, QPK_PAD=qpk_pad, BLOCK_Q=block_q, BLOCK_N=max(16, k_cache.shape[1]),

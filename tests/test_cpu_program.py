@@ -5,7 +5,8 @@ steps and on steps that are one request's prefill chunk; it runs the same
 kernels in the same order, so the logits must be identical to the bit: for a
 batch of decodes at different positions, and for chunks with and without a
 cached prefix, attended by the chunk kernel (head sizes 8 and 16) or a query
-at a time (Qwen3's 32), with float or block-format (quantized) weights. (That the
+at a time (Qwen3's 32), with float or block-format (quantized) weights, and for Gemma 3's
+recipe (windowed and global layers, GeGLU, norms after each block). (That the
 model's forward matches transformers is tests/test_engine_equivalence.py.)
 """
 
@@ -25,14 +26,18 @@ pytestmark = pytest.mark.skipif(cpu.load() is None, reason="no C compiler to bui
 
 @pytest.fixture(scope="module")
 def qwen_dirs(tmp_path_factory) -> dict[str, str]:
-    """Tiny seeded Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms) checkpoints."""
+    """Tiny seeded Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms) and Gemma 3 (sliding
+    windows, GeGLU, norms after each block, a scaled embedding) checkpoints."""
     import transformers
 
     from core.models.random_model import write_tokenizer
     from tests.support.engines import tiny_config
 
     dirs = {}
-    for arch, cls in (("qwen2", transformers.Qwen2ForCausalLM), ("qwen3", transformers.Qwen3ForCausalLM)):
+    for arch, cls in (
+        ("qwen2", transformers.Qwen2ForCausalLM), ("qwen3", transformers.Qwen3ForCausalLM),
+        ("gemma3", transformers.Gemma3ForCausalLM),
+    ):
         torch.manual_seed(5)
         path = tmp_path_factory.mktemp(arch)
         cls(tiny_config(arch)).eval().save_pretrained(path)
@@ -42,7 +47,7 @@ def qwen_dirs(tmp_path_factory) -> dict[str, str]:
 
 
 # Block formats too: their products (kernels/quant.py) are the layers' own in both paths.
-MODELS = ["stories", "llama", "qwen2", "qwen3", "stories-q8_0", "qwen2-q4_0"]
+MODELS = ["stories", "llama", "qwen2", "qwen3", "gemma3", "stories-q8_0", "qwen2-q4_0", "gemma3-q8_0"]
 
 
 def _engine(model: str, stories_dir: str, llama, qwen_dirs, **config) -> EngineCore:

@@ -75,7 +75,7 @@ def test_the_ctypes_signatures_come_from_the_c_prototypes() -> None:
     assert declared["silu_mul"] == (None, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p])
     assert declared["padded_keys"] == (ctypes.c_int64, [ctypes.c_int64])
     lib = cpu.load()
-    assert lib is not None and lib.paged_prefill_attention.argtypes[12] is ctypes.c_float  # scale
+    assert lib is not None and lib.paged_prefill_attention.argtypes[13] is ctypes.c_float  # scale (after the window)
     assert [cpu.padded_keys(n) for n in (1, 8, 9)] == [8, 8, 16]
     with pytest.raises(AttributeError):  # nothing but the API is exported
         lib.rms_norm_row

@@ -6,12 +6,14 @@ from torch import nn
 
 from core.model_config import DECODER_ARCHITECTURES, ENCODER_ARCHITECTURES, ModelConfig
 from core.models.bert import BertModel
+from core.models.gemma3 import Gemma3ForCausalLM
 from core.models.llama import LlamaForCausalLM
 
-# Llama, Mistral, Qwen2 and Qwen3 are one class: their differences are ModelConfig switches;
-# so are BERT's two heads (none, or a classifier).
+# Llama, Mistral, Qwen2 and Qwen3 are one recipe: their differences are ModelConfig switches;
+# so are BERT's two heads (none, or a classifier). Gemma 3 is a recipe of its own.
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     **{arch: LlamaForCausalLM for arch in DECODER_ARCHITECTURES},
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     **{arch: BertModel for arch in ENCODER_ARCHITECTURES},
 }
 

@@ -18,12 +18,14 @@ position, all of them through each product at once). Its results are those of
 attention kernel chosen as the dispatcher in kernels/ chooses it
 (tests/test_cpu_program.py checks the logits bit for bit).
 
-The model describes what it is made of (``parts()``, core/models/llama.py:
-each layer's weights in the order its forward pass uses them), so the program
-names no attribute of the model's modules. It covers the Llama-family layers
-(biases and Qwen3's per-head q/k norms included) with silu, in float32 with
-the C kernels available; ``CpuStepProgram.build`` returns None otherwise, and
-the runner keeps calling the model, as it does for every other step.
+The model describes itself as a recipe (``recipe()``, core/models/recipe.py:
+each layer's operations in the order its forward pass runs them), and the
+program runs those operations, so it names no family and no attribute of
+the model's modules: a new family's layers run here as they are. It takes
+float32 models with the C kernels available and the gated activations the
+kernels have (silu, tanh GELU); ``CpuStepProgram.build`` returns None
+otherwise, and the runner keeps calling the model, as it does for every
+other step.
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from core.models.llama import DecoderParts, LayerParts
+from core.models.recipe import (
+    ACT, ATTN, GATE_UP, HIDDEN, NORMED, PROJ, QKV, Attention, GatedActivation, HeadNorms, LayerOp, Norm, Product, Recipe,
+    ResidualNorm,
+)
 from core.worker.input_buffers import InputBuffers
 from kernels import cpu
 from kernels.cpu.program import Op, Program
@@ -42,17 +47,15 @@ from kernels.quant import QuantizedMatrix, QuantizedWeight
 from kernels.settings import settings
 
 
-class _Layer:
-    """One decoder layer's parts as raw pointers, with its KV caches."""
+# The gated activations the C kernels compute (the others stay on the forward pass).
+_KERNEL_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
-    def __init__(self, parts: LayerParts, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
-        self.norm1 = parts.input_norm.data_ptr()
-        self.norm2 = parts.post_norm.data_ptr()
-        # The dense layers, whose ``cpu_weight`` the products use: the forward pass's own
-        # (same products, same bits), looked up at each step since a weight reload replaces it.
-        self.qkv, self.o, self.gate_up, self.down = parts.qkv, parts.o, parts.gate_up, parts.down
-        self.q_norm = parts.q_norm.data_ptr() if parts.q_norm is not None else None
-        self.k_norm = parts.k_norm.data_ptr() if parts.k_norm is not None else None
+
+class _Layer:
+    """One decoder layer's operations, with its KV caches as raw pointers."""
+
+    def __init__(self, ops: tuple[LayerOp, ...], kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.ops = ops
         self.k_cache, self.v_cache = (c.data_ptr() for c in kv_cache)
 
 
@@ -71,38 +74,46 @@ class CpuStepProgram:
         cls, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], buffers: InputBuffers,
         max_model_len: int,
     ) -> CpuStepProgram | None:
-        describe = getattr(model, "parts", None)
+        describe = getattr(model, "recipe", None)
         if describe is None or not kv_caches:
             return None
-        parts: DecoderParts = describe()
+        recipe: Recipe = describe()
+        activations = {op.kind for ops in recipe.layers for op in ops if isinstance(op, GatedActivation)}
         if (
-            not cpu.usable(cache=kv_caches[0][0]) or parts.config.hidden_act != "silu"
-            or parts.lm_head.cpu_weight is None  # products through torch (settings.cpu_blas off)
+            not cpu.usable(cache=kv_caches[0][0]) or not activations <= set(_KERNEL_ACTIVATIONS)
+            or recipe.lm_head.cpu_weight is None  # products through torch (settings.cpu_blas off)
         ):
             return None
-        if NativeStepProgram.takes(parts):
-            return NativeStepProgram(parts, kv_caches, buffers, max_model_len)
-        return cls(parts, kv_caches, buffers, max_model_len)
+        if NativeStepProgram.takes(recipe):
+            return NativeStepProgram(recipe, kv_caches, buffers, max_model_len)
+        return cls(recipe, kv_caches, buffers, max_model_len)
 
     def __init__(
-        self, parts: DecoderParts, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], buffers: InputBuffers,
+        self, recipe: Recipe, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], buffers: InputBuffers,
         max_model_len: int, threads: int | None = None,
     ) -> None:
-        cfg = parts.config
+        cfg = recipe.config
         self.lib = cpu.load()
         self.buffers = buffers
         self.hidden_size = cfg.hidden_size
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.intermediate = cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
-        self.scale = cfg.head_dim**-0.5
         self.block_size = kv_caches[0][0].shape[1]
-        self.embedding = parts.embedding  # float or block-format rows, looked up by id
-        self.lm_head = parts.lm_head
-        self.final_norm = parts.final_norm.data_ptr()
-        self._tables = parts.rotary.tables(torch.device("cpu"), torch.float32)  # kept alive here
-        self.cos, self.sin = (t.data_ptr() for t in self._tables)
-        self.layers = [_Layer(layer, kv) for layer, kv in zip(parts.layers, kv_caches, strict=True)]
+        self.embedding = recipe.embedding.table()  # float or block-format rows, looked up by id
+        self.embed_scale = recipe.embed_scale
+        self.lm_head = recipe.lm_head
+        self.final_norm = recipe.final_norm
+        # Each rotary table's (cos, sin±) pointers, the tables kept alive here.
+        self._rotary: dict[int, tuple[int, int]] = {}
+        self._tables: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for op in (op for ops in recipe.layers for op in ops if isinstance(op, Attention)):
+            if id(op.rotary) not in self._rotary:
+                self._tables.append(op.rotary.tables(torch.device("cpu"), torch.float32))
+                self._rotary[id(op.rotary)] = tuple(t.data_ptr() for t in self._tables[-1])
+        self.layers = [_Layer(ops, kv) for ops, kv in zip(recipe.layers, kv_caches, strict=True)]
+        # Where LoRA adapters are attached, every product has a slot reading one batch: the first tells.
+        self._first_product = next(op.linear for op in recipe.layers[0] if isinstance(op, Product))
         self.qkv_width = (self.heads + 2 * self.kv_heads) * self.head_dim
         self.logits = np.zeros((buffers.max_num_reqs, cfg.vocab_size), np.float32)  # grown by run_queries
         self._logits_t: dict[int, torch.Tensor] = {}
@@ -149,12 +160,13 @@ class CpuStepProgram:
         )
         self._views: dict[int, tuple[np.ndarray, ...]] = {}
 
-    def _views_for(self, n: int) -> tuple[np.ndarray, ...]:
+    def _views_for(self, n: int) -> dict[str, np.ndarray]:
+        """The first n rows of each buffer, by the recipe's buffer names."""
         views = self._views.get(n)
         if views is None:
-            views = self._views[n] = tuple(
-                a[:n] for a in (self.hidden, self.normed, self.qkv, self.attn, self.proj, self.gate_up, self.act)
-            )
+            views = self._views[n] = {
+                name: getattr(self, name)[:n] for name in (HIDDEN, NORMED, QKV, ATTN, PROJ, GATE_UP, ACT)
+            }
         return views
 
     def _logits(self, n: int) -> torch.Tensor:
@@ -172,11 +184,11 @@ class CpuStepProgram:
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         qkv_p, attn_p, width = p["qkv"], p["attn"], self.qkv_width
 
-        def attend(layer: _Layer) -> None:
+        def attend(op: Attention, layer: _Layer) -> None:
             lib.paged_decode_attention(
                 qkv_p, width, rows_p, n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache, self.kv_half,
-                self.block_size, tables_p, table_stride, rows_p, lens_p, self.scale, attn_p, heads * head_dim,
-                scratch_p, self.scratch_stride, self.threads,
+                self.block_size, tables_p, table_stride, rows_p, lens_p, op.window, op.scale, attn_p,
+                heads * head_dim, scratch_p, self.scratch_stride, self.threads,
             )
 
         normed = self._layers(n, attend)
@@ -204,11 +216,11 @@ class CpuStepProgram:
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         qkv_p, attn_p, width = p["qkv"], p["attn"], self.qkv_width
 
-        def attend(layer: _Layer) -> None:
+        def attend(op: Attention, layer: _Layer) -> None:
             lib.paged_decode_attention(
                 qkv_p, width, p["row_ids"], n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache,
                 self.kv_half, self.block_size, p["tables"], table_stride, p["query_tables"], p["query_lens"],
-                self.scale, attn_p, heads * head_dim, p["scratch"], self.scratch_stride, self.threads,
+                op.window, op.scale, attn_p, heads * head_dim, p["scratch"], self.scratch_stride, self.threads,
             )
 
         normed = self._layers(n, attend)
@@ -228,7 +240,7 @@ class CpuStepProgram:
         self._reserve(n)
         seq_len = int(self.buffers.seq_lens.np[0])
         p = self._ptr
-        lib, block_size, scale, threads = self.lib, self.block_size, self.scale, self.threads
+        lib, block_size, threads = self.lib, self.block_size, self.threads
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         qkv_p, attn_p, width, out_stride = p["qkv"], p["attn"], self.qkv_width, heads * head_dim
         if self._chunk_kernel:
@@ -237,20 +249,21 @@ class CpuStepProgram:
                 self._kv_scratch = np.zeros(kv_floats, np.float32)
             kv_p, table_p = self._kv_scratch.ctypes.data, p["tables"]
 
-            def attend(layer: _Layer) -> None:
+            def attend(op: Attention, layer: _Layer) -> None:
                 lib.paged_prefill_attention(
                     qkv_p, width, n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache, self.kv_half,
-                    block_size, table_p, seq_len, scale, attn_p, out_stride, kv_p, p["scratch"], threads,
+                    block_size, table_p, seq_len, op.window, op.scale, attn_p, out_stride, kv_p, p["scratch"],
+                    threads,
                 )
         else:  # one query at a time, each over the context up to its own position
             np.add(self.row_ids[:n], seq_len - n + 1, out=self.chunk_lens[:n])
             rows_p, tables_p, lens_p = p["row_ids"], p["chunk_tables"], p["chunk_lens"]
 
-            def attend(layer: _Layer) -> None:
+            def attend(op: Attention, layer: _Layer) -> None:
                 lib.paged_decode_attention(
                     qkv_p, width, rows_p, n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache, self.kv_half,
-                    block_size, p["tables"], self._table_stride, tables_p, lens_p, scale, attn_p, out_stride,
-                    p["scratch"], self.scratch_stride, threads,
+                    block_size, p["tables"], self._table_stride, tables_p, lens_p, op.window, op.scale, attn_p,
+                    out_stride, p["scratch"], self.scratch_stride, threads,
                 )
 
         normed = self._layers(n, attend)
@@ -259,48 +272,58 @@ class CpuStepProgram:
         self.lm_head.cpu_weight.matmul(normed[n - 1 : n], self.logits[:1])
         return self._logits(1)
 
-    def _layers(self, n: int, attend: Callable[[_Layer], None]) -> np.ndarray:
-        """Every layer over the n staged tokens, then the final norm: the normed rows."""
+    def _layers(self, n: int, attend: Callable[[Attention, _Layer], None]) -> np.ndarray:
+        """Every layer's operations over the n staged tokens, then the final norm: the normed rows."""
         lib, b = self.lib, self.buffers
-        hidden, normed, qkv, attn, proj, gate_up, act = self._views_for(n)
+        views = self._views_for(n)
         size, eps, width = self.hidden_size, self.eps, self.qkv_width
-        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         p = self._ptr
-        hidden_p, normed_p, qkv_p, proj_p = p["hidden"], p["normed"], p["qkv"], p["proj"]
+        hidden_p, normed_p, qkv_p, proj_p = p[HIDDEN], p[NORMED], p[QKV], p[PROJ]
         positions_p, slots_p = p["positions"], p["slots"]
-        gate_up_p, act_p = p["gate_up"], p["act"]
-        self.embedding.take_rows(b.input_ids.np[:n], out=hidden)
-        slot = self.layers[0].qkv.adapters
+        self.embedding.take_rows(b.input_ids.np[:n], out=views[HIDDEN])
+        if self.embed_scale is not None:
+            lib.scale_rows(hidden_p, n, size, self.embed_scale)
+        slot = self._first_product.adapters
         adapted = slot is not None and bool(slot.batch.groups)  # this step has rows of LoRA adapters
-        k_offset, v_offset = heads * head_dim * 4, (heads + kv_heads) * head_dim * 4
-        for i, layer in enumerate(self.layers):
-            if i == 0:
-                lib.rms_norm(hidden_p, n, size, 1, 0, layer.norm1, normed_p, size, eps)
-            else:  # the residual add of the previous layer's MLP, fused with this norm
-                lib.add_rms_norm(proj_p, hidden_p, layer.norm1, normed_p, n, size, eps)
-            layer.qkv.cpu_weight.matmul(normed, qkv)
-            if adapted:
-                layer.qkv.adapters.add_numpy(normed, qkv)
-            if layer.q_norm is not None:  # per-head norms of q and of k, written back in place
-                self._head_norm(n, 0, heads, layer.q_norm)
-                self._head_norm(n, heads, kv_heads, layer.k_norm)
-            lib.rotary(qkv_p, n, width, heads + kv_heads, head_dim, self.cos, self.sin, positions_p)
-            lib.write_kv(qkv_p + k_offset, width, qkv_p + v_offset, width, n, kv_heads * head_dim,
-                         layer.k_cache, layer.v_cache, slots_p, self.kv_half)
-            attend(layer)
-            layer.o.cpu_weight.matmul(attn, proj)
-            if adapted:
-                layer.o.adapters.add_numpy(attn, proj)
-            lib.add_rms_norm(proj_p, hidden_p, layer.norm2, normed_p, n, size, eps)
-            layer.gate_up.cpu_weight.matmul(normed, gate_up)
-            if adapted:
-                layer.gate_up.adapters.add_numpy(normed, gate_up)
-            lib.silu_mul(gate_up_p, n, self.intermediate, act_p)
-            layer.down.cpu_weight.matmul(act, proj)
-            if adapted:
-                layer.down.adapters.add_numpy(act, proj)
-        lib.add_rms_norm(proj_p, hidden_p, self.final_norm, normed_p, n, size, eps)
-        return normed
+        pending = False  # PROJ holds a block's output the residual stream has not taken yet
+        for layer in self.layers:
+            for op in layer.ops:
+                kind = type(op)
+                if kind is Product:
+                    x, out = views[op.src], views[op.out]
+                    op.linear.cpu_weight.matmul(x, out)
+                    if adapted and op.linear.adapters is not None:
+                        op.linear.adapters.add_numpy(x, out)
+                    pending = pending or op.out == PROJ
+                elif kind is ResidualNorm:
+                    self._residual_norm(op, n, pending)
+                    pending = False
+                elif kind is Attention:
+                    heads, kv_heads, head_dim = op.heads, op.kv_heads, op.head_dim
+                    cos, sin = self._rotary[id(op.rotary)]
+                    lib.rotary(qkv_p, n, width, heads + kv_heads, head_dim, cos, sin, positions_p)
+                    lib.write_kv(qkv_p + heads * head_dim * 4, width, qkv_p + (heads + kv_heads) * head_dim * 4,
+                                 width, n, kv_heads * head_dim, layer.k_cache, layer.v_cache, slots_p, self.kv_half)
+                    attend(op, layer)
+                elif kind is HeadNorms:  # per-head norms of q and of k, written back in place
+                    self._head_norm(n, 0, op.heads, op.q_norm.weight.data_ptr())
+                    self._head_norm(n, op.heads, op.kv_heads, op.k_norm.weight.data_ptr())
+                elif kind is GatedActivation:
+                    gated = lib.silu_mul if op.kind == "silu" else lib.gelu_tanh_mul
+                    gated(p[GATE_UP], n, self.intermediate, p[ACT])
+                elif kind is Norm:  # a block's output normed in place
+                    lib.rms_norm(proj_p, n, size, 1, 0, op.norm.weight.data_ptr(), proj_p, size, eps)
+                else:
+                    raise TypeError(f"the CPU step program has no kernel for {kind.__name__}")
+        self._residual_norm(self.final_norm, n, pending=True)
+        return views[NORMED]
+
+    def _residual_norm(self, op: ResidualNorm, n: int, pending: bool) -> None:
+        p, size, eps, weight = self._ptr, self.hidden_size, self.eps, op.norm.weight.data_ptr()
+        if pending:  # the residual add of the block before, fused with this norm
+            self.lib.add_rms_norm(p[PROJ], p[HIDDEN], weight, p[NORMED], n, size, eps)
+        else:
+            self.lib.rms_norm(p[HIDDEN], n, size, 1, 0, weight, p[NORMED], size, eps)
 
     def _head_norm(self, n: int, first: int, count: int, weight: int) -> None:
         """RMSNorm over heads ``first:first+count`` of each row of qkv, written back."""
@@ -323,28 +346,28 @@ class NativeStepProgram(CpuStepProgram):
     applies_lora = False
 
     @staticmethod
-    def takes(parts: DecoderParts) -> bool:
-        """Whether every product of ``parts`` has a tiled weight and its embedding a table
+    def takes(recipe: Recipe) -> bool:
+        """Whether every product of ``recipe`` has a tiled weight and its embedding a table
         the program can read."""
-        embedding = parts.embedding
+        embedding = recipe.embedding.table()
         readable = isinstance(embedding, QuantizedMatrix) or (
             isinstance(embedding, DenseRows) and embedding.table.dtype == np.float32
             and embedding.table.flags.c_contiguous
         )
-        return readable and all(isinstance(weight, QuantizedWeight) for weight in _product_weights(parts))
+        return readable and all(isinstance(linear.cpu_weight, QuantizedWeight) for linear in recipe.products())
 
     def __init__(
-        self, parts: DecoderParts, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], buffers: InputBuffers,
+        self, recipe: Recipe, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], buffers: InputBuffers,
         max_model_len: int,
     ) -> None:
         self._programs: dict[str, Program] = {}
         self._scratch = np.zeros(0, np.uint8)
         # What the programs point into, kept alive here. A weight reload replaces them: the
         # runner then builds a new program (ModelRunner.replace_model).
-        self._weights = _product_weights(parts)
+        self._weights = [linear.cpu_weight for linear in recipe.products()]
         small = all(weight.nbytes <= SMALL_WEIGHT_BYTES for weight in self._weights)
         # A small model's step is over before a second thread would be awake: one thread.
-        super().__init__(parts, kv_caches, buffers, max_model_len, threads=1 if small else None)
+        super().__init__(recipe, kv_caches, buffers, max_model_len, threads=1 if small else None)
 
     def _reserve(self, rows: int) -> None:
         if rows <= self._rows:
@@ -396,57 +419,76 @@ class NativeStepProgram(CpuStepProgram):
         """The program of a decode step ("decode"), of independent queries ("queries": a
         decode step whose queries name their block-table row and context length), or of
         a prefill chunk ("chunk", and "chunk+sample", which also computes the last
-        token's logits)."""
+        token's logits): the recipe's operations, emitted one by one."""
         p, program = self._ptr, Program()
         size, eps, width, inter = self.hidden_size, self.eps, self.qkv_width, self.intermediate
-        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         ids = self.buffers.input_ids.np.ctypes.data
         if isinstance(self.embedding, QuantizedMatrix):
             table = self.embedding
-            program.add(Op.EMBED_PACKED, table.data.ctypes.data, int(table.qtype), table.k, ids, p["hidden"])
+            program.add(Op.EMBED_PACKED, table.data.ctypes.data, int(table.qtype), table.k, ids, p[HIDDEN])
         else:
-            program.add(Op.EMBED_FLOAT, self.embedding.table.ctypes.data, size, ids, p["hidden"])
+            program.add(Op.EMBED_FLOAT, self.embedding.table.ctypes.data, size, ids, p[HIDDEN])
+        if self.embed_scale is not None:
+            program.add(Op.SCALE, p[HIDDEN], size, float(self.embed_scale))
         chunk = kind.startswith("chunk")
         if chunk and not self._chunk_kernel:
             program.add(Op.CHUNK_LENS, p["chunk_lens"])
-        k_offset, v_offset = heads * head_dim * 4, (heads + kv_heads) * head_dim * 4
-        for i, layer in enumerate(self.layers):
-            if i == 0:
-                program.add(Op.RMS_NORM, p["hidden"], layer.norm1, p["normed"], size, eps)
-            else:  # the residual add of the previous layer's MLP, fused with this norm
-                program.add(Op.ADD_RMS_NORM, p["proj"], p["hidden"], layer.norm1, p["normed"], size, eps)
-            self._linear(program, layer.qkv, p["normed"], p["qkv"], width)
-            if layer.q_norm is not None:  # per-head norms of q and of k, in place
-                program.add(Op.HEAD_NORM, p["qkv"], width, heads, head_dim, layer.q_norm, eps)
-                program.add(Op.HEAD_NORM, p["qkv"] + k_offset, width, kv_heads, head_dim, layer.k_norm, eps)
-            program.add(Op.ROTARY, p["qkv"], width, heads + kv_heads, head_dim, self.cos, self.sin, p["positions"])
-            program.add(Op.WRITE_KV, p["qkv"] + k_offset, width, p["qkv"] + v_offset, width, kv_heads * head_dim,
-                        layer.k_cache, layer.v_cache, p["slots"], self.kv_half)
-            if chunk and self._chunk_kernel:
-                program.add(Op.PREFILL_ATTENTION, p["qkv"], width, heads, kv_heads, head_dim, layer.k_cache,
-                            layer.v_cache, self.kv_half, self.block_size, p["tables"], self.scale, p["attn"],
-                            heads * head_dim, self._kv_scratch.ctypes.data, p["scratch"])
-            else:  # decodes, or a chunk's queries one at a time (each over the context to its position)
-                tables, lens = {
-                    "decode": (p["row_ids"], p["seq_lens"]), "queries": (p["query_tables"], p["query_lens"]),
-                }.get(kind, (p["chunk_tables"], p["chunk_lens"]))
-                program.add(Op.DECODE_ATTENTION, p["qkv"], width, p["row_ids"], heads, kv_heads, head_dim,
-                            layer.k_cache, layer.v_cache, self.kv_half, self.block_size, p["tables"],
-                            self._table_stride, tables, lens, self.scale, p["attn"], heads * head_dim, p["scratch"],
-                            self.scratch_stride)
-            self._linear(program, layer.o, p["attn"], p["proj"], size)
-            program.add(Op.ADD_RMS_NORM, p["proj"], p["hidden"], layer.norm2, p["normed"], size, eps)
-            self._linear(program, layer.gate_up, p["normed"], p["gate_up"], 2 * inter)
-            program.add(Op.SILU_MUL, p["gate_up"], inter, p["act"])
-            self._linear(program, layer.down, p["act"], p["proj"], size)
-        program.add(Op.ADD_RMS_NORM, p["proj"], p["hidden"], self.final_norm, p["normed"], size, eps)
+        pending = False  # PROJ holds a block's output the residual stream has not taken yet
+        for layer in self.layers:
+            for op in layer.ops:
+                kind_of = type(op)
+                if kind_of is Product:
+                    self._linear(program, op.linear, p[op.src], p[op.out], getattr(self, op.out).shape[1])
+                    pending = pending or op.out == PROJ
+                elif kind_of is ResidualNorm:
+                    self._emit_residual_norm(program, op, pending)
+                    pending = False
+                elif kind_of is Attention:
+                    self._emit_attention(program, op, layer, kind)
+                elif kind_of is HeadNorms:  # per-head norms of q and of k, in place
+                    d = op.head_dim
+                    program.add(Op.HEAD_NORM, p[QKV], width, op.heads, d, op.q_norm.weight.data_ptr(), eps)
+                    program.add(Op.HEAD_NORM, p[QKV] + op.heads * d * 4, width, op.kv_heads, d,
+                                op.k_norm.weight.data_ptr(), eps)
+                elif kind_of is GatedActivation:
+                    gated = Op.SILU_MUL if op.kind == "silu" else Op.GELU_TANH_MUL
+                    program.add(gated, p[GATE_UP], inter, p[ACT])
+                elif kind_of is Norm:  # a block's output normed in place
+                    program.add(Op.RMS_NORM, p[PROJ], op.norm.weight.data_ptr(), p[PROJ], size, eps)
+                else:
+                    raise TypeError(f"the C step program has no operation for {kind_of.__name__}")
+        self._emit_residual_norm(program, self.final_norm, pending=True)
         if kind != "chunk":
             vocab = self.logits.shape[1]
-            self._linear(program, self.lm_head, p["normed"], self.logits.ctypes.data, vocab, last_row=chunk)
+            self._linear(program, self.lm_head, p[NORMED], self.logits.ctypes.data, vocab, last_row=chunk)
         return program
 
+    def _emit_residual_norm(self, program: Program, op: ResidualNorm, pending: bool) -> None:
+        p, size, eps, weight = self._ptr, self.hidden_size, self.eps, op.norm.weight.data_ptr()
+        if pending:  # the residual add of the block before, fused with this norm
+            program.add(Op.ADD_RMS_NORM, p[PROJ], p[HIDDEN], weight, p[NORMED], size, eps)
+        else:
+            program.add(Op.RMS_NORM, p[HIDDEN], weight, p[NORMED], size, eps)
 
-def _product_weights(parts: DecoderParts) -> list:
-    """The CPU weights of every product of the model: each layer's four, then the head's."""
-    layers = [getattr(layer, name) for layer in parts.layers for name in ("qkv", "o", "gate_up", "down")]
-    return [linear.cpu_weight for linear in (*layers, parts.lm_head)]
+    def _emit_attention(self, program: Program, op: Attention, layer: _Layer, kind: str) -> None:
+        """Rotary, the KV write and attention of one layer, for a step of ``kind``."""
+        p, width = self._ptr, self.qkv_width
+        heads, kv_heads, head_dim = op.heads, op.kv_heads, op.head_dim
+        k_offset, v_offset = heads * head_dim * 4, (heads + kv_heads) * head_dim * 4
+        cos, sin = self._rotary[id(op.rotary)]
+        program.add(Op.ROTARY, p[QKV], width, heads + kv_heads, head_dim, cos, sin, p["positions"])
+        program.add(Op.WRITE_KV, p[QKV] + k_offset, width, p[QKV] + v_offset, width, kv_heads * head_dim,
+                    layer.k_cache, layer.v_cache, p["slots"], self.kv_half)
+        if kind.startswith("chunk") and self._chunk_kernel:
+            program.add(Op.PREFILL_ATTENTION, p[QKV], width, heads, kv_heads, head_dim, layer.k_cache,
+                        layer.v_cache, self.kv_half, self.block_size, p["tables"], op.scale, p[ATTN],
+                        heads * head_dim, self._kv_scratch.ctypes.data, p["scratch"], op.window)
+            return
+        # decodes, or a chunk's queries one at a time (each over the context to its position)
+        tables, lens = {
+            "decode": (p["row_ids"], p["seq_lens"]), "queries": (p["query_tables"], p["query_lens"]),
+        }.get(kind, (p["chunk_tables"], p["chunk_lens"]))
+        program.add(Op.DECODE_ATTENTION, p[QKV], width, p["row_ids"], heads, kv_heads, head_dim,
+                    layer.k_cache, layer.v_cache, self.kv_half, self.block_size, p["tables"],
+                    self._table_stride, tables, lens, op.scale, p[ATTN], heads * head_dim, p["scratch"],
+                    self.scratch_stride, op.window)

@@ -1,7 +1,7 @@
 """The runner's LoRA adapters: loaded, evicted, pinned, and laid out over each step's rows.
 
 Every adapted product of the model (each layer's q/k/v, o, gate/up and down,
-as ``DecoderParts`` lists them) gets a ``LoRASlot`` reading one shared
+as the model's recipe names its products, core/models/recipe.py) gets a ``LoRASlot`` reading one shared
 ``LoRABatch`` (kernels/lora.py); ``stage`` fills that batch before each step
 from the adapter of each request's row. At most ``max_cpu_loras`` adapters
 stay loaded: loading one more evicts the least recently used that is neither
@@ -21,10 +21,11 @@ import torch
 from core.lora.adapter_spec import read_adapter_spec
 from core.lora.weights import LoRAWeights, load_lora_weights
 from core.model_config import ModelConfig
+from core.models.recipe import Product
 from core.protocol import LoRARequest
 from kernels.lora import LoRABatch, LoRAGroup, LoRASlot, group_rows
 
-# The layers' products an adapter may adapt, by the name DecoderParts gives them.
+# The layers' products an adapter may adapt, by the name the recipe gives them.
 ADAPTED_PRODUCTS = ("qkv", "o", "gate_up", "down")
 
 
@@ -43,12 +44,13 @@ class LoRAAdapters:
 
     def attach(self, model: torch.nn.Module) -> None:
         """Give every adapted product of ``model`` its slot (again after a weight reload)."""
-        describe = getattr(model, "parts", None)
+        describe = getattr(model, "recipe", None)
         if describe is None:
             raise ValueError(f"{type(model).__name__} cannot take LoRA adapters")
-        for i, layer in enumerate(describe().layers):
-            for name in ADAPTED_PRODUCTS:
-                getattr(layer, name).adapters = LoRASlot(self.batch, (i, name))
+        for i, ops in enumerate(describe().layers):
+            for op in ops:
+                if isinstance(op, Product) and op.name in ADAPTED_PRODUCTS:
+                    op.linear.adapters = LoRASlot(self.batch, (i, op.name))
 
     # ----------------------------------------------------------------- adapters
 

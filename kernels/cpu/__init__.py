@@ -143,6 +143,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    rows, width = gate_up.shape
+    out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+    _lib.gelu_tanh_mul(gate_up.data_ptr(), rows, width // 2, out.data_ptr())
+    return out
+
+
+def scale_rows(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """x *= factor, in place (x contiguous [N, n])."""
+    _lib.scale_rows(x.data_ptr(), x.shape[0], x.shape[1], factor)
+    return x
+
+
 def paged_prefill_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -151,9 +164,11 @@ def paged_prefill_attention(
     seq_len: int,
     scale: float,
     out: torch.Tensor,
+    window: int = 0,
 ) -> None:
     """out = causal attention of one request's prefill chunk query [n, Hq, D] (the last n of
-    its first ``seq_len`` positions) over the blocks in ``table`` (int32), read in place."""
+    its first ``seq_len`` positions) over the blocks in ``table`` (int32), read in place; with
+    a sliding ``window`` > 0 each query sees only the last ``window`` positions up to its own."""
     n, heads, head_dim = query.shape
     kv_heads = k_cache.shape[2]
     threads = torch.get_num_threads()
@@ -162,7 +177,7 @@ def paged_prefill_attention(
     scores = torch.empty(score_floats, dtype=torch.float32)
     _lib.paged_prefill_attention(
         query.data_ptr(), query.stride(0), n, heads, kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
-        _half(k_cache), k_cache.shape[1], table.data_ptr(), seq_len, scale, out.data_ptr(), out.stride(0),
+        _half(k_cache), k_cache.shape[1], table.data_ptr(), seq_len, window, scale, out.data_ptr(), out.stride(0),
         kv_scratch.data_ptr(), scores.data_ptr(), threads,
     )
 
@@ -178,9 +193,11 @@ def paged_decode_attention(
     max_len: int,
     scale: float,
     out: torch.Tensor,
+    window: int = 0,
 ) -> None:
     """out[rows[d]] = attention of query[rows[d]] [Hq, D] over the first seq_lens[d] tokens of the
-    blocks in block_tables[tables[d]] (int32), read in place from the caches."""
+    blocks in block_tables[tables[d]] (int32), read in place from the caches (the last ``window``
+    of them with a sliding window > 0)."""
     heads, head_dim = query.shape[1], query.shape[2]
     kv_heads = k_cache.shape[2]
     threads = torch.get_num_threads()
@@ -189,6 +206,6 @@ def paged_decode_attention(
         query.data_ptr(), query.stride(0), rows.data_ptr(), rows.shape[0], heads, kv_heads, head_dim,
         k_cache.data_ptr(), v_cache.data_ptr(), _half(k_cache), k_cache.shape[1], block_tables.data_ptr(),
         block_tables.stride(0),
-        tables.data_ptr(), seq_lens.data_ptr(), scale, out.data_ptr(), out.stride(0), scratch.data_ptr(),
+        tables.data_ptr(), seq_lens.data_ptr(), window, scale, out.data_ptr(), out.stride(0), scratch.data_ptr(),
         heads * max_len, threads,
     )

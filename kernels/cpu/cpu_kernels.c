@@ -236,6 +236,36 @@ API void silu_mul(const float *gate_up, int64_t rows, int64_t n, float *out) {
     silu_mul_share(gate_up, rows, n, out, 0, 1);
 }
 
+/* out[r, i] = gelu(gate[r, i]) * up[r, i] with GELU's tanh approximation (GeGLU, as torch's
+ * gelu(approximate="tanh") computes it, term by term), gate_up = [gate | up] rows of 2*n. */
+void gelu_tanh_mul_share(const float *gate_up, int64_t rows, int64_t n, float *out, int me, int threads) {
+    const float k = 0.7978845608028654f, c = 0.044715f; /* sqrt(2 / pi) */
+    int64_t begin, end;
+    team_share(rows, me, threads, &begin, &end);
+    for (int64_t r = begin; r < end; r++) {
+        const float *g = gate_up + r * 2 * n;
+        const float *u = g + n;
+        float *o = out + r * n;
+        for (int64_t i = 0; i < n; i++) {
+            float x = g[i], inner = k * (x + c * (x * x * x));
+            o[i] = (0.5f * x * (1.0f + tanhf(inner))) * u[i];
+        }
+    }
+}
+
+API void gelu_tanh_mul(const float *gate_up, int64_t rows, int64_t n, float *out) {
+    gelu_tanh_mul_share(gate_up, rows, n, out, 0, 1);
+}
+
+/* x *= factor over rows of n (Gemma's embedding scale), in place. */
+void scale_share(float *x, int64_t rows, int64_t n, float factor, int me, int threads) {
+    int64_t begin, end;
+    team_share(rows, me, threads, &begin, &end);
+    for (int64_t i = begin * n; i < end * n; i++) x[i] *= factor;
+}
+
+API void scale_rows(float *x, int64_t rows, int64_t n, float factor) { scale_share(x, rows, n, factor, 0, 1); }
+
 /* Rows ``ids`` of a float32 table of rows of n, copied to out: an embedding lookup. */
 void embed_share(const float *table, int64_t n, const int64_t *ids, int64_t rows, float *out, int me, int threads) {
     int64_t begin, end;
@@ -321,18 +351,21 @@ static inline const float *cache_row(const void *cache, int64_t kv_half, int64_t
  * the keys (its head_dim floats in vectors) and stored once. scratch holds
  * group * len scores. Multiply-adds may fuse (as in the prefill kernel). */
 static inline __attribute__((always_inline)) void decode_group(
-    const float *qd, float *od, const int32_t *table, int64_t len, int64_t kh, int64_t kv_heads, int64_t group,
-    const int64_t head_dim, const void *k_cache, const void *v_cache, int64_t kv_half, int64_t block_size,
-    float scale, float *scratch) {
+    const float *qd, float *od, const int32_t *table, int64_t len, int64_t window, int64_t kh, int64_t kv_heads,
+    int64_t group, const int64_t head_dim, const void *k_cache, const void *v_cache, int64_t kv_half,
+    int64_t block_size, float scale, float *scratch) {
     int64_t kv_row = kv_heads * head_dim, offset = kh * head_dim;
+    /* A sliding window keeps the last ``window`` keys: scores are indexed from the first of them. */
+    const int64_t first = window > 0 && len > window ? len - window : 0, keys = len - first;
+    const int64_t b0 = first / block_size;
     const float *q = qd + kh * group * head_dim;
     float *o = od + kh * group * head_dim;
     float buf[4][MAX_HEAD_DIM];
     const int vectors_only = head_dim % VLANES == 0 && head_dim <= MAX_HEAD_DIM;
     /* scores[g][j] = scale * q_g . k_j, walking the blocks (no division per key); four keys
      * at a time where head_dim is whole vectors, so that four sums run side by side */
-    for (int64_t j0 = 0, b = 0; j0 < len; j0 += block_size, b++) {
-        int64_t n = len - j0 < block_size ? len - j0 : block_size, t = 0;
+    for (int64_t j0 = b0 * block_size, b = b0; j0 < len; j0 += block_size, b++) {
+        int64_t n = len - j0 < block_size ? len - j0 : block_size, t = j0 < first ? first - j0 : 0;
         if (vectors_only)
             for (; t + 4 <= n; t += 4) {
                 const float *k[4];
@@ -348,7 +381,7 @@ static inline __attribute__((always_inline)) void decode_group(
                         a2 += qv * vload(k[2] + c);
                         a3 += qv * vload(k[3] + c);
                     }
-                    float *sg = scratch + g * len + j0 + t;
+                    float *sg = scratch + g * keys + j0 + t - first;
                     sg[0] = vsum_lanes(a0) * scale;
                     sg[1] = vsum_lanes(a1) * scale;
                     sg[2] = vsum_lanes(a2) * scale;
@@ -357,22 +390,23 @@ static inline __attribute__((always_inline)) void decode_group(
             }
         for (; t < n; t++) {
             const float *k = cache_row(k_cache, kv_half, table[b], block_size, t, kv_row, offset, head_dim, buf[0]);
-            for (int64_t g = 0; g < group; g++) scratch[g * len + j0 + t] = dot(q + g * head_dim, k, head_dim) * scale;
+            for (int64_t g = 0; g < group; g++)
+                scratch[g * keys + j0 + t - first] = dot(q + g * head_dim, k, head_dim) * scale;
         }
     }
-    for (int64_t g = 0; g < group; g++) softmax(scratch + g * len, len);
+    for (int64_t g = 0; g < group; g++) softmax(scratch + g * keys, keys);
     if (vectors_only) {
         for (int64_t g = 0; g < group; g++) { /* out_g = sum_j p[g][j] * v_j, in registers */
             vfloat acc[MAX_HEAD_DIM / VLANES];
             const int64_t vectors = head_dim / VLANES;
             for (int64_t c = 0; c < vectors; c++) acc[c] = (vfloat){0};
-            const float *p = scratch + g * len;
-            for (int64_t j0 = 0, b = 0; j0 < len; j0 += block_size, b++) {
+            const float *p = scratch + g * keys;
+            for (int64_t j0 = b0 * block_size, b = b0; j0 < len; j0 += block_size, b++) {
                 int64_t n = len - j0 < block_size ? len - j0 : block_size;
-                for (int64_t t = 0; t < n; t++) {
+                for (int64_t t = j0 < first ? first - j0 : 0; t < n; t++) {
                     const float *v =
                         cache_row(v_cache, kv_half, table[b], block_size, t, kv_row, offset, head_dim, buf[0]);
-                    float w = p[j0 + t];
+                    float w = p[j0 + t - first];
                     for (int64_t c = 0; c < vectors; c++) acc[c] += w * vload(v + c * VLANES);
                 }
             }
@@ -381,12 +415,12 @@ static inline __attribute__((always_inline)) void decode_group(
         return;
     }
     memset(o, 0, sizeof(float) * group * head_dim);
-    for (int64_t j0 = 0, b = 0; j0 < len; j0 += block_size, b++) { /* any other head_dim */
+    for (int64_t j0 = b0 * block_size, b = b0; j0 < len; j0 += block_size, b++) { /* any other head_dim */
         int64_t n = len - j0 < block_size ? len - j0 : block_size;
-        for (int64_t t = 0; t < n; t++) {
+        for (int64_t t = j0 < first ? first - j0 : 0; t < n; t++) {
             const float *v = cache_row(v_cache, kv_half, table[b], block_size, t, kv_row, offset, head_dim, buf[0]);
             for (int64_t g = 0; g < group; g++) {
-                float p = scratch[g * len + j0 + t];
+                float p = scratch[g * keys + j0 + t - first];
                 float *og = o + g * head_dim;
 #pragma omp simd
                 for (int64_t i = 0; i < head_dim; i++) og[i] += p * v[i];
@@ -405,7 +439,8 @@ static inline __attribute__((always_inline)) void decode_group(
  * Decode d is query row q_rows[d] (heads of head_dim at q + row*q_stride)
  * and attends to the first seq_lens[d] tokens of the blocks listed at
  * block_tables + tables[d]*table_stride (int32 block ids); its output goes to
- * out + q_rows[d]*out_stride. The caches are [blocks, block_size, kv_heads,
+ * out + q_rows[d]*out_stride; with a sliding ``window`` > 0 only the last ``window`` of those tokens.
+ * The caches are [blocks, block_size, kv_heads,
  * head_dim]; each cached row (one KV head of one token) is read once for the
  * query heads that share it. The work items, a (decode, KV head) each, are
  * dealt round the team; thread i uses scratch + i*scratch_stride, which holds
@@ -415,9 +450,9 @@ __attribute__((optimize("fp-contract=fast"))) void decode_attention_share(
                             const float *q, int64_t q_stride, const int64_t *q_rows, int64_t num_decodes,
                             int64_t heads, int64_t kv_heads, int64_t head_dim, const void *k_cache,
                             const void *v_cache, int64_t kv_half, int64_t block_size, const int32_t *block_tables,
-                            int64_t table_stride, const int64_t *tables, const int64_t *seq_lens, float scale,
-                            float *out, int64_t out_stride, float *scratch, int64_t scratch_stride, int me,
-                            int threads) {
+                            int64_t table_stride, const int64_t *tables, const int64_t *seq_lens, int64_t window,
+                            float scale, float *out, int64_t out_stride, float *scratch, int64_t scratch_stride,
+                            int me, int threads) {
     int64_t group = heads / kv_heads, items = num_decodes * kv_heads;
     float *scr = scratch + me * scratch_stride;
     for (int64_t item = me; item < items; item += threads) {
@@ -426,7 +461,8 @@ __attribute__((optimize("fp-contract=fast"))) void decode_attention_share(
         float *od = out + q_rows[d] * out_stride;
         const int32_t *table = block_tables + tables[d] * table_stride;
 #define DECODE(D) \
-    decode_group(qd, od, table, seq_lens[d], kh, kv_heads, group, D, k_cache, v_cache, kv_half, block_size, scale, scr)
+    decode_group(qd, od, table, seq_lens[d], window, kh, kv_heads, group, D, k_cache, v_cache, kv_half, block_size, \
+                 scale, scr)
         switch (head_dim) {
             case 8: DECODE(8); break;
             case 16: DECODE(16); break;
@@ -442,8 +478,8 @@ __attribute__((optimize("fp-contract=fast"))) void decode_attention_share(
 API void paged_decode_attention(const float *q, int64_t q_stride, const int64_t *q_rows, int64_t num_decodes,
                             int64_t heads, int64_t kv_heads, int64_t head_dim, const void *k_cache,
                             const void *v_cache, int64_t kv_half, int64_t block_size, const int32_t *block_tables,
-                            int64_t table_stride, const int64_t *tables, const int64_t *seq_lens, float scale,
-                            float *out, int64_t out_stride, float *scratch, int64_t scratch_stride,
+                            int64_t table_stride, const int64_t *tables, const int64_t *seq_lens, int64_t window,
+                            float scale, float *out, int64_t out_stride, float *scratch, int64_t scratch_stride,
                             int64_t threads) {
     int64_t keys = 0;
     for (int64_t d = 0; d < num_decodes; d++) keys += seq_lens[d];
@@ -451,8 +487,8 @@ API void paged_decode_attention(const float *q, int64_t q_stride, const int64_t 
     (void)parallel;
 #pragma omp parallel num_threads(threads) if (parallel)
     decode_attention_share(q, q_stride, q_rows, num_decodes, heads, kv_heads, head_dim, k_cache, v_cache, kv_half,
-                           block_size, block_tables, table_stride, tables, seq_lens, scale, out, out_stride, scratch,
-                           scratch_stride, team_me(), team_size());
+                           block_size, block_tables, table_stride, tables, seq_lens, window, scale, out, out_stride,
+                           scratch, scratch_stride, team_me(), team_size());
 }
 
 /* The prefill kernel's key count for a context of n keys: whole vectors, the
@@ -467,32 +503,35 @@ API int64_t padded_keys(int64_t n) { return (n + VLANES - 1) / VLANES * VLANES; 
  * (lanes past `len` are zeroed); then each output dimension, divided by the sum
  * at the end. s holds the scores of the vectors that cover `len`. */
 static inline __attribute__((always_inline)) void prefill_query_head(
-    const float *qh, const float *kt, const float *vt, int64_t len, int64_t stride, const int64_t head_dim,
-    float scale, float *s, float *oh) {
+    const float *qh, const float *kt, const float *vt, int64_t lo, int64_t len, int64_t stride,
+    const int64_t head_dim, float scale, float *s, float *oh) {
     const vint lane = {0, 1, 2, 3, 4, 5, 6, 7};
     const vfloat zero = {0};
-    const int32_t end = (int32_t)len;
+    const int32_t begin = (int32_t)lo, end = (int32_t)len;
+    const int64_t j0 = lo / VLANES * VLANES;
     vfloat vmax = zero - INFINITY;
-    for (int64_t j = 0; j < len; j += VLANES) {
+    for (int64_t j = j0; j < len; j += VLANES) {
         vfloat acc = zero;
         for (int64_t d = 0; d < head_dim; d++) acc += qh[d] * vload(kt + d * stride + j);
-        acc = vblend(lane + (int32_t)j < end, acc * scale, zero - INFINITY);
+        vint at = lane + (int32_t)j;
+        acc = vblend((at < end) & (at >= begin), acc * scale, zero - INFINITY);
         vstore(s + j, acc);
         vmax = vblend(acc > vmax, acc, vmax);
     }
     float m = vmax_lanes(vmax);
     vfloat vsum = zero;
-    for (int64_t j = 0; j < len; j += VLANES) {
+    for (int64_t j = j0; j < len; j += VLANES) {
         vfloat x = clamp_v(vload(s + j) - m), e;
         EXP_BODY(vfloat, vint, x, e);
-        e = vblend(lane + (int32_t)j < end, e, zero);
+        vint at = lane + (int32_t)j;
+        e = vblend((at < end) & (at >= begin), e, zero);
         vstore(s + j, e);
         vsum += e;
     }
     float inv = 1.0f / vsum_lanes(vsum);
     for (int64_t d = 0; d < head_dim; d++) {
         vfloat acc = zero;
-        for (int64_t j = 0; j < len; j += VLANES) acc += vload(s + j) * vload(vt + d * stride + j);
+        for (int64_t j = j0; j < len; j += VLANES) acc += vload(s + j) * vload(vt + d * stride + j);
         oh[d] = vsum_lanes(acc) * inv;
     }
 }
@@ -501,7 +540,8 @@ static inline __attribute__((always_inline)) void prefill_query_head(
  *
  * Query i (row q + i*q_stride, heads of head_dim) sits at position
  * seq_len - n + i and attends to the request's cached tokens 0 .. its own
- * position; its output goes to out + i*out_stride. The request's first
+ * position (with a sliding ``window`` > 0, to the last ``window`` of them); its output goes to
+ * out + i*out_stride. The request's first
  * seq_len keys and values are first copied transposed (as float32), per KV
  * head [head_dim][stride] with stride = padded_keys(seq_len) (zeros after the
  * last key), into kv_scratch (2 * kv_heads * head_dim * stride floats): all n
@@ -517,8 +557,8 @@ static inline __attribute__((always_inline)) void prefill_query_head(
 __attribute__((optimize("fp-contract=fast"))) void prefill_attention_share(
     const float *q, int64_t q_stride, int64_t n, int64_t heads, int64_t kv_heads, int64_t head_dim,
     const void *k_cache, const void *v_cache, int64_t kv_half, int64_t block_size, const int32_t *table,
-    int64_t seq_len, float scale, float *out, int64_t out_stride, float *kv_scratch, float *score_scratch,
-    team_barrier *barrier, int me, int threads) {
+    int64_t seq_len, int64_t window, float scale, float *out, int64_t out_stride, float *kv_scratch,
+    float *score_scratch, team_barrier *barrier, int me, int threads) {
     int64_t group = heads / kv_heads;
     int64_t kv_row = kv_heads * head_dim;
     int64_t stride = padded_keys(seq_len);
@@ -544,13 +584,13 @@ __attribute__((optimize("fp-contract=fast"))) void prefill_attention_share(
     int64_t first = seq_len - n;
     float *s = score_scratch + me * stride;
     for (int64_t i = me; i < n; i += threads) {
-        int64_t len = first + i + 1;
+        int64_t len = first + i + 1, lo = window > 0 && len > window ? len - window : 0;
         const float *qi = q + i * q_stride;
         float *oi = out + i * out_stride;
         for (int64_t h = 0; h < heads; h++) {
             const float *kh = kt + (h / group) * head_dim * stride;
             const float *vh = vt + (h / group) * head_dim * stride;
-#define PREFILL(D) prefill_query_head(qi + h * head_dim, kh, vh, len, stride, D, scale, s, oi + h * head_dim)
+#define PREFILL(D) prefill_query_head(qi + h * head_dim, kh, vh, lo, len, stride, D, scale, s, oi + h * head_dim)
             switch (head_dim) {
                 case 8: PREFILL(8); break;
                 case 16: PREFILL(16); break;
@@ -563,14 +603,15 @@ __attribute__((optimize("fp-contract=fast"))) void prefill_attention_share(
 
 API void paged_prefill_attention(const float *q, int64_t q_stride, int64_t n, int64_t heads, int64_t kv_heads,
                                  int64_t head_dim, const void *k_cache, const void *v_cache, int64_t kv_half,
-                                 int64_t block_size, const int32_t *table, int64_t seq_len, float scale, float *out,
-                                 int64_t out_stride, float *kv_scratch, float *score_scratch, int64_t threads) {
+                                 int64_t block_size, const int32_t *table, int64_t seq_len, int64_t window,
+                                 float scale, float *out, int64_t out_stride, float *kv_scratch, float *score_scratch,
+                                 int64_t threads) {
     team_barrier barrier = {0, 0};
     int parallel = threads > 1 && n > 1 && n * (seq_len - n / 2) * heads * head_dim >= PARALLEL_MIN_WORK;
     (void)parallel;
 #pragma omp parallel num_threads(threads) if (parallel)
     prefill_attention_share(q, q_stride, n, heads, kv_heads, head_dim, k_cache, v_cache, kv_half, block_size, table,
-                            seq_len, scale, out, out_stride, kv_scratch, score_scratch, &barrier, team_me(),
+                            seq_len, window, scale, out, out_stride, kv_scratch, score_scratch, &barrier, team_me(),
                             team_size());
 }
 

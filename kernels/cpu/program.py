@@ -33,6 +33,8 @@ class Op(enum.IntEnum):
     PREFILL_ATTENTION = 10
     SILU_MUL = 11
     CHUNK_LENS = 12
+    GELU_TANH_MUL = 13
+    SCALE = 14
 
 
 def _word(value: int | float) -> int:

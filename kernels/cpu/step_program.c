@@ -2,7 +2,7 @@
  *
  * core/worker/cpu_program.py writes a decode step (or one request's prefill
  * chunk) of a model whose dense layers are all in kernels/quant.py's tiled
- * formats as a program: OP_WORDS int64 per operation, the opcode first, then
+ * formats as a program (the model's recipe, core/models/recipe.py, emitted op by op): OP_WORDS int64 per operation, the opcode first, then
  * its arguments (addresses of fixed buffers and weights, sizes; floats as
  * the bits of a double). ``run_program`` runs it once per step with the
  * step's row count (and, for a chunk, its request's context length): one
@@ -30,11 +30,13 @@ enum {
     OP_WRITE_KV,         /* k, k_stride, v, v_stride, row, k_cache, v_cache, slots, kv_half */
     OP_DECODE_ATTENTION, /* q, q_stride, q_rows, heads, kv_heads, head_dim, k_cache, v_cache, kv_half,
                             block_size, block_tables, table_stride, tables, seq_lens, scale, out, out_stride,
-                            scratch, scratch_stride */
+                            scratch, scratch_stride, window */
     OP_PREFILL_ATTENTION, /* q, q_stride, heads, kv_heads, head_dim, k_cache, v_cache, kv_half, block_size,
-                             table, scale, out, out_stride, kv_scratch, score_scratch */
+                             table, scale, out, out_stride, kv_scratch, score_scratch, window */
     OP_SILU_MUL,          /* gate_up, n, out */
     OP_CHUNK_LENS,        /* lens: lens[i] = seq_len - rows + 1 + i, the context of each query of a chunk */
+    OP_GELU_TANH_MUL,     /* gate_up, n, out */
+    OP_SCALE,             /* x, n, factor: in place */
 };
 
 /* The kernels' shares (cpu_kernels.c, quant_kernels.c). */
@@ -53,14 +55,16 @@ void embed_share(const float *table, int64_t n, const int64_t *ids, int64_t rows
 void decode_attention_share(const float *q, int64_t q_stride, const int64_t *q_rows, int64_t num_decodes,
                             int64_t heads, int64_t kv_heads, int64_t head_dim, const void *k_cache,
                             const void *v_cache, int64_t kv_half, int64_t block_size, const int32_t *block_tables,
-                            int64_t table_stride, const int64_t *tables, const int64_t *seq_lens, float scale,
-                            float *out, int64_t out_stride, float *scratch, int64_t scratch_stride, int me,
-                            int threads);
+                            int64_t table_stride, const int64_t *tables, const int64_t *seq_lens, int64_t window,
+                            float scale, float *out, int64_t out_stride, float *scratch, int64_t scratch_stride,
+                            int me, int threads);
 void prefill_attention_share(const float *q, int64_t q_stride, int64_t n, int64_t heads, int64_t kv_heads,
                              int64_t head_dim, const void *k_cache, const void *v_cache, int64_t kv_half,
-                             int64_t block_size, const int32_t *table, int64_t seq_len, float scale, float *out,
-                             int64_t out_stride, float *kv_scratch, float *score_scratch, team_barrier *barrier,
-                             int me, int threads);
+                             int64_t block_size, const int32_t *table, int64_t seq_len, int64_t window,
+                             float scale, float *out, int64_t out_stride, float *kv_scratch, float *score_scratch,
+                             team_barrier *barrier, int me, int threads);
+void gelu_tanh_mul_share(const float *gate_up, int64_t rows, int64_t n, float *out, int me, int threads);
+void scale_share(float *x, int64_t rows, int64_t n, float factor, int me, int threads);
 void packed_rows_share(int64_t type, const void *w, int64_t k, const int64_t *ids, int64_t n, float *out, int me,
                        int threads);
 void linear_share(const int64_t *layer, const float *x, int64_t n, float *out, int64_t out_stride, int64_t quantize,
@@ -113,16 +117,22 @@ static void run_op(const int64_t *op, int64_t rows, int64_t seq_len, team_barrie
             break;
         case OP_DECODE_ATTENTION:
             decode_attention_share(F(1), op[2], I(3), rows, op[4], op[5], op[6], P(7), P(8), op[9], op[10],
-                                   (const int32_t *)P(11), op[12], I(13), I(14), as_float(op[15]), F(16), op[17],
-                                   F(18), op[19], me, threads);
+                                   (const int32_t *)P(11), op[12], I(13), I(14), op[20], as_float(op[15]), F(16),
+                                   op[17], F(18), op[19], me, threads);
             break;
         case OP_PREFILL_ATTENTION:
             prefill_attention_share(F(1), op[2], rows, op[3], op[4], op[5], P(6), P(7), op[8], op[9],
-                                    (const int32_t *)P(10), seq_len, as_float(op[11]), F(12), op[13], F(14), F(15),
-                                    barrier, me, threads);
+                                    (const int32_t *)P(10), seq_len, op[16], as_float(op[11]), F(12), op[13], F(14),
+                                    F(15), barrier, me, threads);
             break;
         case OP_SILU_MUL:
             silu_mul_share(F(1), rows, op[2], F(3), me, threads);
+            break;
+        case OP_GELU_TANH_MUL:
+            gelu_tanh_mul_share(F(1), rows, op[2], F(3), me, threads);
+            break;
+        case OP_SCALE:
+            scale_share(F(1), rows, op[2], as_float(op[3]), me, threads);
             break;
         case OP_CHUNK_LENS:
             if (me == 0)

@@ -22,6 +22,18 @@ def tiny_config(arch: str) -> transformers.PretrainedConfig:
         return transformers.Qwen2Config(**common, rope_theta=10000.0)
     if arch == "qwen3":
         return transformers.Qwen3Config(**{**common, "tie_word_embeddings": True}, head_dim=32)
+    # The windowed families: windows far shorter than the prompts, so they matter.
+    if arch == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=8)
+    if arch == "gemma3":
+        return transformers.Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 3, "tie_word_embeddings": True}, head_dim=16, sliding_window=8,
+            query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        )
     raise ValueError(arch)
 
 
