@@ -1,7 +1,9 @@
 """Command-line arguments of ``python -m app``, named and grouped as in ``vllm serve``.
 
-Engine options left unset keep EngineArgs' defaults, so the defaults live
-in one place. The server binds 127.0.0.1 unless --host says otherwise
+The engine's options are built from EngineArgs' fields (core/config.py: each
+user-facing field's ``Knob``): name, default, type and help come from the
+field, so each engine knob is written once. The frontend's own flags are
+written here. The server binds 127.0.0.1 unless --host says otherwise
 (vLLM binds every interface): exposing an unauthenticated model server to the
 network should be a decision, not a default.
 """
@@ -12,6 +14,9 @@ import argparse
 import json
 import os
 import re
+import types
+import typing
+from typing import Any
 
 import msgspec
 
@@ -28,88 +33,26 @@ from app.frontend_config import (
     ScaleOutConfig,
 )
 from core import envs
-from core.config import (
-    DEFAULT_JSON_MAX_WHITESPACE,
-    EngineArgs,
-    LoRAModule,
-    SpeculativeConfig,
-)
-from core.pooler_config import PoolerConfig, parse_override
+from core.config import EngineArgs, Knob, engine_knobs, parse_size, positive_int
 
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "kib": 2**10,
-    "m": 10**6, "mb": 10**6, "mib": 2**20,
-    "g": 10**9, "gb": 10**9, "gib": 2**30,
-}
-_DTYPE_ALIASES = {
-    "half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16",
-}
 # "org/name" as the Hugging Face hub spells a repository id.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
-UNBOUNDED_WHITESPACE = -1  # --structured-outputs-max-whitespace none
-
-# EngineArgs fields that map one to one onto an option of the same name.
-_ENGINE_FIELDS = (
-    "tokenizer", "dtype", "kv_cache_dtype", "device", "load_format", "quantization", "seed", "max_model_len",
-    "block_size", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
-    "enable_prefix_caching", "num_gpu_blocks_override", "kv_cache_memory",
-    "gpu_memory_utilization", "enforce_eager", "transport", "scheduling_policy", "enable_prompt_embeds",
-    "async_scheduling", "enable_sleep_mode", "logprobs_mode", "structured_outputs_backend", "engine_cpu",
-    "data_parallel_size", "engine_threads", "data_parallel_size_local", "speculative_config",
-    "runner", "convert", "override_pooler_config", "enable_lora", "lora_modules", "max_loras", "max_lora_rank",
-    "max_cpu_loras",
+# The --help sections in order, (title, description): engine knobs name theirs (Knob.group),
+# the frontend's flags are added to them below.
+_SECTIONS = (
+    ("model", "what is served, and how it is loaded and prompted"),
+    ("pooling", "embeddings, scores and classification instead of generated text"),
+    ("structured outputs and tools", "response_format / structured_outputs, and tool calling on chat"),
+    ("scheduler", "how requests share the engine's steps"),
+    ("LoRA", "fine-tuned adapters served beside the base model"),
+    ("cache", "the paged KV cache"),
+    ("server", "HTTP, authentication and the chat page"),
+    ("observability and control", "metrics at /metrics, log lines, and the control routes"),
+    ("limits and shutdown", "what one request may cost, admission, and how the server stops"),
+    ("transport", "between the frontend and the EngineCore process"),
+    ("scale-out", "several EngineCore processes and API server processes"),
 )
-
-
-def parse_size(text: str) -> int:
-    """Bytes from '268435456', '256MiB', '1.5G' (decimal k/M/G, binary KiB/MiB/GiB)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 536870912, 512MiB, 2G)")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
-
-
-def _whitespace_bound(text: str) -> int:
-    """A whitespace bound: a count >= 1, or "none" (UNBOUNDED_WHITESPACE)."""
-    if text.lower() == "none":
-        return UNBOUNDED_WHITESPACE
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"not a count of characters (at least 1) or 'none': {text!r}")
-    return int(text)
-
-
-def _speculative_config(text: str) -> SpeculativeConfig:
-    try:
-        return msgspec.json.decode(text, type=SpeculativeConfig).resolved()
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(f"invalid speculative config {text!r}: {exc}") from None
-
-
-def _lora_module(text: str) -> LoRAModule:
-    """``name=path``, or vLLM's JSON form ``{"name": ..., "path": ..., "base_model_name": ...}``."""
-    if text.lstrip().startswith("{"):
-        try:
-            return msgspec.json.decode(text, type=LoRAModule)
-        except msgspec.MsgspecError as exc:
-            raise argparse.ArgumentTypeError(f"invalid LoRA module {text!r}: {exc}") from None
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"invalid LoRA module {text!r}: expected name=path or JSON")
-    return LoRAModule(name=name, path=path)
-
-
-def _pooler_config(text: str) -> PoolerConfig:
-    try:
-        return parse_override(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _dtype(text: str) -> str:
-    return _DTYPE_ALIASES.get(text, text)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -120,94 +63,17 @@ def make_parser() -> argparse.ArgumentParser:
             "Without --model it serves the embedded stories260K model, with a chat page at /."
         ),
     )
+    sections = {title: p.add_argument_group(title, description) for title, description in _SECTIONS}
+    for field, knob in engine_knobs():
+        _add_knob(sections[knob.group], field, knob)
 
-    model = p.add_argument_group("model", "what is served, and how it is loaded and prompted")
-    model.add_argument(
-        "--model", metavar="DIR|FILE.gguf",
-        help="local Hugging Face model directory (config.json, *.safetensors, tokenizer files), or a "
-        "GGUF file (or a directory holding one), served quantized as it is; nothing is downloaded "
-        "(default: the embedded stories260K)",
-    )
-    model.add_argument(
-        "--served-model-name", nargs="+", metavar="NAME",
-        help="model names clients use in requests: the first is the one /v1/models reports, the "
-        "others are accepted as aliases (default: --model, or stories260K and ringllm-default)",
-    )
-    model.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: --model)")
-    model.add_argument(
+    sections["model"].add_argument(
         "--chat-template", metavar="FILE_OR_TEXT",
         help="chat template for /v1/chat/completions: a file path or the Jinja text itself "
         "(default: the tokenizer's own)",
     )
-    model.add_argument(
-        "--dtype", type=_dtype, choices=["auto", "float32", "float16", "bfloat16"],
-        help="compute dtype (default auto: float32 on a CPU, the checkpoint's dtype on a GPU)",
-    )
-    model.add_argument(
-        "--kv-cache-dtype", choices=["auto", "float32", "float16"],
-        help="what the KV cache holds (default auto: float16 on a CPU under float32 compute, as "
-        "llama.cpp's default f16 cache; else the compute dtype); float32 keeps a CPU's cache exact",
-    )
-    model.add_argument(
-        "--device", choices=["auto", "cpu", "cuda"], help="where the model runs (default auto: a GPU if any)"
-    )
-    model.add_argument(
-        "--load-format", choices=["auto", "safetensors", "gguf", "dummy"],
-        help="weights from the checkpoint (auto: safetensors, or gguf for a GGUF file) or seeded random "
-        "ones of its shapes (dummy)",
-    )
-    model.add_argument(
-        "--runner", choices=["auto", "generate", "pooling"],
-        help="generate text, or pool (embeddings: /v1/embeddings; cross-encoders: /score, /rerank); "
-        "default auto: pooling for checkpoints without a language-model head (BERT, RoBERTa, XLM-R "
-        "encoders and their ...ForSequenceClassification, a headless LlamaModel), generate otherwise",
-    )
-    model.add_argument(
-        "--convert", choices=["auto", "none", "embed", "classify"],
-        help="serve a generative checkpoint as a pooling model: embed (last-token pooling unless the "
-        "directory's sentence-transformers modules or --override-pooler-config say otherwise)",
-    )
-    model.add_argument(
-        "--override-pooler-config", type=_pooler_config, metavar="JSON",
-        help='a pooling model\'s pooler, over what its sentence-transformers modules say: '
-        '{"pooling_type": "MEAN", "normalize": true} (LAST, MEAN, CLS or ALL)',
-    )
-    model.add_argument(
-        "--quantization", choices=["q8_0", "q4_0"],
-        help="quantize a Hugging Face checkpoint's layers and embedding at load, in llama.cpp's block "
-        "format (CPU; a GGUF file keeps its own formats)",
-    )
-    model.add_argument("--seed", type=int, help="seed of random sampling and of dummy weights (default 0)")
-    model.add_argument(
-        "--max-model-len", type=int,
-        help="context length: prompt plus completion tokens (default: the checkpoint's max_position_embeddings)",
-    )
-    model.add_argument("--enforce-eager", action="store_true", default=None, help="on a GPU, no CUDA graphs")
-    model.add_argument(
-        "--enable-prompt-embeds", action="store_true", default=None,
-        help="accept prompt_embeds (base64 torch.save tensors) in /v1/completions",
-    )
 
-    model.add_argument(
-        "--logprobs-mode", choices=["raw_logprobs", "processed_logprobs"],
-        help="what returned logprobs describe: the model's raw logits (default) or the distribution "
-        "sampled from, after penalties, temperature, min_p, top-k and top-p",
-    )
-
-    structured = p.add_argument_group(
-        "structured outputs and tools", "response_format / structured_outputs, and tool calling on chat"
-    )
-    structured.add_argument(
-        "--structured-outputs-backend", choices=["auto", "xgrammar"],
-        help="grammar backend for JSON schema, regex, choice and grammar constraints: xgrammar is the "
-        "only one implemented (auto picks it; default auto)",
-    )
-    structured.add_argument(
-        "--structured-outputs-max-whitespace", type=_whitespace_bound, metavar="N|none",
-        help="JSON schemas and json_object: the longest run of whitespace between two elements that "
-        "a request without structured_outputs.max_whitespace may write; none lifts the bound "
-        f"(default {DEFAULT_JSON_MAX_WHITESPACE})",
-    )
+    structured = sections["structured outputs and tools"]
     structured.add_argument(
         "--enable-auto-tool-choice", action="store_true",
         help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser',
@@ -218,75 +84,13 @@ def make_parser() -> argparse.ArgumentParser:
         "<tool_call>{...}</tool_call> blocks (Hermes, Qwen2.5, Qwen3 templates)",
     )
 
-    sched = p.add_argument_group("scheduler", "how requests share the engine's steps")
-    sched.add_argument("--max-num-seqs", type=int, help="most requests running at once (default 64)")
-    sched.add_argument(
-        "--max-num-batched-tokens", type=int, help="token budget of one engine step (default 2048)"
-    )
-    sched.add_argument(
-        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
-        help="split long prompts over several steps, beside other requests' decodes (default on)",
-    )
-    sched.add_argument(
-        "--scheduling-policy", choices=["fcfs", "priority"],
-        help="waiting-queue order and preemption victim: arrival (default) or the request's priority",
-    )
-    sched.add_argument(
-        "--async-scheduling", action="store_true", default=None,
-        help="schedule the next batch while the model runs the current one",
-    )
-    sched.add_argument(
-        "--speculative-config", type=_speculative_config, metavar="JSON",
-        help='speculative decoding, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_min": 2, "prompt_lookup_max": 5} proposes tokens that followed the same '
-        "n-gram earlier in the request and verifies them in one step; disable_by_batch_size pauses it "
-        "for batches that large (default: off)",
-    )
-
-    lora = p.add_argument_group("LoRA", "fine-tuned adapters served beside the base model")
-    lora.add_argument(
-        "--enable-lora", action="store_true", default=None,
-        help="serve LoRA adapters (PEFT directories): a request picks one by its model name",
-    )
-    lora.add_argument(
-        "--lora-modules", type=_lora_module, nargs="+", action="extend", metavar="NAME=PATH",
-        help='adapters served from start-up: name=path, or {"name": ..., "path": ..., "base_model_name": ...}',
-    )
-    lora.add_argument(
-        "--max-loras", type=_positive_int, metavar="N", help="most distinct adapters in one batch (default 1)"
-    )
-    lora.add_argument("--max-lora-rank", type=_positive_int, metavar="R", help="largest adapter rank accepted (default 16)")
-    lora.add_argument(
-        "--max-cpu-loras", type=_positive_int, metavar="N",
-        help="adapters kept loaded; more are read again from their directory when used (default: --max-loras)",
-    )
-    lora.add_argument(
+    sections["LoRA"].add_argument(
         "--allow-runtime-lora-updating", action="store_true",
         help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING); they are behind --api-key like every route",
     )
 
-    cache = p.add_argument_group("cache", "the paged KV cache")
-    cache.add_argument("--block-size", type=int, help="tokens per KV cache block (default 16)")
-    cache.add_argument(
-        "--num-gpu-blocks-override", type=int, help="number of KV cache blocks, whatever the memory"
-    )
-    cache.add_argument(
-        "--kv-cache-memory", type=parse_size, metavar="BYTES",
-        help="bytes for the KV cache, e.g. 512MiB (default on a CPU: 4 GiB, at most a quarter of the memory "
-        "available after the weights, at least 256 MiB and one max_model_len request, at most what max_num_seqs "
-        "full-length requests use; on a GPU: measured)",
-    )
-    cache.add_argument(
-        "--gpu-memory-utilization", type=float,
-        help="fraction of GPU memory the engine may use, KV cache included (default 0.9)",
-    )
-    cache.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-        help="reuse the KV cache of shared prompt prefixes (default on)",
-    )
-
-    server = p.add_argument_group("server", "HTTP, authentication and the chat page")
+    server = sections["server"]
     server.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
     server.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free port)"
@@ -310,14 +114,7 @@ def make_parser() -> argparse.ArgumentParser:
         help="logging threshold (default info)",
     )
 
-    observe = p.add_argument_group(
-        "observability and control", "metrics at /metrics, log lines, and the control routes"
-    )
-    observe.add_argument(
-        "--disable-log-stats", action="store_true",
-        help="collect no engine statistics: no periodic stats line, and no vllm: series at /metrics "
-        "(the ringllm: transport counters remain)",
-    )
+    observe = sections["observability and control"]
     observe.add_argument(
         "--enable-log-requests", action="store_true",
         help="log a line when each request arrives and when it ends (ids, token counts, sampling "
@@ -328,17 +125,11 @@ def make_parser() -> argparse.ArgumentParser:
         help="with --enable-log-requests, also log this many characters of each prompt (default 0: none)",
     )
     observe.add_argument(
-        "--enable-sleep-mode", action="store_true", default=None,
-        help="serve POST /sleep, POST /wake_up and GET /is_sleeping (free the KV cache and weights while idle)",
-    )
-    observe.add_argument(
         "--enable-dev-endpoints", action="store_true",
         help="serve POST /collective_rpc (whitelisted executor methods, e.g. reload_weights)",
     )
 
-    limits = p.add_argument_group(
-        "limits and shutdown", "what one request may cost, admission, and how the server stops"
-    )
+    limits = sections["limits and shutdown"]
     limits.add_argument(
         "--max-num-waiting", type=_non_negative_int, metavar="N",
         help="at most N requests queued beyond the --max-num-seqs running ones (counted by this "
@@ -375,28 +166,7 @@ def make_parser() -> argparse.ArgumentParser:
         help="when the EngineCore dies, stay up answering 503 instead of exiting with status 1",
     )
 
-    transport = p.add_argument_group("transport", "between the frontend and the EngineCore process")
-    transport.add_argument(
-        "--transport", choices=["shm", "zmq"],
-        help="shared-memory rings (default shm) or vLLM's ZeroMQ sockets (the baseline)",
-    )
-    transport.add_argument(
-        "--engine-cpu", metavar="{auto,off,N}", type=_engine_cpu,
-        help="the core the EngineCore's Python threads share (its busy loop and I/O threads hand the GIL "
-        "to each other every step, cheaply on one core): auto (default, the last core allowed), off "
-        "(the kernel places them), or a core number; the math libraries' thread pools keep every core",
-    )
-
-    parallel = p.add_argument_group("scale-out", "several EngineCore processes and API server processes")
-    parallel.add_argument(
-        "--data-parallel-size", "-dp", type=_positive_int, metavar="N",
-        help="EngineCore processes on this host, each with its own KV cache (the memory budget split "
-        "between them); requests go to the least loaded one (default 1)",
-    )
-    parallel.add_argument(
-        "--engine-threads", type=_positive_int, metavar="N",
-        help="math-library threads per EngineCore (default: the cores split between the engines)",
-    )
+    parallel = sections["scale-out"]
     parallel.add_argument(
         "--restart-dead-engines", action="store_true",
         help="with -dp, start a dead engine again (its requests fail; the others serve meanwhile)",
@@ -407,7 +177,7 @@ def make_parser() -> argparse.ArgumentParser:
         "likely still caches it), unless that engine is much busier than the least loaded one",
     )
     parallel.add_argument(
-        "--api-server-count", type=_positive_int, default=1, metavar="M",
+        "--api-server-count", type=positive_int, default=1, metavar="M",
         help="API server processes sharing the port, each talking to every engine (default 1)",
     )
     parallel.add_argument(
@@ -415,11 +185,6 @@ def make_parser() -> argparse.ArgumentParser:
         help="how engines start: mp (processes on this host, default) or ray (actors placed by Ray on "
         "the cluster at RAY_ADDRESS, one placement-group bundle each; engines on other nodes are "
         "reached over ZeroMQ/TCP); needs pip install 'ringllm[ray]'",
-    )
-    parallel.add_argument(
-        "--data-parallel-size-local", "-dpl", type=_positive_int, metavar="N",
-        help="engines on this host (default: all of them); the head waits for the others to "
-        "register from --headless hosts",
     )
     parallel.add_argument(
         "--data-parallel-start-rank", "-dpr", type=_non_negative_int, default=0, metavar="R",
@@ -446,6 +211,58 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_knob(section: argparse._ArgumentGroup, field: msgspec.structs.FieldInfo, knob: Knob) -> None:
+    """The option of one engine knob: ``--kebab-case`` of the field (or the knob's own flag,
+    then its aliases), the field's default, shown in ``--help`` unless it is None (the help
+    says what happens then), off or empty."""
+    if field.required:
+        default = None
+    else:
+        default = field.default_factory() if field.default is msgspec.NODEFAULT else field.default
+    flags = (knob.flag or "--" + field.name.replace("_", "-"), *knob.aliases)
+    value_type = _value_type(field)
+    options: dict[str, Any]
+    if value_type is bool:
+        if knob.flag is not None:  # a switch spelled as the opposite of its default: --disable-log-stats
+            options = {"action": "store_false" if default else "store_true"}
+        else:  # on by default: --x and --no-x; off: --x turns it on
+            options = {"action": argparse.BooleanOptionalAction if default else "store_true"}
+    else:
+        options = {
+            "type": knob.parse or _plain_parse(field.name, value_type),
+            "choices": knob.choices,
+            "metavar": knob.metavar,
+            "nargs": knob.nargs,
+        }
+        if typing.get_origin(value_type) is list:
+            options["action"] = "extend"  # repeated flags gather their values
+    action = section.add_argument(*flags, dest=field.name, default=default, help=knob.help, **options)
+    shown = isinstance(action, argparse.BooleanOptionalAction) or (
+        default is not None and not isinstance(default, (bool, list))
+    )
+    if shown and "%(default)" not in action.help:  # argparse's BooleanOptionalAction adds it itself before 3.13
+        action.help += " (default: %(default)s)"
+
+
+def _value_type(field: msgspec.structs.FieldInfo) -> Any:
+    """The field's type less its Knob and its None (``Annotated[int | None, Knob]``: int)."""
+    value_type = typing.get_args(field.type)[0]
+    if typing.get_origin(value_type) in (typing.Union, types.UnionType):
+        given = [t for t in typing.get_args(value_type) if t is not type(None)]
+        if len(given) == 1:
+            return given[0]
+    return value_type
+
+
+def _plain_parse(name: str, value_type: Any) -> type | None:
+    """argparse's ``type`` for a knob without a parse function: str stays text."""
+    if value_type in (int, float):
+        return value_type
+    if value_type is str:
+        return None
+    raise TypeError(f"EngineArgs.{name}: a {value_type} knob needs a parse function in its Knob")
+
+
 def _json_list_of_dicts(text: str) -> list[dict[str, float]]:
     try:
         value = json.loads(text)
@@ -458,24 +275,11 @@ def _json_list_of_dicts(text: str) -> list[dict[str, float]]:
     return value
 
 
-def _positive_int(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
-    return number
-
-
 def _non_negative_int(value: str) -> int:
     number = int(value)
     if number < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {number}")
     return number
-
-
-def _engine_cpu(value: str) -> str:
-    if value in ("auto", "off") or value.isdigit():
-        return value
-    raise argparse.ArgumentTypeError(f"expected auto, off or a core number, got {value!r}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -522,18 +326,13 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
 
 def build_engine_args(args: argparse.Namespace) -> EngineArgs:
     """EngineArgs from the parsed options (no --model: the embedded stories260K)."""
-    given = {name: getattr(args, name) for name in _ENGINE_FIELDS if getattr(args, name, None) is not None}
-    if getattr(args, "disable_log_stats", False):
-        given["log_stats"] = False
-    if getattr(args, "structured_outputs_max_whitespace", None) is not None:
-        bound = args.structured_outputs_max_whitespace
-        given["structured_outputs_max_whitespace"] = None if bound == UNBOUNDED_WHITESPACE else bound
+    given = {field.name: getattr(args, field.name) for field, _ in engine_knobs() if hasattr(args, field.name)}
     model = args.model
     if model is None:
         from core.models.default_model import default_model_dir
 
         model = default_model_dir()
-    return EngineArgs(model=model, served_model_name=served_model_names(args)[0], **given)
+    return EngineArgs(**{**given, "model": model, "served_model_name": served_model_names(args)[0]})
 
 
 def load_chat_template(value: str | None) -> str | None:

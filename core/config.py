@@ -2,25 +2,34 @@
 
 ``EngineArgs`` holds the settings as given (the command line builds it in
 app/cli.py; tests and the offline ``LLM`` build it directly); fields left at
-``None`` depend on the checkpoint. ``EngineArgs.resolve()`` reads the
-checkpoint's architecture (core/model_config.py), fills those fields in,
-checks the limits fit together, and returns an ``EngineConfig``: the same
-settings, frozen, with nothing left open. Everything below the entry points
-takes an EngineConfig and never resolves again. Both are msgspec Structs, so
-they cross to the engine process typed.
+``None`` depend on the checkpoint. Each user-facing field carries its one
+description, a ``Knob`` (help text, --help section, what the command line
+needs to parse it); app/cli.py builds the ``--kebab-case`` options from the
+fields, defaults included, so a knob is written once. ``EngineArgs.resolve()``
+reads the checkpoint's architecture (core/model_config.py), fills those
+fields in, checks the limits fit together, concern by concern, and returns an
+``EngineConfig``: the same settings, frozen, with nothing left open.
+Everything below the entry points takes an EngineConfig and never resolves
+again. Both are msgspec Structs, so they cross to the engine process typed.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, NamedTuple
 
 import msgspec
 
 from core.lora.adapter_spec import read_adapter_spec
 from core.model_config import ModelConfig
 from core.models.gguf_checkpoint import GGUFCheckpoint, gguf_file
-from core.pooler_config import PoolerConfig
+from core.pooler_config import PoolerConfig, parse_override
 from core.protocol import LoRARequest
 
 # The CPU KV cache by default: vLLM's CPU default (4 GiB) where the machine has room for it, else a
@@ -31,6 +40,13 @@ CPU_KV_CACHE_MIN_MEMORY = 256 << 20
 # says otherwise: room for a newline and indentation, not for a model that never stops
 # writing newlines (bench/README.md has the measurements behind it).
 DEFAULT_JSON_MAX_WHITESPACE = 2
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+# Other spellings --dtype accepts (vLLM's and PyTorch's).
+DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
+DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+TRANSPORTS = ("shm", "zmq")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 QUANTIZATIONS = ("q8_0", "q4_0")
 KV_CACHE_DTYPES = ("auto", "float32", "float16")
@@ -42,6 +58,106 @@ CONVERTS = ("auto", "none", "embed", "classify")
 DEFAULT_PROMPT_LOOKUP_MAX = 5
 DEFAULT_PROMPT_LOOKUP_MIN = 2
 MAX_SPECULATIVE_TOKENS = 16
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "kib": 2**10,
+    "m": 10**6, "mb": 10**6, "mib": 2**20,
+    "g": 10**9, "gb": 10**9, "gib": 2**30,
+}
+
+
+@dataclass(frozen=True)
+class Knob:
+    """A user-facing EngineArgs field's one description, read by app/cli.py to build its
+    option: ``--kebab-case`` of the field's name, the field's default (shown in ``--help``),
+    ``type`` from the field's type unless ``parse`` is given. A bool is a switch: ``--x`` /
+    ``--no-x`` when on by default, ``--x`` alone when off. Fields without a Knob are set by
+    the program, not by users."""
+
+    help: str
+    group: str  # the --help section (its concern); app/cli.py names and describes the sections
+    choices: tuple[str, ...] | None = None
+    parse: Callable[[str], Any] | None = None  # text -> value; argparse.ArgumentTypeError says why not
+    aliases: tuple[str, ...] = ()  # short spellings, e.g. -dp
+    metavar: str | None = None
+    nargs: str | None = None  # "+": one or more values (a list field gathers repeated flags)
+    flag: str | None = None  # a switch that turns a default-on knob off, spelled otherwise (--disable-log-stats)
+
+
+def engine_knobs() -> list[tuple[msgspec.structs.FieldInfo, Knob]]:
+    """EngineArgs' user-facing fields, in order, each with its Knob."""
+    return [(field, knob) for field in msgspec.structs.fields(EngineArgs) if (knob := _knob(field.type)) is not None]
+
+
+def _knob(field_type: Any) -> Knob | None:
+    if typing.get_origin(field_type) is not Annotated:
+        return None
+    return next((meta for meta in field_type.__metadata__ if isinstance(meta, Knob)), None)
+
+
+# What the command line's text becomes, for the knobs that are not a plain str, int or float.
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '268435456', '256MiB', '1.5G' (decimal k/M/G, binary KiB/MiB/GiB)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 536870912, 512MiB, 2G)")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def positive_int(text: str) -> int:
+    number = int(text)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def _parse_dtype(text: str) -> str:
+    return DTYPE_ALIASES.get(text, text)
+
+
+def _parse_whitespace_bound(text: str) -> int | None:
+    """A whitespace bound: a count >= 1, or "none" (None: unbounded)."""
+    if text.lower() == "none":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"not a count of characters (at least 1) or 'none': {text!r}")
+    return int(text)
+
+
+def _parse_engine_cpu(text: str) -> str:
+    if text in ("auto", "off") or text.isdigit():
+        return text
+    raise argparse.ArgumentTypeError(f"expected auto, off or a core number, got {text!r}")
+
+
+def _parse_speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return msgspec.json.decode(text, type=SpeculativeConfig).resolved()
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"invalid speculative config {text!r}: {exc}") from None
+
+
+def _parse_lora_module(text: str) -> LoRAModule:
+    """``name=path``, or vLLM's JSON form ``{"name": ..., "path": ..., "base_model_name": ...}``."""
+    if text.lstrip().startswith("{"):
+        try:
+            return msgspec.json.decode(text, type=LoRAModule)
+        except msgspec.MsgspecError as exc:
+            raise argparse.ArgumentTypeError(f"invalid LoRA module {text!r}: {exc}") from None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"invalid LoRA module {text!r}: expected name=path or JSON")
+    return LoRAModule(name=name, path=path)
+
+
+def _parse_pooler_config(text: str) -> PoolerConfig:
+    try:
+        return parse_override(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -101,76 +217,185 @@ class LoRAModule(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
 
 class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
     """Everything the EngineCore needs to build its model, KV cache and scheduler,
-    as asked for. ``model`` is a local Hugging Face directory."""
+    as asked for. ``model`` is a local Hugging Face directory. The fields are grouped
+    by concern, as ``--help`` shows them."""
 
-    model: str
-    served_model_name: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
-    # What the KV cache holds: auto (float16 under float32 compute on a CPU, as llama.cpp's
-    # default; else the compute dtype) | float32 | float16 (CPU: half the memory and the
-    # bytes attention reads, keys and values rounded as llama.cpp's are).
-    kv_cache_dtype: str = "auto"
-    device: str = "auto"  # auto | cpu | cuda
-    load_format: str = "auto"  # auto | safetensors | gguf | dummy (a GGUF file is read as gguf)
-    # Quantize a Hugging Face checkpoint's dense layers and embedding at load (GGUF block formats).
-    quantization: str | None = None  # q8_0 | q4_0
-    seed: int = 0
-    max_model_len: int | None = None
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    num_gpu_blocks_override: int | None = None
-    kv_cache_memory: int | None = None  # bytes for the KV cache (default: CPU default_cpu_kv_budget, GPU profiled)
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    transport: str = "shm"  # shm | zmq
-    enable_prompt_embeds: bool = False  # accept prompts given as embeddings
-    scheduling_policy: str = "fcfs"  # fcfs | priority
-    # Schedule step N+1 while step N runs on the executor's worker thread.
-    async_scheduling: bool = False
-    engine_drain_timeout: float = 5.0  # seconds the engine drains on SIGTERM
-    # Attach scheduler and engine stats to outputs (the frontend's metrics);
-    # off with --disable-log-stats, as in vLLM.
-    log_stats: bool = True
-    # Allow the sleep/wake_up utilities (--enable-sleep-mode).
-    enable_sleep_mode: bool = False
-    # What logprobs describe: the model's raw logits (vLLM's default) or the
-    # distribution actually sampled from (after penalties, temperature, cuts).
-    logprobs_mode: str = "raw_logprobs"  # raw_logprobs | processed_logprobs
-    # Grammar backend for structured outputs: "auto" and "xgrammar" are the same (the only one).
-    structured_outputs_backend: str = "auto"
-    # JSON grammars: the longest whitespace run between elements when a request does
-    # not set one (None: unbounded, as vLLM has it).
-    structured_outputs_max_whitespace: int | None = DEFAULT_JSON_MAX_WHITESPACE
-    # The core of the engine process's Python threads (core/affinity.py): auto | off | a core number.
-    engine_cpu: str = "auto"
-    # Data parallel: this many EngineCore processes share the host's cores and
-    # memory budget (the KV cache budget is split between them); this engine's
-    # index among them. engine_threads: the math libraries' threads per engine
-    # (default: the cores split between the engines).
-    data_parallel_size: int = 1
+    # model
+    model: Annotated[str, Knob(
+        "local Hugging Face model directory (config.json, *.safetensors, tokenizer files), or a GGUF file "
+        "(or a directory holding one), served quantized as it is; nothing is downloaded "
+        "(default: the embedded stories260K)",
+        "model", metavar="DIR|FILE.gguf",
+    )]
+    served_model_name: Annotated[str | None, Knob(
+        "model names clients use in requests: the first is the one /v1/models reports, the others are "
+        "accepted as aliases (default: --model, or stories260K and ringllm-default)",
+        "model", nargs="+", metavar="NAME",
+    )] = None
+    tokenizer: Annotated[str | None, Knob("tokenizer directory (default: --model)", "model", metavar="DIR")] = None
+    dtype: Annotated[str, Knob(
+        "compute dtype; auto: float32 on a CPU, the checkpoint's dtype on a GPU", "model",
+        choices=DTYPES, parse=_parse_dtype,
+    )] = "auto"
+    device: Annotated[str, Knob("where the model runs; auto: a GPU if any", "model", choices=DEVICES)] = "auto"
+    load_format: Annotated[str, Knob(
+        "weights from the checkpoint (auto: safetensors, or gguf for a GGUF file) or seeded random ones of "
+        "its shapes: dummy",
+        "model", choices=LOAD_FORMATS,
+    )] = "auto"
+    quantization: Annotated[str | None, Knob(
+        "quantize a Hugging Face checkpoint's layers and embedding at load, in llama.cpp's block format "
+        "(CPU; a GGUF file keeps its own formats)",
+        "model", choices=QUANTIZATIONS,
+    )] = None
+    seed: Annotated[int, Knob("seed of random sampling and of dummy weights", "model")] = 0
+    max_model_len: Annotated[int | None, Knob(
+        "context length: prompt plus completion tokens (default: the checkpoint's max_position_embeddings)",
+        "model",
+    )] = None
+    enforce_eager: Annotated[bool, Knob("on a GPU, no CUDA graphs", "model")] = False
+    enable_prompt_embeds: Annotated[bool, Knob(
+        "accept prompt_embeds (base64 torch.save tensors) in /v1/completions", "model"
+    )] = False
+    logprobs_mode: Annotated[str, Knob(
+        "what returned logprobs describe: the model's raw logits (vLLM's default) or the distribution "
+        "sampled from, after penalties, temperature, min_p, top-k and top-p",
+        "model", choices=LOGPROBS_MODES,
+    )] = "raw_logprobs"
+
+    # pooling
+    runner: Annotated[str, Knob(
+        "generate text, or pool (embeddings: /v1/embeddings; cross-encoders: /score, /rerank); auto: "
+        "pooling for checkpoints without a language-model head (BERT, RoBERTa, XLM-R encoders and their "
+        "...ForSequenceClassification, a headless LlamaModel), generate otherwise",
+        "pooling", choices=RUNNERS,
+    )] = "auto"
+    convert: Annotated[str, Knob(
+        "serve a generative checkpoint as a pooling model: embed (last-token pooling unless the "
+        "directory's sentence-transformers modules or --override-pooler-config say otherwise)",
+        "pooling", choices=CONVERTS,
+    )] = "auto"
+    override_pooler_config: Annotated[PoolerConfig | None, Knob(
+        "a pooling model's pooler, over what its sentence-transformers modules say: "
+        '{"pooling_type": "MEAN", "normalize": true} (LAST, MEAN, CLS or ALL)',
+        "pooling", parse=_parse_pooler_config, metavar="JSON",
+    )] = None
+
+    # structured outputs and tools
+    structured_outputs_backend: Annotated[str, Knob(
+        "grammar backend for JSON schema, regex, choice and grammar constraints: xgrammar, the only one "
+        "implemented, which auto picks",
+        "structured outputs and tools", choices=STRUCTURED_OUTPUTS_BACKENDS,
+    )] = "auto"
+    structured_outputs_max_whitespace: Annotated[int | None, Knob(
+        "JSON schemas and json_object: the longest run of whitespace between two elements that a request "
+        "without structured_outputs.max_whitespace may write; none lifts the bound, as vLLM has it",
+        "structured outputs and tools", parse=_parse_whitespace_bound, metavar="N|none",
+    )] = DEFAULT_JSON_MAX_WHITESPACE
+
+    # scheduler
+    max_num_seqs: Annotated[int, Knob("most requests running at once", "scheduler")] = 64
+    max_num_batched_tokens: Annotated[int, Knob("token budget of one engine step", "scheduler")] = 2048
+    enable_chunked_prefill: Annotated[bool, Knob(
+        "split long prompts over several steps, beside other requests' decodes", "scheduler"
+    )] = True
+    scheduling_policy: Annotated[str, Knob(
+        "waiting-queue order and preemption victim: arrival (fcfs) or the request's priority",
+        "scheduler", choices=SCHEDULING_POLICIES,
+    )] = "fcfs"
+    async_scheduling: Annotated[bool, Knob(
+        "schedule the next batch while the model runs the current one (on the executor's worker thread)",
+        "scheduler",
+    )] = False
+    speculative_config: Annotated[SpeculativeConfig | None, Knob(
+        'speculative decoding, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5} proposes tokens that followed the same n-gram '
+        "earlier in the request and verifies them in one step; disable_by_batch_size pauses it for batches "
+        "that large (default: off)",
+        "scheduler", parse=_parse_speculative_config, metavar="JSON",
+    )] = None
+
+    # cache
+    block_size: Annotated[int, Knob("tokens per KV cache block", "cache")] = 16
+    kv_cache_dtype: Annotated[str, Knob(
+        "what the KV cache holds; auto: float16 on a CPU under float32 compute (llama.cpp's default f16 "
+        "cache: half the memory and the bytes attention reads), else the compute dtype; float32 keeps a "
+        "CPU's cache exact",
+        "cache", choices=KV_CACHE_DTYPES,
+    )] = "auto"
+    num_gpu_blocks_override: Annotated[int | None, Knob(
+        "number of KV cache blocks, whatever the memory", "cache"
+    )] = None
+    kv_cache_memory: Annotated[int | None, Knob(
+        f"bytes for the KV cache, e.g. 512MiB (default on a CPU: {CPU_KV_CACHE_MEMORY >> 30} GiB, at most a "
+        "quarter of the memory available after the weights, at least "
+        f"{CPU_KV_CACHE_MIN_MEMORY >> 20} MiB and one max_model_len request, at most what max_num_seqs "
+        "full-length requests use; on a GPU: measured)",
+        "cache", parse=parse_size, metavar="BYTES",
+    )] = None
+    gpu_memory_utilization: Annotated[float, Knob(
+        "fraction of GPU memory the engine may use, KV cache included", "cache"
+    )] = 0.9
+    enable_prefix_caching: Annotated[bool, Knob("reuse the KV cache of shared prompt prefixes", "cache")] = True
+
+    # LoRA
+    enable_lora: Annotated[bool, Knob(
+        "serve LoRA adapters (PEFT directories): a request picks one by its model name", "LoRA"
+    )] = False
+    lora_modules: Annotated[list[LoRAModule], Knob(
+        'adapters served from start-up: name=path, or {"name": ..., "path": ..., "base_model_name": ...}',
+        "LoRA", parse=_parse_lora_module, nargs="+", metavar="NAME=PATH",
+    )] = []
+    max_loras: Annotated[int, Knob(
+        "most distinct adapters in one batch", "LoRA", parse=positive_int, metavar="N"
+    )] = 1
+    max_lora_rank: Annotated[int, Knob("largest adapter rank accepted", "LoRA", parse=positive_int, metavar="R")] = 16
+    max_cpu_loras: Annotated[int | None, Knob(
+        "adapters kept loaded; more are read again from their directory when used (default: --max-loras)",
+        "LoRA", parse=positive_int, metavar="N",
+    )] = None
+
+    # transport
+    transport: Annotated[str, Knob(
+        "shm: shared-memory rings; zmq: vLLM's ZeroMQ sockets, the baseline", "transport", choices=TRANSPORTS
+    )] = "shm"
+    engine_cpu: Annotated[str, Knob(
+        "the core the EngineCore's Python threads share (its busy loop and I/O threads "
+        "hand the GIL to each other every step, cheaply on one core): auto (the last core allowed), off "
+        "(the kernel places them), or a core number; the math libraries' thread pools keep every core",
+        "transport", parse=_parse_engine_cpu, metavar="{auto,off,N}",
+    )] = "auto"
+    # Seconds the engine drains on SIGTERM (no flag sets it).
+    engine_drain_timeout: float = 5.0
+
+    # scale-out
+    data_parallel_size: Annotated[int, Knob(
+        "EngineCore processes on this host, each with its own KV cache (the memory budget split between "
+        "them); requests go to the least loaded one",
+        "scale-out", parse=positive_int, aliases=("-dp",), metavar="N",
+    )] = 1
+    # This engine's index among them: set per engine process (core/dp_client.py), not a flag.
     data_parallel_rank: int = 0
-    engine_threads: int | None = None
-    # Engines on this engine's host (default: all of them): what the host's cores and
-    # memory budget are split between.
-    data_parallel_size_local: int | None = None
-    # Speculative decoding (--speculative-config); None: off.
-    speculative_config: SpeculativeConfig | None = None
-    # vLLM's --runner (auto: pooling for checkpoints without a language-model head) and
-    # --convert (serve a generative checkpoint as a pooling model), --override-pooler-config.
-    runner: str = "auto"
-    convert: str = "auto"
-    override_pooler_config: PoolerConfig | None = None
-    # Multi-LoRA (--enable-lora): adapters served from start-up, the most distinct adapters in
-    # one step, the largest rank accepted, and how many stay loaded (default: max_loras).
-    enable_lora: bool = False
-    lora_modules: list[LoRAModule] = []
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
+    engine_threads: Annotated[int | None, Knob(
+        "math-library threads per EngineCore (default: the cores split between the engines)",
+        "scale-out", parse=positive_int, metavar="N",
+    )] = None
+    data_parallel_size_local: Annotated[int | None, Knob(
+        "engines on this host, what its cores and memory budget are split between (default: all of "
+        "them); the head waits for the others to register from --headless hosts",
+        "scale-out", parse=positive_int, aliases=("-dpl",), metavar="N",
+    )] = None
+
+    # observability and control
+    log_stats: Annotated[bool, Knob(
+        "collect no engine statistics: no periodic stats line, and no vllm: series at /metrics "
+        "(the ringllm: transport counters remain)",
+        "observability and control", flag="--disable-log-stats",
+    )] = True
+    enable_sleep_mode: Annotated[bool, Knob(
+        "serve POST /sleep, POST /wake_up and GET /is_sleeping (free the KV cache and weights while idle)",
+        "observability and control",
+    )] = False
 
     @property
     def engines_on_this_host(self) -> int:
@@ -182,30 +407,68 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
 
         A GGUF file (``model`` names it, or a directory holding one) is checked whole
         first; its config and tokenizer are read from its metadata (core/models/gguf_checkpoint.py)."""
-        model, tokenizer, load_format = self.model, self.tokenizer, self.load_format
+        self._check_cache()
+        checkpoint = self._read_checkpoint()
+        model_config = checkpoint.model_config
+        max_model_len = self._check_context(model_config)
+        self._check_scheduler(model_config, max_model_len)
+        self._check_outputs()
+        self._check_parallel()
+        speculative, draft_model_config = self._check_speculative(model_config, checkpoint.tokenizer)
+        pooler_config = self._pooler_config(model_config, None if checkpoint.gguf else checkpoint.model)
+        chunked, prefix_caching, batched_tokens = self._pooling_limits(
+            pooler_config, model_config, speculative, max_model_len
+        )
+        self._check_lora(model_config, pooler_config)
+        return EngineConfig(
+            **{
+                **msgspec.structs.asdict(self),
+                "max_cpu_loras": self.max_cpu_loras or self.max_loras,
+                "model": checkpoint.model,
+                "load_format": checkpoint.load_format,
+                "max_model_len": max_model_len,
+                "enable_chunked_prefill": chunked,
+                "enable_prefix_caching": prefix_caching,
+                "max_num_batched_tokens": batched_tokens,
+                "pooler_config": pooler_config,
+                "served_model_name": self.served_model_name or self.model,
+                "tokenizer": checkpoint.tokenizer,
+                "speculative_config": speculative,
+            },
+            model_config=model_config,
+            draft_model_config=draft_model_config,
+        )
+
+    def _check_cache(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+
+    def _read_checkpoint(self) -> _Checkpoint:
+        """The checkpoint's architecture, and where its weights and tokenizer are read from."""
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        path = gguf_file(model)
-        if path is not None:
-            if self.quantization is not None:
-                raise ValueError("--quantization is for Hugging Face checkpoints: a GGUF file is quantized already")
-            if load_format not in ("auto", "gguf", "dummy"):
-                raise ValueError(f"--load-format {load_format} cannot read a GGUF file")
-            checkpoint = GGUFCheckpoint(path)
-            try:
-                metadata = str(checkpoint.metadata_dir())
-                model_config = ModelConfig.from_dir(metadata)
-                checkpoint.check_names(model_config)
-            finally:
-                checkpoint.close()
-            model, tokenizer = path, tokenizer or metadata
-            load_format = "gguf" if load_format == "auto" else load_format
-        elif load_format == "gguf":
-            raise ValueError(f"--load-format gguf: {model} is not a GGUF file")
-        else:
-            model_config = ModelConfig.from_dir(model)
+        path = gguf_file(self.model)
+        if path is None:
+            if self.load_format == "gguf":
+                raise ValueError(f"--load-format gguf: {self.model} is not a GGUF file")
+            model_config = ModelConfig.from_dir(self.model)
+            return _Checkpoint(self.model, self.tokenizer or self.model, self.load_format, model_config, gguf=False)
+        if self.quantization is not None:
+            raise ValueError("--quantization is for Hugging Face checkpoints: a GGUF file is quantized already")
+        if self.load_format not in ("auto", "gguf", "dummy"):
+            raise ValueError(f"--load-format {self.load_format} cannot read a GGUF file")
+        checkpoint = GGUFCheckpoint(path)
+        try:
+            metadata = str(checkpoint.metadata_dir())
+            model_config = ModelConfig.from_dir(metadata)
+            checkpoint.check_names(model_config)
+        finally:
+            checkpoint.close()
+        load_format = "gguf" if self.load_format == "auto" else self.load_format
+        return _Checkpoint(path, self.tokenizer or metadata, load_format, model_config, gguf=True)
+
+    def _check_context(self, model_config: ModelConfig) -> int:
+        """The context length: max_model_len, or the checkpoint's."""
         max_model_len = self.max_model_len or model_config.max_position_embeddings
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
@@ -215,6 +478,9 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
                 f"this checkpoint uses sliding-window attention (window {window}), which is not "
                 f"supported; serve it with max_model_len <= {window}"
             )
+        return max_model_len
+
+    def _check_scheduler(self, model_config: ModelConfig, max_model_len: int) -> None:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len \
                 and not model_config.encoder:
             raise ValueError(
@@ -222,6 +488,11 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
             )
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+
+    def _check_outputs(self) -> None:
+        """Logprobs and structured outputs."""
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
@@ -233,64 +504,61 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(
                 f"structured_outputs_max_whitespace must be >= 1, got {self.structured_outputs_max_whitespace}"
             )
+
+    def _check_parallel(self) -> None:
         if self.data_parallel_size < 1 or not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(
                 f"data_parallel_rank {self.data_parallel_rank} is not in 0..{self.data_parallel_size - 1}"
             )
         if self.engine_threads is not None and self.engine_threads < 1:
             raise ValueError(f"engine_threads must be >= 1, got {self.engine_threads}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        speculative, draft_model_config = self.speculative_config, None
-        if speculative is not None:
-            speculative = speculative.resolved()
-            if self.async_scheduling:
-                # The proposer reads the tokens a step sampled before the next step is
-                # scheduled; a batch scheduled ahead of them would carry no drafts.
-                raise ValueError("--speculative-config does not work with --async-scheduling yet: choose one")
-            if speculative.num_speculative_tokens + 1 > self.max_num_batched_tokens:
-                raise ValueError("max_num_batched_tokens must leave room for one request's drafts and its token")
-            if speculative.method == "draft_model":
-                draft_model_config = _draft_model_config(speculative.model, tokenizer or model, model_config)
-        pooler_config = self._pooler_config(model_config, model if path is None else None)
+
+    def _check_speculative(
+        self, model_config: ModelConfig, tokenizer: str
+    ) -> tuple[SpeculativeConfig | None, ModelConfig | None]:
+        """The resolved speculative config, and the draft checkpoint's architecture (draft_model)."""
+        speculative = self.speculative_config
+        if speculative is None:
+            return None, None
+        speculative = speculative.resolved()
+        if self.async_scheduling:
+            # The proposer reads the tokens a step sampled before the next step is
+            # scheduled; a batch scheduled ahead of them would carry no drafts.
+            raise ValueError("--speculative-config does not work with --async-scheduling yet: choose one")
+        if speculative.num_speculative_tokens + 1 > self.max_num_batched_tokens:
+            raise ValueError("max_num_batched_tokens must leave room for one request's drafts and its token")
+        if speculative.method != "draft_model":
+            return speculative, None
+        return speculative, _draft_model_config(speculative.model, tokenizer, model_config)
+
+    def _pooling_limits(
+        self,
+        pooler_config: PoolerConfig | None,
+        model_config: ModelConfig,
+        speculative: SpeculativeConfig | None,
+        max_model_len: int,
+    ) -> tuple[bool, bool, int]:
+        """Chunked prefill, prefix caching and the step's token budget, as a pooling model can have them."""
         chunked, prefix_caching, batched_tokens = (
             self.enable_chunked_prefill, self.enable_prefix_caching, self.max_num_batched_tokens
         )
-        if pooler_config is not None:
-            if speculative is not None:
-                raise ValueError("--speculative-config is for generation; a pooling model samples no tokens")
-            if model_config.encoder:
-                if self.quantization is not None:
-                    raise ValueError("--quantization serves decoder models; this checkpoint is an encoder")
-                if max_model_len > model_config.max_position_embeddings:
-                    raise ValueError(
-                        f"max_model_len {max_model_len} exceeds the encoder's "
-                        f"{model_config.max_position_embeddings} absolute positions"
-                    )
-                # Bidirectional attention sees the whole prompt at once: no chunks, no cached prefix.
-                chunked, prefix_caching, batched_tokens = False, False, max(batched_tokens, max_model_len)
-            elif pooler_config.pooling_type != "LAST":
-                prefix_caching = False  # the pooled states of a cached prefix are not kept
-        self._check_lora(model_config, pooler_config)
-        return EngineConfig(
-            **{
-                **msgspec.structs.asdict(self),
-                "max_cpu_loras": self.max_cpu_loras or self.max_loras,
-                "model": model,
-                "load_format": load_format,
-                "max_model_len": max_model_len,
-                "enable_chunked_prefill": chunked,
-                "enable_prefix_caching": prefix_caching,
-                "max_num_batched_tokens": batched_tokens,
-                "pooler_config": pooler_config,
-                "served_model_name": self.served_model_name or self.model,
-                "tokenizer": tokenizer or model,
-                "speculative_config": speculative,
-            },
-            model_config=model_config,
-            draft_model_config=draft_model_config,
-        )
-
+        if pooler_config is None:
+            return chunked, prefix_caching, batched_tokens
+        if speculative is not None:
+            raise ValueError("--speculative-config is for generation; a pooling model samples no tokens")
+        if model_config.encoder:
+            if self.quantization is not None:
+                raise ValueError("--quantization serves decoder models; this checkpoint is an encoder")
+            if max_model_len > model_config.max_position_embeddings:
+                raise ValueError(
+                    f"max_model_len {max_model_len} exceeds the encoder's "
+                    f"{model_config.max_position_embeddings} absolute positions"
+                )
+            # Bidirectional attention sees the whole prompt at once: no chunks, no cached prefix.
+            return False, False, max(batched_tokens, max_model_len)
+        if pooler_config.pooling_type != "LAST":
+            prefix_caching = False  # the pooled states of a cached prefix are not kept
+        return chunked, prefix_caching, batched_tokens
 
     def _check_lora(self, model_config: ModelConfig, pooler_config: PoolerConfig | None) -> None:
         """The LoRA settings fit together, and every --lora-modules adapter fits the model."""
@@ -341,6 +609,17 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
         if self.convert == "classify" and override.task is None:
             override = msgspec.structs.replace(override, task="classify")
         return override.resolved(model_config, model_dir)
+
+
+class _Checkpoint(NamedTuple):
+    """What EngineArgs._read_checkpoint found: the weights' path (a GGUF file's own), the
+    tokenizer directory, the load format, the architecture, and whether it is a GGUF file."""
+
+    model: str
+    tokenizer: str
+    load_format: str
+    model_config: ModelConfig
+    gguf: bool
 
 
 class EngineConfig(EngineArgs, kw_only=True, frozen=True):

@@ -26,7 +26,10 @@ GROUPS = {
     "scheduler": {
         "--max-num-seqs", "--max-num-batched-tokens", "--scheduling-policy", "--async-scheduling", "--speculative-config",
     },
-    "cache": {"--block-size", "--kv-cache-memory", "--enable-prefix-caching", "--num-gpu-blocks-override"},
+    "pooling": {"--runner", "--convert", "--override-pooler-config"},
+    "cache": {
+        "--block-size", "--kv-cache-dtype", "--kv-cache-memory", "--enable-prefix-caching", "--num-gpu-blocks-override",
+    },
     "server": {"--host", "--port", "--api-key", "--disable-frontend-ui", "--log-level"},
     "transport": {"--transport"},
     "scale-out": {
@@ -183,3 +186,74 @@ def test_the_kv_cache_dtype_flag() -> None:
     assert build_engine_args(parse_args(["--kv-cache-dtype", "float16"])).kv_cache_dtype == "float16"
     result = run_app("--kv-cache-dtype", "int8")
     assert result.returncode == 2 and "--kv-cache-dtype" in result.stderr
+
+
+def test_every_engine_knob_is_an_option_built_from_its_field() -> None:
+    """Each user-facing EngineArgs field is written once (core/config.py's Knob): its option's
+    name, default and help come from the field; fields without a Knob are the program's own."""
+    import msgspec
+
+    from core.config import EngineArgs, engine_knobs
+
+    knobs = engine_knobs()
+    assert {f.name for f in msgspec.structs.fields(EngineArgs)} - {f.name for f, _ in knobs} == {
+        "engine_drain_timeout", "data_parallel_rank",
+    }
+    parser = make_parser()
+    actions = {a.dest: a for a in parser._actions}
+    titles = {a.dest: g.title for g in parser._action_groups for a in g._group_actions}
+    text = "".join(parser.format_help().split())  # argparse wraps lines, even at hyphens
+    for field, knob in knobs:
+        action = actions[field.name]
+        assert action.help.startswith(knob.help) and titles[field.name] == knob.group, field.name
+        assert "".join(knob.help.split()) in text, field.name
+        if not field.required:
+            default = field.default_factory() if field.default is msgspec.NODEFAULT else field.default
+            assert action.default == default, field.name
+            if isinstance(default, (int, float, str)) and not isinstance(default, bool):
+                assert action.help.endswith("(default: %(default)s)"), field.name  # not restated
+    # The parsed options reach their fields: each option's value, whatever it is, lands in its field.
+    args = parse_args([])
+    for field, _ in knobs:
+        setattr(args, field.name, [field.name] if field.name == "served_model_name" else field.name)
+    built = build_engine_args(args)
+    assert all(getattr(built, f.name) == f.name for f, _ in knobs)
+    # No option left unset: EngineArgs' defaults, the embedded model aside.
+    assert build_engine_args(parse_args([])) == EngineArgs(model=str(DEFAULT_MODEL_DIR), served_model_name="stories260K")
+
+
+@pytest.mark.parametrize(
+    ("flags", "field", "value"),
+    [
+        (["--no-enable-prefix-caching"], "enable_prefix_caching", False),
+        (["--enable-prefix-caching"], "enable_prefix_caching", True),
+        (["--no-enable-chunked-prefill"], "enable_chunked_prefill", False),
+        (["--disable-log-stats"], "log_stats", False),
+        (["--enforce-eager"], "enforce_eager", True),
+        (["--enable-lora"], "enable_lora", True),
+        (["-dp", "3"], "data_parallel_size", 3),
+        (["-dpl", "2"], "data_parallel_size_local", 2),
+        (["--dtype", "bf16"], "dtype", "bfloat16"),
+        (["--kv-cache-memory", "1GiB"], "kv_cache_memory", 2**30),
+        (["--engine-cpu", "off"], "engine_cpu", "off"),
+        (["--lora-modules", "a=/x", "--lora-modules", '{"name": "b", "path": "/y"}'], "lora_modules", ["a", "b"]),
+    ],
+)
+def test_the_flags_users_type_keep_their_spelling(flags: list[str], field: str, value: object) -> None:
+    got = getattr(build_engine_args(parse_args(flags)), field)
+    assert ([m.name for m in got] if field == "lora_modules" else got) == value
+
+
+def test_engine_knob_errors_are_argparse_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    for flags, message in [
+        (["--max-loras", "0"], "argument --max-loras: must be at least 1, got 0"),
+        (["-dp", "0"], "argument --data-parallel-size/-dp: must be at least 1, got 0"),
+        (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+        (["--lora-modules", "x"], "invalid LoRA module 'x': expected name=path or JSON"),
+        (["--speculative-config", "{}"], "argument --speculative-config: invalid speculative config '{}'"),
+        (["--override-pooler-config", "[1]"], "argument --override-pooler-config: invalid pooler config '[1]'"),
+        (["--engine-cpu", "x"], "expected auto, off or a core number, got 'x'"),
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            parse_args(flags)
+        assert exited.value.code == 2 and message in capsys.readouterr().err, flags
