@@ -472,12 +472,6 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
         max_model_len = self.max_model_len or model_config.max_position_embeddings
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
-        window = model_config.sliding_window
-        if window is not None and window < max_model_len:  # our attention sees the whole context
-            raise ValueError(
-                f"this checkpoint uses sliding-window attention (window {window}), which is not "
-                f"supported; serve it with max_model_len <= {window}"
-            )
         return max_model_len
 
     def _check_scheduler(self, model_config: ModelConfig, max_model_len: int) -> None:

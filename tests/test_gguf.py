@@ -29,7 +29,7 @@ from core.protocol import EngineCoreOutputs, EngineCoreRequest, SamplingParams
 from core.worker.cpu_program import NativeStepProgram
 from kernels import cpu
 from kernels.settings import settings
-from tests.support.gguf_files import write_gguf
+from tests.support.gguf_files import gemma3_checkpoint, write_gguf
 from tests.support.paged import single_prefill
 from tests.support.servers import start_server, stop_server
 from tests.test_quant_kernels import random_blocks
@@ -94,6 +94,24 @@ def qwen_gguf(tmp_path_factory, cache) -> dict[str, Path]:
             overrides[f"blk.{layer}.{name}.weight"] = (data, qtype)
     files["qwen3-q4_k_m"] = write_gguf(qwen3, folder / "qwen3-q4_k_m.gguf", "q8_0", overrides)
     return files
+
+
+def test_gemma3_gguf_equals_transformers_on_the_checkpoint_it_was_made_from(tmp_path, cache) -> None:
+    """Gemma 3 read from a GGUF file (norms stored shifted, windows and ropes from llama.cpp's keys)
+    gives the logits and greedy tokens of transformers on the Hugging Face checkpoint."""
+    from tests.support.paged import PagedHarness
+
+    hf_dir = gemma3_checkpoint(tmp_path / "gemma3")
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ours = _ours(write_gguf(hf_dir, tmp_path / "gemma3-f32.gguf", "f32"))
+    ids = torch.randint(3, 512, (30,), generator=torch.Generator().manual_seed(6)).tolist()
+    with torch.no_grad():
+        expected = oracle(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(single_prefill(ours, ids), expected, atol=1e-4, rtol=1e-4)
+    prompts = [ids[:n] for n in (3, 12, 30)]
+    greedy = [oracle.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    assert PagedHarness(ours).generate(prompts, 12) == greedy
 
 
 def _ours(path: Path) -> torch.nn.Module:

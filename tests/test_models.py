@@ -188,11 +188,14 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
         _ours(tmp_path, load_format="dummy")
 
 
-def test_sliding_window_longer_than_context_is_refused(tmp_path):
+def test_a_sliding_window_shorter_than_the_context_is_served_in_every_layer(tmp_path):
+    """Mistral's window reaches every layer's attention (tests/test_families.py checks the tokens)."""
+    from core.models.recipe import Attention
+
     _write_config(tmp_path, architectures=["MistralForCausalLM"], sliding_window=64)
-    with pytest.raises(ValueError, match="sliding-window"):
-        _ours(tmp_path, load_format="dummy")
-    assert _ours(tmp_path, load_format="dummy", max_model_len=64) is not None
+    model = _ours(tmp_path, load_format="dummy")
+    windows = [op.window for ops in model.recipe().layers for op in ops if isinstance(op, Attention)]
+    assert windows == [64] * model.config.num_layers
 
 
 def test_missing_tensor_is_a_clear_error(tmp_path):

@@ -168,12 +168,13 @@ class CausalDecoder(nn.Module):
 
     # -- loading ------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], norms_shifted: bool = False) -> set[str]:
         """Copy Hugging Face named tensors into the (partly fused) parameters.
 
         Returns the names of our parameters that were filled; raises on a
         tensor with no home or a shape mismatch, so a wrong checkpoint fails
-        loudly instead of serving garbage.
+        loudly instead of serving garbage. ``norms_shifted``: the norm weights
+        already include the family's ``norm_offset`` (llama.cpp's Gemma files).
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
@@ -191,7 +192,7 @@ class CausalDecoder(nn.Module):
                 blocks.setdefault(target, {})[shard] = tensor
                 loaded.add(f"{target}#{shard}" if target != name else name)
                 continue
-            if self.norm_offset and name.endswith("norm.weight"):
+            if self.norm_offset and not norms_shifted and name.endswith("norm.weight"):
                 tensor = tensor + self.norm_offset  # the scale the norm multiplies by
             for hf_part, (our_part, shard) in _FUSED.items():
                 if hf_part in name:

@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 ARCHITECTURES = gguf_metadata.ARCHITECTURES  # GGUF architecture -> the Hugging Face one it is served as
 # llama.cpp's converter permutes these architectures' q/k rows (its rotary pairs neighbours).
 _PERMUTED = {"llama"}
+# and stores these architectures' norm weights as the scale they multiply by (Gemma's 1 + w).
+_NORMS_SHIFTED = {"gemma3"}
 # Tensor types served: F32, F16, BF16 and the block formats of kernels/quant.py, by GGML id.
 _FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
 _BLOCK_TYPES = {2: "Q4_0", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
@@ -199,7 +201,8 @@ class GGUFCheckpoint:
         names = ["model.embed_tokens", "model.norm", "lm_head"]
         for i in range(config.num_layers):
             layer = f"model.layers.{i}"
-            names += [f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm"]
+            names += [f"{layer}.{norm}_layernorm" for norm in ("input", "post_attention", "pre_feedforward",
+                                                               "post_feedforward")]
             names += [f"{layer}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
             names += [f"{layer}.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
         mapping = {}
@@ -271,6 +274,11 @@ class GGUFCheckpoint:
             if progress is not None:
                 progress(data.nbytes)
             yield hf, value
+
+    @property
+    def norms_shifted(self) -> bool:
+        """The file's norm weights already hold the offset the model's norms add (Gemma's 1)."""
+        return self.architecture in _NORMS_SHIFTED
 
     def weight_bytes(self) -> int:
         """The bytes of the file's tensors (a progress bar's total)."""

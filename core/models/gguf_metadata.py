@@ -26,7 +26,10 @@ from typing import Any
 from core.models.gguf_header import GGUFHeader
 
 # GGUF architecture -> the Hugging Face architecture it is served as.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
 
 # tokenizer.ggml.pre -> how text is split before byte-level BPE (the splits of the vocabularies'
 # own tokenizer.json files: Llama 3's, and Qwen2's, which takes digits one at a time).
@@ -95,11 +98,42 @@ def hf_config(header: GGUFHeader, has_output: bool) -> dict[str, Any]:
     scaling = _rope_scaling(header, arch)
     if scaling is not None:
         config["rope_scaling"] = scaling
+    if arch == "gemma3":
+        config.update(_gemma3_fields(header, config))
     for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         value = _field(header, f"tokenizer.ggml.{key}")
         if value is not None:
             config[name] = int(value)
     return config
+
+
+def _gemma3_fields(header: GGUFHeader, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's config beyond the Llama family's, as llama.cpp reads the file: local layers
+    by ``sliding_window_pattern`` (every sixth layer global unless the file says otherwise),
+    local rope base ``rope.freq_base_swa`` (10000), scores scaled by head_dim ** -0.5 (by
+    (hidden / heads) ** -0.5 for the 62-layer 27B)."""
+    layers, window = config["num_hidden_layers"], _field(header, "gemma3.attention.sliding_window")
+    pattern = _field(header, "gemma3.attention.sliding_window_pattern", 6)
+    if not window:
+        kinds = [False] * layers
+    elif isinstance(pattern, list):
+        kinds = [bool(p) for p in pattern]
+    else:
+        kinds = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+    full = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    full.update(config.pop("rope_scaling", None) or {})
+    scalar = config["hidden_size"] // config["num_attention_heads"] if layers == 62 else config["head_dim"]
+    return {
+        "hidden_act": "gelu_pytorch_tanh", "sliding_window": int(window) if window else None,
+        "layer_types": ["sliding_attention" if k else "full_attention" for k in kinds],
+        "query_pre_attn_scalar": scalar,
+        "rope_parameters": {
+            "full_attention": full,
+            "sliding_attention": {
+                "rope_type": "default", "rope_theta": float(_field(header, "gemma3.rope.freq_base_swa", 10000.0)),
+            },
+        },
+    }
 
 
 def _rope_scaling(header: GGUFHeader, arch: str) -> dict[str, Any] | None:

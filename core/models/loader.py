@@ -129,8 +129,12 @@ def load_model(
             try:
                 with _ProgressBar(total=total, desc="Loading weights", unit="B", unit_scale=True, unit_divisor=1024,
                                   disable=total < PROGRESS_MIN_BYTES, mininterval=0.5) as bar:
-                    loaded = model.load_weights(checkpoint.weights(
-                        config.model_config, dense=None if device.type == "cpu" else dtype, progress=bar.update))
+                    weights = checkpoint.weights(
+                        config.model_config, dense=None if device.type == "cpu" else dtype, progress=bar.update)
+                    if checkpoint.norms_shifted:
+                        loaded = model.load_weights(weights, norms_shifted=True)
+                    else:
+                        loaded = model.load_weights(weights)
             finally:
                 checkpoint.close()
         else:

@@ -3,7 +3,8 @@
 ``write_gguf`` turns a small Hugging Face checkpoint into a GGUF file as
 llama.cpp's converter does: metadata under llama.cpp's keys, the tokenizer
 from SentencePiece's tokenizer.model (or tokenizer.json), tensor names from gguf's own
-table, Llama's q/k rows interleaved for llama.cpp's rotary, and every matrix
+table, Llama's q/k rows interleaved for llama.cpp's rotary, Gemma 3's norms stored as
+1 + w, and every matrix
 whose rows hold whole blocks quantized by gguf's reference quantizer (the
 rest in float32, as the converter falls back). ``with_block_format`` swaps
 chosen matrices for valid random blocks of a format gguf cannot quantize
@@ -14,13 +15,19 @@ transformers' GGUF loader, the oracle, reads back.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import gguf
 import numpy as np
+import torch
+import transformers
 from safetensors.numpy import load_file
 
-ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+from core.models.default_model import DEFAULT_MODEL_DIR
+
+ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+         "Gemma3ForCausalLM": "gemma3"}
 QUANTIZABLE = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
                "q5_0": gguf.GGMLQuantizationType.Q5_0}
 
@@ -73,8 +80,12 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "q8_0",
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
-    theta = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0))
-    writer.add_rope_freq_base(theta)
+    rope = config.get("rope_parameters") or {}
+    if arch == "gemma3":  # the global layers' rope, the window, the local layers' rope base
+        rope = rope["full_attention"]
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_rope_freq_base_swa(config["rope_parameters"]["sliding_attention"]["rope_theta"])
+    writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == "q8_0" else gguf.LlamaFileType.ALL_F32)
 
     tokens, scores, types = _vocabulary(hf_dir)
@@ -94,6 +105,8 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "q8_0",
         value = value.astype(np.float32)
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             value = _permute(value, heads if "q_proj" in hf_name else kv_heads)
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            value = value + np.float32(1)  # llama.cpp stores Gemma's norms as the scale, 1 + w
         if name in overrides:
             data, block_type = overrides[name]
             writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=block_type)
@@ -108,3 +121,26 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "q8_0",
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def gemma3_checkpoint(path: Path) -> Path:
+    """A small seeded Gemma 3 inside llama.cpp's assumptions (five local layers to one global,
+    query_pre_attn_scalar = head_dim, local rope base 10000) with stories260K's vocabulary."""
+    layers = 6
+    config = transformers.Gemma3TextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, max_position_embeddings=512,
+        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+    )
+    config.architectures = ["Gemma3ForCausalLM"]
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # norms away from their zero init
+            p.copy_((0.3 if "norm" in name else 0.08) * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(path)
+    shutil.copy(DEFAULT_MODEL_DIR / "tokenizer.model", path / "tokenizer.model")
+    return path
