@@ -6,7 +6,8 @@ norms a layer scaling by 1 + w, a scaled embedding, query_pre_attn_scalar). The
 windows are far shorter than the prompts, so a window applied wrongly (or not at
 all) changes the tokens: ``test_the_window_changes_the_oracles_tokens`` shows the
 tests would see it. Through the engine: chunked prefill mixed with decodes, prefix
-caching hits, preemption, and n-gram speculation with its rollbacks.
+caching hits, preemption, and n-gram speculation with its rollbacks; Mistral's blocks
+out of every layer's window are freed as its requests advance.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def _engine_greedy(path: str, prompts: list[list[int]], **args) -> tuple[list[li
     "engine_args",
     [
         dict(max_num_batched_tokens=16),  # chunks mixed with decodes
-        dict(max_num_batched_tokens=64, num_gpu_blocks_override=40, max_model_len=128),  # preemption
+        dict(max_num_batched_tokens=64, num_gpu_blocks_override=17, max_model_len=64),  # preemption
         dict(speculative_config=SpeculativeConfig(
             method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3,
         )),
@@ -106,14 +107,17 @@ def _engine_greedy(path: str, prompts: list[list[int]], **args) -> tuple[list[li
     ids=["chunked", "preempting", "ngram-speculation"],
 )
 def test_engine_greedy_matches_transformers(family, engine_args) -> None:
-    _, hf, path = family
+    name, hf, path = family
     prompts = _prompts(hf.config.vocab_size) + [[5, 6, 7, 8] * 6]  # a repeating one: drafts get accepted
     tokens, llm = _engine_greedy(path, prompts, **engine_args)
     try:
         assert tokens == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
         core = llm.engine.engine_core
         if "num_gpu_blocks_override" in engine_args:
-            assert core.scheduler.num_preemptions > 0
+            # 16 blocks hold ~64 tokens of the ~190 the six requests reach: Gemma 3's global layers
+            # keep every block, so requests are preempted; Mistral frees what is out of its window
+            # as it goes, and fits.
+            assert (core.scheduler.num_preemptions > 0) == (name == "gemma3")
         if "speculative_config" in engine_args:  # drafts were verified (and the rejected ones rolled back)
             assert core.scheduler.spec_stats.num_drafts > 0
     finally:

@@ -176,6 +176,23 @@ def test_free_returns_every_block_tail_first() -> None:
     assert manager.get_num_free_blocks() == 7 and manager.usage == 0.0
 
 
+def test_a_sliding_window_frees_the_blocks_no_query_will_read_again() -> None:
+    """Window 6, blocks of 4: the query at position p reads keys p - 5 .. p, so block i (keys
+    4i .. 4i + 3) is freed once the next query starts past 4i + 3 + 5."""
+    manager = KVCacheManager(num_blocks=8, block_size=4, sliding_window=6)
+    req = make_request("a", 10)
+    assert ids(manager.allocate_slots(req, 10)) == [1, 2, 3]
+    req.num_computed_tokens = 10  # the next query, at 10, reads keys 5..10: block 1 (keys 0..3) is free
+    assert manager.allocate_slots(req, 1) == []
+    assert manager.get_block_ids("a") == [0, 2, 3] and manager.get_num_free_blocks() == 5
+    req.num_computed_tokens = 13  # reads keys 8..13: block 2 (keys 4..7) is free too
+    assert ids(manager.allocate_slots(req, 4)) == [4, 5]  # positions 13..16; the freed ones queue behind
+    assert manager.get_block_ids("a") == [0, 0, 3, 4, 5]
+    assert ids(manager.block_pool.free_block_queue.get_all_free_blocks()) == [6, 7, 1, 2]
+    manager.free(req)
+    assert manager.get_num_free_blocks() == 7 and manager.usage == 0.0
+
+
 def test_without_prefix_caching_nothing_is_computed() -> None:
     manager = KVCacheManager(num_blocks=4, block_size=4)
     assert manager.get_computed_blocks(make_request("a", 9)) == ([], 0)

@@ -165,8 +165,8 @@ class BlockPool:
         table = self.cached_block_hash_to_block
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.block_hash is not None:
-                continue  # a prefix hit: registered by whoever computed it
+            if block.block_hash is not None or block is self.null_block:
+                continue  # a prefix hit (registered by whoever computed it), or out of the window
             block_hash = block_hashes[i]
             if block_hash not in table:
                 block.block_hash = block_hash

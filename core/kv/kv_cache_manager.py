@@ -13,6 +13,13 @@ registered as soon as the tokens filling them are scheduled: the runner
 executes batches in order and, within a batch, every layer writes the whole
 batch's keys and values before attending, so a later reader never sees a
 block before its contents exist.
+
+With a sliding window in every layer (``sliding_window``), a request's blocks
+wholly before the window of its next query are read by no layer again: they
+go back to the pool as the request advances (cached ones stay findable until
+evicted), and the null block takes their place in its table. The attention
+kernels never read a position before a query's window, so a table that still
+names such a block elsewhere (the runner's copy) is never read there.
 """
 
 from __future__ import annotations
@@ -47,11 +54,16 @@ _NO_BLOCKS: tuple[KVCacheBlock, ...] = ()
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = False, sliding_window: int | None = None
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
+        # Per request (sliding window): how many of its leading blocks are the null block now.
+        self.num_skipped: dict[str, int] = {}
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Per request: how many of its leading blocks are registered in the cache.
@@ -127,6 +139,8 @@ class KVCacheManager:
             self.num_cached_block[req_id] = len(blocks)
         elif num_needed > pool.free_block_queue.num_free_blocks:
             return None
+        if self.sliding_window is not None:
+            self._skip_out_of_window(req_id, blocks, request.num_computed_tokens + num_new_computed_tokens)
         if num_needed > 0:
             new_blocks = pool.get_new_blocks(num_needed)
             blocks.extend(new_blocks)
@@ -141,6 +155,18 @@ class KVCacheManager:
                 self.num_cached_block[req_id] = num_full
         return new_blocks
 
+    def _skip_out_of_window(self, req_id: str, blocks: list[KVCacheBlock], num_computed: int) -> None:
+        """Free the blocks wholly before the window of the query at ``num_computed`` (the first
+        position this step computes: it sees keys from ``num_computed - window + 1`` on)."""
+        first_kept = max(0, num_computed - self.sliding_window + 1) // self.block_size
+        skipped = self.num_skipped.get(req_id, 0)
+        if first_kept <= skipped:
+            return
+        pool, null = self.block_pool, self.block_pool.null_block
+        pool.free_blocks(blocks[i] for i in range(skipped, first_kept))
+        blocks[skipped:first_kept] = [null] * (first_kept - skipped)
+        self.num_skipped[req_id] = first_kept
+
     def free(self, request: Request) -> None:
         """Release every block of the request (a no-op when it holds none).
 
@@ -149,9 +175,10 @@ class KVCacheManager:
         keep their hash in the free queue until they are reused.
         """
         self.num_cached_block.pop(request.request_id, None)
+        skipped = self.num_skipped.pop(request.request_id, 0)
         blocks = self.req_to_blocks.pop(request.request_id, None)
         if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.free_blocks(reversed(blocks[skipped:]))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing done) while blocks are in use."""

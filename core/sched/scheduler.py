@@ -124,7 +124,8 @@ class Scheduler:
         # The most distinct LoRA adapters in one step (None: LoRA is off).
         self.max_loras = config.max_loras if config.enable_lora else None
         self.kv_cache_manager = KVCacheManager(
-            num_gpu_blocks, config.block_size, enable_caching=config.enable_prefix_caching
+            num_gpu_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
+            sliding_window=config.model_config.window_of_every_layer,
         )
         # Shared by every request: hashes each full block once, as it fills.
         self.block_hasher = RequestBlockHasher(config.block_size) if config.enable_prefix_caching else None
