@@ -266,12 +266,12 @@ def test_grouped_products_numpy_and_torch_paths_agree_with_dense(rows):
 
 
 def test_gpu_paths_equal_peft(case, monkeypatch):
-    """The runner's GPU-only paths, run on the CPU (ModelRunner.emulate_gpu_paths): padded decode
+    """The runner's GPU-only paths, run on the CPU (tests/support/gpu_paths.py): padded decode
     batches, sampled tokens fed back on the device, no CPU step program; the adapters' products
     through the forward pass, as a GPU runs them."""
-    from core.worker.model_runner import ModelRunner
+    from tests.support.gpu_paths import take_gpu_paths
 
-    monkeypatch.setattr(ModelRunner, "emulate_gpu_paths", True)
+    take_gpu_paths(monkeypatch)
     base, adapters, prompts, reference = case
     llm = LLM(base, **ENGINE, enable_lora=True, max_loras=4)
     try:

@@ -1,6 +1,6 @@
 """The GPU model runner's logic, run on the CPU.
 
-``ModelRunner.emulate_gpu_paths`` switches on what a GPU always does apart
+``GpuPathsRunner`` (tests/support/gpu_paths.py) takes what a GPU always does apart
 from the device work itself: decode-only steps padded to a CUDA-graph batch
 size and run over the static buffers (eagerly: capture and replay are the
 GPU-only part), and sampled tokens that reach the persistent batch as
@@ -29,14 +29,14 @@ from core.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
 from core.worker.executor import OutputFuture
 from core.worker.gpu_memory import kv_cache_budget
 from core.worker.input_buffers import InputBuffers
-from core.worker.model_runner import ModelRunner
 from tests.support.engines import BASE, CHUNKED, generate, greedy, tokens
+from tests.support.gpu_paths import take_gpu_paths
 
 
 @pytest.fixture
 def spy_gpu_paths(monkeypatch):
-    """Turn the emulation on and record that padding and deferred inputs really happened."""
-    monkeypatch.setattr(ModelRunner, "emulate_gpu_paths", True)
+    """Take the GPU's paths and record that padding and deferred inputs really happened."""
+    take_gpu_paths(monkeypatch)
     seen = {"padded": [], "deferred_inputs": 0}
     fill = InputBuffers.fill_decode_padding
     take = DeferredTokens.take_inputs

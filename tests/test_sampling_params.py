@@ -18,9 +18,9 @@ import transformers
 
 from app.llm import LLM
 from core.protocol import SamplingParams
-from core.worker.model_runner import ModelRunner
 from core.worker.sampler import Sampler
 from core.worker.sampling_batch import SamplingBatch, _fold_tokens, sampling_metadata
+from tests.support.gpu_paths import take_gpu_paths
 from tests.support.oracle import load_hf
 
 VOCAB = 40
@@ -293,7 +293,7 @@ def test_deferred_gpu_path_gives_the_same_results(stories_dir, monkeypatch, asyn
         expected = llm.generate(prompts, MIXED)
     finally:
         llm.shutdown()
-    monkeypatch.setattr(ModelRunner, "emulate_gpu_paths", True)
+    take_gpu_paths(monkeypatch)
     llm = LLM(stories_dir, async_scheduling=async_scheduling, **ENGINE)
     try:
         assert llm.engine.engine_core.model_executor.runner.defer_sampled_tokens

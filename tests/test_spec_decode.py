@@ -20,21 +20,21 @@ from app.llm import LLM
 from core.config import EngineArgs, SpeculativeConfig
 from core.engine_core import EngineCore
 from core.protocol import EngineCoreRequest, SamplingParams
-from core.worker.ngram_proposer import NgramProposer
-from core.worker.rejection_sampler import rejection_sample
-from core.worker.sampler import TargetDistribution
-from core.worker.sampling_batch import sampling_metadata
-from core.worker.spec_gate import (
+from core.spec_decode.ngram_proposer import NgramProposer
+from core.spec_decode.rejection_sampler import rejection_sample
+from core.spec_decode.spec_gate import (
     CLOSED_STEPS,
     STEPS_BEFORE_A_PLAIN_MEASURE,
     SpeculationGate,
 )
+from core.worker.sampler import TargetDistribution
+from core.worker.sampling_batch import sampling_metadata
 from tests.support.engines import BASE, hf_greedy
 
 
 @pytest.fixture(autouse=True)
 def _draft_at_every_step(monkeypatch) -> None:
-    """Drafts wherever there are some, whatever this machine measures (core/worker/spec_gate.py):
+    """Drafts wherever there are some, whatever this machine measures (core/spec_decode/spec_gate.py):
     the assertions below count them."""
     monkeypatch.setenv("RINGLLM_SPEC_DECODE_GATE", "0")
 

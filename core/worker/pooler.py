@@ -9,6 +9,10 @@ when the model (or the request) says so; ``classify`` runs the model's
 classification head on the CLS state and, unless the request turns it off,
 its activation (sigmoid for one label, softmax for several); ``encode``
 returns the pooled states as they are.
+
+A pooling model's step (``PoolingStep``) takes the runner's place after the
+layout: the forward pass, then the pooler; it never samples, so the runner's
+sampling, speculation and step programs have no part in it.
 """
 
 from __future__ import annotations
@@ -17,11 +21,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from core.model_config import ModelConfig
 from core.pooler_config import PoolerConfig
 from core.protocol import PoolingParams
+from core.sched.output import ModelRunnerOutput, NewRequestData
+from core.worker.input_batch import InputBatch
+from core.worker.staging import DeviceInputs, Staged
 
 
 class Pooler:
+    """Pools each request's hidden states; keeps its parameters and, across chunks, what it gathered."""
+
     def __init__(self, config: PoolerConfig, model: torch.nn.Module) -> None:
         self.pooling_type = config.pooling_type
         self.normalize = bool(config.normalize)
@@ -29,9 +39,9 @@ class Pooler:
         self.params: dict[str, PoolingParams] = {}
         self._partial: dict[str, torch.Tensor | list[torch.Tensor]] = {}
 
-    def add(self, req_id: str, params: PoolingParams | None) -> None:
-        self.params[req_id] = params or PoolingParams()
-        self._partial.pop(req_id, None)
+    def add_request(self, new: NewRequestData) -> None:
+        self.params[new.req_id] = new.pooling_params or PoolingParams()
+        self._partial.pop(new.req_id, None)
 
     def forget(self, req_id: str) -> None:
         self.params.pop(req_id, None)
@@ -118,3 +128,37 @@ class Pooler:
                 vector = F.normalize(vector, dim=-1)
             out[i] = vector.contiguous().numpy(force=True)
         return out
+
+
+class PoolingStep:
+    """A pooling model's step in place of sampling: the forward pass (with segment ids where an
+    encoder has several types of them), then the pooled output of every request whose prompt
+    ends in this step (the others gather what their chunk gives)."""
+
+    def __init__(self, pooler: Pooler, model_config: ModelConfig, batch: InputBatch, device: torch.device) -> None:
+        self.pooler = pooler
+        self.batch = batch
+        self.device = device
+        # RoBERTa's one type needs no ids; a decoder has none.
+        self.token_types = model_config.encoder and model_config.type_vocab_size > 1
+
+    def __call__(
+        self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], staged: Staged,
+        device_inputs: DeviceInputs,
+    ) -> ModelRunnerOutput:
+        extra = {}
+        if self.token_types:
+            types = self.pooler.token_type_ids(staged.req_ids, staged.computed, staged.counts, self.device)
+            if types is not None:
+                extra["token_type_ids"] = types
+        hidden = model(device_inputs.input_ids, device_inputs.positions, kv_caches, device_inputs.meta, **extra)
+        batch = self.batch
+        batch.num_computed_tokens[staged.rows] = staged.seq_lens
+        num_prompt_tokens = batch.num_tokens[staged.rows]  # nothing is sampled: all of them are prompt
+        pooled = self.pooler(
+            hidden, staged.req_ids, staged.starts, staged.counts, staged.computed, num_prompt_tokens,
+            finishing=staged.seq_lens >= num_prompt_tokens,
+        )
+        return ModelRunnerOutput.for_requests(
+            staged.req_ids, sampled_token_ids=[[] for _ in staged.req_ids], pooler_output=pooled
+        )

@@ -14,9 +14,13 @@ from __future__ import annotations
 import numpy as np
 
 from core.config import SpeculativeConfig
+from core.spec_decode.proposer import Proposal
+from core.worker.input_batch import InputBatch
 
 
 class NgramProposer:
+    """A Proposer that looks drafts up in each request's own tokens: it keeps nothing per request."""
+
     def __init__(self, config: SpeculativeConfig) -> None:
         assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
         self.k = config.num_speculative_tokens
@@ -52,3 +56,15 @@ class NgramProposer:
         full = matches[last - matches >= k]
         end = int(full[-1] if full.size else matches[0])
         return tokens[end + 1 : end + 1 + k]
+
+    def draft(self, req_ids: list[str], rows: list[int], batch: InputBatch, budgets: list[int]) -> dict[str, Proposal]:
+        """``propose`` for each request (the Proposer protocol); drafts looked up, not drawn."""
+        proposals = {}
+        for req_id, row, k in zip(req_ids, rows, budgets):
+            drafts = self.propose(batch.token_ids[row, : batch.num_tokens[row]], k)
+            if drafts.size:
+                proposals[req_id] = Proposal(drafts.tolist(), None)
+        return proposals
+
+    def forget(self, req_id: str) -> None:
+        """Nothing to drop: a lookup reads only the request's tokens."""

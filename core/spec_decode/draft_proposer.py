@@ -14,16 +14,16 @@ from max(p - q, 0).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import msgspec
 import numpy as np
 import torch
 
 from core.config import EngineConfig
 from core.models.loader import load_model
+from core.spec_decode.proposer import Proposal
 from core.utils import cdiv
 from core.worker.cpu_program import CpuStepProgram
+from core.worker.input_batch import InputBatch
 from core.worker.input_buffers import InputBuffers
 from core.worker.sampler import exponential_noise
 from core.worker.sampling_batch import SamplingBatch
@@ -33,15 +33,10 @@ from kernels.metadata import AttentionMetadata
 PROGRAM_MIN_TOKENS = 64
 
 
-@dataclass
-class Proposal:
-    """One request's drafts, and the draft distribution each was drawn from (None: greedy)."""
-
-    token_ids: list[int]
-    probs: torch.Tensor | None  # [k, vocab] float32
-
-
 class DraftModelProposer:
+    """A Proposer that runs a draft model: per request it keeps its blocks of the draft's cache
+    and how many of the request's tokens they hold."""
+
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype, num_target_blocks: int) -> None:
         speculative = config.speculative_config
         assert speculative is not None and speculative.model is not None and config.draft_model_config is not None
@@ -90,12 +85,10 @@ class DraftModelProposer:
         return blocks
 
     @torch.inference_mode()
-    def propose(
-        self, req_ids: list[str], rows: list[int], token_ids: np.ndarray, num_tokens: np.ndarray,
-        sampling: SamplingBatch, budgets: list[int],
-    ) -> dict[str, Proposal]:
+    def draft(self, req_ids: list[str], rows: list[int], batch: InputBatch, budgets: list[int]) -> dict[str, Proposal]:
         """Drafts (up to ``budgets[i]``) for requests ``req_ids`` at batch ``rows``, whose known
-        tokens are ``token_ids[row, :num_tokens[row]]``."""
+        tokens are ``batch.token_ids[row, :batch.num_tokens[row]]``."""
+        token_ids, num_tokens, sampling = batch.token_ids, batch.num_tokens, batch.sampling
         # Drafts must end before max_model_len; requests the cache cannot hold take none this time.
         chosen: list[tuple[str, int, int, int]] = []  # (req_id, row, start, k)
         for req_id, row, budget in zip(req_ids, rows, budgets):
