@@ -26,7 +26,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bench.launcher import ManagedServer
+from app.launcher import ManagedServer
 from bench.report import save_result
 from bench.serve import BACKENDS, add_workload_arguments, run_benchmark, tokenizer_of
 

@@ -40,8 +40,8 @@ from typing import Any
 
 import httpx
 
+from app.launcher import ManagedServer
 from bench.compare import CommandServer
-from bench.launcher import ManagedServer
 
 HELP = "embedding throughput: our server vs SentenceTransformer.encode and llama-server --embedding"
 SHAPES = {

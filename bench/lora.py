@@ -32,8 +32,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from app.launcher import ManagedServer
 from bench.client import RequestResult, make_http_client, stream_request
-from bench.launcher import ManagedServer
 
 HELP = "LoRA adapters' throughput and TPOT against the base model alone"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

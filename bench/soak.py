@@ -258,7 +258,7 @@ def save_plot(result: dict[str, Any], path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.launcher import ManagedServer
+    from app.launcher import ManagedServer
 
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     prefix = args.output or RESULTS_DIR / f"soak-{stamp}"

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-from bench.launcher import REPO, free_port
+from app.launcher import REPO, free_port
 
 HELP = "time from `python -m app` to /health 200"
 POLL_S = 0.005

@@ -26,8 +26,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from app.launcher import REPO, ManagedServer, ServerStartError
 from bench.compare import process_cpu_s, process_tree_cpu_s
-from bench.launcher import REPO, ManagedServer, ServerStartError
 from bench.report import percentile_key, save_result
 from bench.serve import BACKENDS, add_workload_arguments, run_benchmark
 

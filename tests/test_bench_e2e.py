@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from app.launcher import REPO
 from bench.__main__ import main as bench_main
-from bench.launcher import REPO
 
 pytestmark = pytest.mark.slow
 

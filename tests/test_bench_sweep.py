@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from bench.launcher import REPO
+from app.launcher import REPO
 from bench.sweep import parse_config
 
 

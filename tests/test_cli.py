@@ -16,8 +16,8 @@ from app.cli import (
     parse_args,
     served_model_names,
 )
+from app.launcher import REPO
 from app.scale_out import scale_out_error
-from bench.launcher import REPO
 from core.models.default_model import DEFAULT_MODEL_DIR
 from core.protocol import HandshakeReady
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.launcher import REPO, free_port
+from app.launcher import REPO, free_port
 from tests.support.servers import segments, wait_gone
 from tests.support.waiting import wait_for
 

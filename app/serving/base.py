@@ -35,10 +35,10 @@ from app.logprobs import TokenTexts, prompt_logprobs
 from app.lora_adapters import LoRARegistry
 from app.output_processor import RequestOutput
 from app.protocol.chat import ChatCompletionRequest
-from app.protocol.common import ModelCard, ModelList, UsageInfo, now
+from app.protocol.common import ModelCard, ModelList, UsageInfo, now, random_id
 from app.protocol.completions import CompletionRequest
 from app.protocol.tokenize import TokenizeRequest
-from app.serving.sse import DONE_EVENT, sse_event
+from app.serving.sse import DONE_EVENT, EventStreamResponse, sse_event
 from core.protocol import EngineCoreRequest, SamplingParams, StructuredOutputsParams
 from core.utilities import Call
 
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     import torch
 
 R = TypeVar("R")
+G = TypeVar("G", CompletionRequest, ChatCompletionRequest)
 Admit = Callable[[int], None]  # takes n engine requests from admission, or raises a 503
 Prompt = tuple[list[int], "torch.Tensor | None", str]  # token ids, embeddings, text for echo
 
@@ -143,6 +144,17 @@ class OpenAIServing:
         if self.engine.is_dead:
             raise InternalServerError("The engine is dead; this server can no longer generate.")
 
+    def _open_request(self, body: bytes, request_type: type[G], prefix: str) -> tuple[G, str, str]:
+        """A generation request, decoded and checked (an HTTP error if it cannot be served),
+        with the engine's id for it (unique, whatever the client calls its request) and
+        the id its response carries."""
+        req = decode_request(body, request_type)
+        self._check_model(req.model)
+        req.check_supported()
+        self._check_alive()
+        engine_id = random_id(prefix)
+        return req, engine_id, req.response_id(prefix, engine_id)
+
     # ------------------------------------------------------- engine requests
 
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
@@ -237,11 +249,39 @@ class OpenAIServing:
 
     # ----------------------------------------------------------------- outputs
 
+    async def _stream_response(
+        self,
+        request_id: str,
+        req: CompletionRequest | ChatCompletionRequest,
+        choices: list[Choice],
+        chunk_type: Callable[..., msgspec.Struct],
+        delta: Callable[[Choice, RequestOutput], Any],
+        opening: Callable[[Choice], Any] | None = None,
+        echo_only: bool = False,
+        structured: StructuredOutputsParams | None = None,
+        param: str | None = None,
+    ) -> EventStreamResponse:
+        """A streamed response (chat and completions alike): every chunk a ``chunk_type``
+        (``ChatCompletionChunk``, ``CompletionResponse``) with the same id, created and
+        model, its choices what ``delta`` makes of each output (``opening`` of each
+        choice first, chat's role); see ``_stream_events``. Under a grammar the first
+        output is awaited here, so that a grammar the engine refuses is still a 400."""
+        source = await self._primed(choices, param) if structured is not None else None
+        created, model = now(), self.response_model(req.model)  # once, not per chunk
+
+        def chunk(choice_objects: list[Any], usage: UsageInfo | None = None) -> bytes:
+            body = chunk_type(id=request_id, created=created, model=model, choices=choice_objects, usage=usage)
+            return sse_event(body)
+
+        openings = [chunk([opening(c)]) for c in choices] if opening is not None else ()
+        events = self._stream_events(req, choices, chunk, delta, openings, echo_only, source, param)
+        return EventStreamResponse(events, self.stream_stall_timeout)
+
     async def _stream_events(
         self,
         req: CompletionRequest | ChatCompletionRequest,
         choices: list[Choice],
-        chunk: Callable[..., bytes],
+        chunk: Callable[[list[Any], UsageInfo | None], bytes],
         delta: Callable[[Choice, RequestOutput], Any],
         openings: Sequence[bytes] = (),
         echo_only: bool = False,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import Callable, Sequence
 
 from starlette.responses import Response
 
@@ -20,16 +20,14 @@ from app.protocol.chat import (
     ChatLogprobs,
     DeltaMessage,
 )
-from app.protocol.common import UsageInfo, now, random_id
+from app.protocol.common import now
 from app.protocol.completions import CompletionRequest
 from app.serving.base import (
     Admit,
     OpenAIServing,
-    decode_request,
     json_response,
     usage_of,
 )
-from app.serving.sse import EventStreamResponse, sse_event
 from app.tool_calls import (
     forced_call_constraint,
     parse_forced,
@@ -57,12 +55,7 @@ class OpenAIServingChat(OpenAIServing):
         return self.turn_stop(req)
 
     async def create_chat_completion(self, body: bytes, admit: Admit | None = None) -> Response:
-        req: ChatCompletionRequest = decode_request(body, ChatCompletionRequest)
-        self._check_model(req.model)
-        req.check_supported()
-        self._check_alive()
-        engine_id = random_id("chatcmpl")  # unique, whatever the client calls its request
-        request_id = req.response_id("chatcmpl", engine_id)
+        req, engine_id, request_id = self._open_request(body, ChatCompletionRequest, "chatcmpl")
         if req.tools and req.effective_tool_choice == "auto" and self.tool_call_parser is None:
             raise BadRequestError(
                 '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set.',
@@ -78,9 +71,10 @@ class OpenAIServingChat(OpenAIServing):
         if admit is not None:
             admit(len(choices))
         if req.stream:
-            source = await self._primed(choices, param) if structured is not None else None
-            events = self._stream_chat(request_id, req, choices, source, param)
-            return EventStreamResponse(events, self.stream_stall_timeout)
+            return await self._stream_response(
+                request_id, req, choices, ChatCompletionChunk, self._chat_deltas(req, choices), _role_opening,
+                structured=structured, param=param,
+            )
         outputs = await self._collect_all(choices, param)
         response_choices = [
             ChatChoice(
@@ -123,24 +117,12 @@ class OpenAIServingChat(OpenAIServing):
             return None
         return chat_logprobs(self.token_texts, out.logprobs, req.top_logprobs or 0, req.return_tokens_as_token_ids)
 
-    def _stream_chat(
-        self,
-        request_id: str,
-        req: ChatCompletionRequest,
-        choices: list[Choice],
-        source: AsyncGenerator[tuple[Choice, RequestOutput], None] | None = None,
-        param: str | None = None,
-    ) -> AsyncGenerator[bytes, None]:
-        created, model = now(), self.response_model(req.model)  # once, not per chunk
+    def _chat_deltas(
+        self, req: ChatCompletionRequest, choices: list[Choice]
+    ) -> Callable[[Choice, RequestOutput], ChatChunkChoice | None]:
+        """The chunk choice of a streamed output (None when it has nothing to say): its
+        text, or the tool calls found in the text so far."""
         tool_streams = {c.index: tool_call_stream(req, self.tool_call_parser) for c in choices}
-
-        def chunk(choice_objects: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
-            return sse_event(
-                ChatCompletionChunk(
-                    id=request_id, created=created, model=model,
-                    choices=choice_objects, usage=usage,
-                )
-            )
 
         def delta(choice: Choice, out: RequestOutput) -> ChatChunkChoice | None:
             logprobs = self._chat_logprobs(req, out)
@@ -155,5 +137,9 @@ class OpenAIServingChat(OpenAIServing):
             message = DeltaMessage(content=text or None, tool_calls=calls or None)
             return ChatChunkChoice(choice.index, message, logprobs, finish_reason, out.stop_reason)
 
-        openings = [chunk([ChatChunkChoice(c.index, DeltaMessage(role="assistant", content=""))]) for c in choices]
-        return self._stream_events(req, choices, chunk, delta, openings, source=source, param=param)
+        return delta
+
+
+def _role_opening(choice: Choice) -> ChatChunkChoice:
+    """The first chunk of each streamed choice: the assistant's role, empty content."""
+    return ChatChunkChoice(choice.index, DeltaMessage(role="assistant", content=""))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from starlette.responses import Response
@@ -11,7 +11,7 @@ from app.choices import Choice
 from app.errors import BadRequestError
 from app.logprobs import Logprobs, completion_logprobs
 from app.output_processor import RequestOutput
-from app.protocol.common import UsageInfo, now, random_id
+from app.protocol.common import now
 from app.protocol.completions import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     CompletionChoice,
@@ -22,11 +22,9 @@ from app.protocol.completions import (
 from app.serving.base import (
     Admit,
     OpenAIServing,
-    decode_request,
     json_response,
     usage_of,
 )
-from app.serving.sse import EventStreamResponse, sse_event
 
 if TYPE_CHECKING:
     import torch
@@ -61,12 +59,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return prompts
 
     async def create_completion(self, body: bytes, admit: Admit | None = None) -> Response:
-        req: CompletionRequest = decode_request(body, CompletionRequest)
-        self._check_model(req.model)
-        req.check_supported()
-        self._check_alive()
-        engine_id = random_id("cmpl")  # unique, whatever the client calls its request
-        request_id = req.response_id("cmpl", engine_id)
+        req, engine_id, request_id = self._open_request(body, CompletionRequest, "cmpl")
         echo_only = req.echo and req.max_tokens == 0  # the prompt alone: one token is run, and dropped
         structured = req.structured_params()
         choices = self._choices(
@@ -76,9 +69,9 @@ class OpenAIServingCompletion(OpenAIServing):
             admit(len(choices))
         param = req.structured_param if structured is not None else None
         if req.stream:
-            source = await self._primed(choices, param) if structured is not None else None
-            return EventStreamResponse(
-                self._stream_completion(request_id, req, choices, echo_only, source, param), self.stream_stall_timeout
+            return await self._stream_response(
+                request_id, req, choices, CompletionResponse, self._completion_deltas(req, echo_only),
+                echo_only=echo_only, structured=structured, param=param,
             )
         outputs = await self._collect_all(choices, param)
         response_choices = []
@@ -132,24 +125,11 @@ class OpenAIServingCompletion(OpenAIServing):
         )
         return text, logprobs
 
-    def _stream_completion(
-        self,
-        request_id: str,
-        req: CompletionRequest,
-        choices: list[Choice],
-        echo_only: bool,
-        source: AsyncGenerator[tuple[Choice, RequestOutput], None] | None = None,
-        param: str | None = None,
-    ) -> AsyncGenerator[bytes, None]:
-        created, model = now(), self.response_model(req.model)  # once, not per chunk
-
-        def chunk(choice_objects: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
-            return sse_event(
-                CompletionResponse(
-                    id=request_id, created=created, model=model,
-                    choices=choice_objects, usage=usage,
-                )
-            )
+    def _completion_deltas(
+        self, req: CompletionRequest, echo_only: bool
+    ) -> Callable[[Choice, RequestOutput], CompletionChoice | None]:
+        """The chunk choice of a streamed output (None when it has nothing to say); the
+        first carries the echoed prompt and the prompt logprobs."""
 
         def delta(choice: Choice, out: RequestOutput) -> CompletionChoice | None:
             first = not choice.started
@@ -162,4 +142,4 @@ class OpenAIServingCompletion(OpenAIServing):
                 choice.index, text, logprobs, finish_reason, None if echo_only else out.stop_reason, prompt_lps
             )
 
-        return self._stream_events(req, choices, chunk, delta, echo_only=echo_only, source=source, param=param)
+        return delta

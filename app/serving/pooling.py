@@ -18,8 +18,8 @@ import msgspec
 import numpy as np
 from starlette.responses import Response
 
-from app.choices import Choice, collect_all
-from app.errors import BadRequestError, InternalServerError, as_openai_error
+from app.choices import Choice
+from app.errors import BadRequestError, InternalServerError
 from app.output_processor import RequestOutput
 from app.protocol.common import now, random_id
 from app.protocol.pooling import (
@@ -47,7 +47,6 @@ from app.protocol.pooling import (
 from app.serving.base import (
     Admit,
     OpenAIServing,
-    check_output,
     decode_request,
     json_response,
 )
@@ -281,12 +280,8 @@ class OpenAIServingPooling(OpenAIServing):
             choices.append(Choice(i, i, request))
         if admit is not None:
             admit(len(choices))
-        try:
-            outputs = await collect_all(self.engine.generate, choices)
-        except Exception as exc:
-            raise as_openai_error(exc) from exc
+        outputs = await self._collect_all(choices)
         for out in outputs:
-            check_output(out)
             if out.pooled is None:
                 raise InternalServerError("The engine finished an input without its pooled output.")
         return outputs

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from bench.launcher import ManagedServer
+from app.launcher import ManagedServer
 
 
 def mapped_segments(pid: int, prefix: str = "/dev/shm/ringllm-") -> set[str]:
@@ -57,7 +57,7 @@ def segments() -> set[str]:
 
 
 class Server(ManagedServer):
-    """A real ``python -m app`` subprocess (bench.launcher) plus what tests look at."""
+    """A real ``python -m app`` subprocess (app.launcher) plus what tests look at."""
 
     def openai(self) -> openai.OpenAI:
         """The official client on this server (no retries: a failure is the test's to see)."""

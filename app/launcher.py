@@ -1,26 +1,29 @@
-"""Start and stop a real ``python -m app`` server process (benchmarks, tests).
+"""Start and stop a real ``python -m app`` server process (benchmarks, tests, scripts).
 
 The server runs as a subprocess of this interpreter on a free local port,
 with its output in a log file; it is ready once ``/health`` answers 200. If
 it exits or stays unhealthy, ``ServerStartError`` says so with the end of
-its log, so that a caller (``bench sweep``) can report it and go on.
+its log, so that a caller (``bench sweep``) can report it and go on. The
+standard library only: the server's dependencies do not include an HTTP client.
 """
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
-import httpx
-
-REPO = Path(__file__).resolve().parents[1]  # where `python -m app` runs
+REPO = Path(__file__).resolve().parents[1]  # the tree that holds this app (a checkout), where `python -m app` runs
 LOG_TAIL_LINES = 15
 STOP_TIMEOUT_S = 30.0
+# A local server: no proxy from the environment.
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class ServerStartError(RuntimeError):
@@ -31,6 +34,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def healthy(base_url: str, timeout: float = 1.0) -> bool:
+    """Whether ``base_url``/health answers 200 now."""
+    try:
+        with _NO_PROXY.open(base_url + "/health", timeout=timeout) as response:
+            return response.status == 200
+    except (OSError, http.client.HTTPException):  # refused, timed out, an error status, a broken answer
+        return False
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -81,12 +93,9 @@ class ManagedServer:
                 raise ServerStartError(
                     f"server exited with code {self.proc.returncode}:\n{log_tail(self.log_path)}"
                 )
-            try:
-                if httpx.get(self.base_url + "/health", timeout=1, trust_env=False).status_code == 200:
-                    self.ready_s = time.monotonic() - self._launched
-                    return self
-            except httpx.HTTPError:
-                pass
+            if healthy(self.base_url):
+                self.ready_s = time.monotonic() - self._launched
+                return self
             time.sleep(0.05)
         self.stop()
         raise ServerStartError(f"server not healthy after {self.timeout:.0f} s:\n{log_tail(self.log_path)}")
