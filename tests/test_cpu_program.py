@@ -18,7 +18,7 @@ import torch
 from core.config import EngineArgs
 from core.engine_core import EngineCore
 from core.protocol import EngineCoreRequest, SamplingParams
-from core.worker.cpu_program import CpuStepProgram, NativeStepProgram
+from core.worker.cpu_program import NativeStepProgram
 from kernels import cpu
 
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason="no C compiler to build kernels/cpu with")
@@ -56,9 +56,9 @@ def _engine(model: str, stories_dir: str, llama, qwen_dirs, **config) -> EngineC
     if quantization:
         config["quantization"] = quantization
     engine = EngineCore(EngineArgs(model=path, max_model_len=128, max_num_seqs=8, block_size=4, **config).resolve())
-    # Block formats run as one native program a step; float32 weights through the Python one.
-    expected = NativeStepProgram if quantization else CpuStepProgram
-    assert type(engine.model_executor.runner.cpu_program) is expected
+    # One native program a step, block formats or float32 (the row counts kernels/cpu's dense
+    # kernel takes; the others run the Python program, which test_one_row_... covers).
+    assert type(engine.model_executor.runner.cpu_program) is NativeStepProgram
     return engine
 
 
@@ -133,3 +133,30 @@ def test_prefill_chunk_logits_equal_the_forward_pass(
         program = runner.cpu_program.run_chunk(staged.total, sample=True).clone()
         forward = _forward_logits(runner, staged)
     assert torch.equal(program, forward)
+
+
+@pytest.mark.parametrize("dense_for_one", [False, True])
+def test_one_row_float32_steps_equal_the_forward_pass(dense_for_one: bool, stories_dir: str, llama, qwen_dirs,
+                                                      monkeypatch) -> None:
+    """A lone float32 decode: numpy's BLAS in the forward pass, so the Python program; or, where
+    one row goes to the dense kernel too (with speculation), the one-call program."""
+    from kernels.settings import settings
+
+    engine = _engine("qwen3", stories_dir, llama, qwen_dirs, kv_cache_dtype="float32")
+    monkeypatch.setattr(settings, "few_rows_for_one", dense_for_one)
+    runner = engine.model_executor.runner
+    program = runner.cpu_program
+    assert program._in_program(1) is dense_for_one
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    request = EngineCoreRequest(request_id="r", prompt_token_ids=list(range(5, 30)), sampling_params=params)
+    engine.add_request(engine.preprocess_add_request(request))
+    for _ in range(3):
+        engine.step()
+    with torch.inference_mode():
+        so = engine.scheduler.schedule()
+        runner._update_states(so)
+        staged = runner._stage_inputs(so)
+        assert staged.plain_decode and len(staged.req_ids) == 1
+        logits = program.run(1).clone()
+        forward = _forward_logits(runner, staged)
+    assert torch.equal(logits, forward)

@@ -42,7 +42,7 @@ from core.models.recipe import (
 from core.worker.input_buffers import InputBuffers
 from kernels import cpu
 from kernels.cpu.program import Op, Program
-from kernels.linear import SMALL_WEIGHT_BYTES, DenseRows
+from kernels.linear import SMALL_WEIGHT_BYTES, CpuWeight, DenseRows
 from kernels.quant import QuantizedMatrix, QuantizedWeight
 from kernels.settings import settings
 
@@ -336,25 +336,31 @@ class CpuStepProgram:
 
 
 class NativeStepProgram(CpuStepProgram):
-    """The step program of a model whose dense layers are all in kernels.quant's tiled
-    formats (GGUF files, ``--quantization``): the same steps, each written once as a
-    program of C kernel operations (kernels/cpu/program.py) and run in one call, on one
-    team of threads that meets at a barrier between operations, instead of ten calls a
-    layer. Its results are ``model.forward``'s bit for bit, as the Python program's are.
-    It has no place for LoRA deltas: steps with adapters go through the forward pass."""
+    """The step program as one call: the same steps, each written once as a program of C
+    kernel operations (kernels/cpu/program.py) and run on one team of threads that meets at
+    a barrier between operations, instead of ten calls a layer. Its products are the
+    forward pass's kernels: kernels.quant's tiled formats (GGUF files, ``--quantization``),
+    or float32 weights for the row counts the forward pass gives kernels/cpu's dense
+    kernel (kernels/linear.py); a step of other row counts of a float32 model runs as the
+    Python program. Its results are ``model.forward``'s bit for bit, as the Python
+    program's are. It has no place for LoRA deltas: steps with adapters go through the
+    forward pass."""
 
     applies_lora = False
 
     @staticmethod
     def takes(recipe: Recipe) -> bool:
-        """Whether every product of ``recipe`` has a tiled weight and its embedding a table
-        the program can read."""
+        """Whether every product of ``recipe`` has a tiled weight or a float32 one the dense
+        kernel reads, and its embedding a table the program can read."""
         embedding = recipe.embedding.table()
         readable = isinstance(embedding, QuantizedMatrix) or (
             isinstance(embedding, DenseRows) and embedding.table.dtype == np.float32
             and embedding.table.flags.c_contiguous
         )
-        return readable and all(isinstance(linear.cpu_weight, QuantizedWeight) for linear in recipe.products())
+        return readable and all(
+            isinstance(weight, QuantizedWeight) or isinstance(weight, CpuWeight) and weight.few_rows > 1
+            for weight in (linear.cpu_weight for linear in recipe.products())
+        )
 
     def __init__(
         self, recipe: Recipe, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], buffers: InputBuffers,
@@ -364,25 +370,39 @@ class NativeStepProgram(CpuStepProgram):
         self._scratch = np.zeros(0, np.uint8)
         # What the programs point into, kept alive here. A weight reload replaces them: the
         # runner then builds a new program (ModelRunner.replace_model).
-        self._weights = [linear.cpu_weight for linear in recipe.products()]
-        small = all(weight.nbytes <= SMALL_WEIGHT_BYTES for weight in self._weights)
+        weights = [linear.cpu_weight for linear in recipe.products()]
+        self._tiled = [weight for weight in weights if isinstance(weight, QuantizedWeight)]
+        dense = [weight for weight in weights if isinstance(weight, CpuWeight)]
+        # The most rows of a step the dense kernel takes (0: no float32 products).
+        self._dense_rows = min((weight.few_rows for weight in dense), default=0)
+        small = all(weight.nbytes <= SMALL_WEIGHT_BYTES for weight in self._tiled) and all(
+            weight.weight_t.nbytes <= SMALL_WEIGHT_BYTES for weight in dense)
         # A small model's step is over before a second thread would be awake: one thread.
         super().__init__(recipe, kv_caches, buffers, max_model_len, threads=1 if small else None)
+
+    def _in_program(self, rows: int) -> bool:
+        """Whether products of ``rows`` rows run as the forward pass runs them (float32 ones go
+        through the dense kernel for 2 to its limit, and for one row where set to)."""
+        return not self._dense_rows or (rows > 1 or settings.few_rows_for_one) and rows <= self._dense_rows
 
     def _reserve(self, rows: int) -> None:
         if rows <= self._rows:
             return
         super()._reserve(rows)
         self._programs.clear()  # the buffers moved
-        need = max(self.lib.linear_scratch_bytes(weight.desc_address, rows) for weight in self._weights)
+        need = max((self.lib.linear_scratch_bytes(weight.desc_address, rows) for weight in self._tiled), default=0)
         self._scratch = np.zeros(need, np.uint8)
 
     def run(self, n: int) -> torch.Tensor:
+        if not self._in_program(n):
+            return super().run(n)
         self.seq_lens[:n] = self.buffers.seq_lens.np[:n]
         self._program("decode").run(n, 0, self.threads)
         return self._logits(n)
 
     def run_queries(self, n: int, table_rows: np.ndarray, lens: np.ndarray) -> torch.Tensor:
+        if not self._in_program(n):
+            return super().run_queries(n, table_rows, lens)
         self._reserve(n)
         if self._reserve_logits(n):
             self._programs.clear()  # every program that computes logits points at the old buffer
@@ -392,6 +412,8 @@ class NativeStepProgram(CpuStepProgram):
         return self._logits(n)
 
     def run_chunk(self, n: int, sample: bool) -> torch.Tensor | None:
+        if not self._in_program(n) or sample and not self._in_program(1):  # (the head: the last row)
+            return super().run_chunk(n, sample)
         self._reserve(n)
         seq_len = int(self.buffers.seq_lens.np[0])
         if self._chunk_kernel:
@@ -412,6 +434,11 @@ class NativeStepProgram(CpuStepProgram):
     def _linear(self, program: Program, linear: object, x: int, out: int, out_stride: int,
                 last_row: bool = False) -> None:
         weight = linear.cpu_weight  # type: ignore[attr-defined]
+        if isinstance(weight, CpuWeight):  # float32 [out, in], its transposed view's memory
+            k, n = weight.weight_t.shape
+            bias = 0 if weight.bias is None else weight.bias.ctypes.data
+            program.add(Op.DENSE, weight.weight_t.ctypes.data, n, k, bias, x, out, out_stride, int(last_row))
+            return
         program.add(Op.LINEAR, weight.desc_address, x, out, out_stride, int(settings.quantize_activations),
                     self._scratch.ctypes.data, int(last_row))
 

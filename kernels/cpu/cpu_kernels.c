@@ -737,8 +737,8 @@ static inline __attribute__((always_inline)) void dense_rows_range(
 
 /* Fused multiply-adds are explicit (vfma, fmaf): the file is built without contraction, for the
  * element-wise kernels' sake. */
-static void dense_few_rows_share(const float *x, int64_t m, int64_t x_stride, const float *w, int64_t n, int64_t k,
-                                 const float *bias, float *out, int64_t out_stride, int me, int threads) {
+void dense_few_rows_share(const float *x, int64_t m, int64_t x_stride, const float *w, int64_t n, int64_t k,
+                          const float *bias, float *out, int64_t out_stride, int me, int threads) {
     /* Output rows in whole cache lines per thread, so that no two threads write one line. */
     int64_t per = (n + threads - 1) / threads;
     per = (per + 15) / 16 * 16;

@@ -35,6 +35,7 @@ class Op(enum.IntEnum):
     CHUNK_LENS = 12
     GELU_TANH_MUL = 13
     SCALE = 14
+    DENSE = 15
 
 
 def _word(value: int | float) -> int:

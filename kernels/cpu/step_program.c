@@ -1,9 +1,11 @@
 /* A model step as one call: a list of kernel operations run by one team of threads.
  *
  * core/worker/cpu_program.py writes a decode step (or one request's prefill
- * chunk) of a model whose dense layers are all in kernels/quant.py's tiled
- * formats as a program (the model's recipe, core/models/recipe.py, emitted op by op): OP_WORDS int64 per operation, the opcode first, then
- * its arguments (addresses of fixed buffers and weights, sizes; floats as
+ * chunk) as a program: the model's recipe (core/models/recipe.py) emitted
+ * operation by operation, its products in kernels/quant.py's tiled formats,
+ * or float32 for the few rows kernels/cpu's dense kernel takes. OP_WORDS
+ * int64 per operation, the opcode first, then its arguments (addresses of
+ * fixed buffers and weights, sizes; floats as
  * the bits of a double). ``run_program`` runs it once per step with the
  * step's row count (and, for a chunk, its request's context length): one
  * ctypes call, the GIL released throughout, and one OpenMP team whose
@@ -37,6 +39,8 @@ enum {
     OP_CHUNK_LENS,        /* lens: lens[i] = seq_len - rows + 1 + i, the context of each query of a chunk */
     OP_GELU_TANH_MUL,     /* gate_up, n, out */
     OP_SCALE,             /* x, n, factor: in place */
+    OP_DENSE,             /* w, n, k, bias, x, out, out_stride, last_row_only: a float32 product of at most
+                             DENSE_FEW_ROWS rows (cpu_kernels.c), x rows of k back to back */
 };
 
 /* The kernels' shares (cpu_kernels.c, quant_kernels.c). */
@@ -63,6 +67,8 @@ void prefill_attention_share(const float *q, int64_t q_stride, int64_t n, int64_
                              int64_t block_size, const int32_t *table, int64_t seq_len, int64_t window,
                              float scale, float *out, int64_t out_stride, float *kv_scratch, float *score_scratch,
                              team_barrier *barrier, int me, int threads);
+void dense_few_rows_share(const float *x, int64_t m, int64_t x_stride, const float *w, int64_t n, int64_t k,
+                          const float *bias, float *out, int64_t out_stride, int me, int threads);
 void gelu_tanh_mul_share(const float *gate_up, int64_t rows, int64_t n, float *out, int me, int threads);
 void scale_share(float *x, int64_t rows, int64_t n, float factor, int me, int threads);
 void packed_rows_share(int64_t type, const void *w, int64_t k, const int64_t *ids, int64_t n, float *out, int me,
@@ -128,6 +134,16 @@ static void run_op(const int64_t *op, int64_t rows, int64_t seq_len, team_barrie
         case OP_SILU_MUL:
             silu_mul_share(F(1), rows, op[2], F(3), me, threads);
             break;
+        case OP_DENSE: {
+            const float *x = F(5);
+            int64_t n = rows;
+            if (op[8]) { /* the last row only */
+                x += (rows - 1) * op[3];
+                n = 1;
+            }
+            dense_few_rows_share(x, n, op[3], F(1), op[2], op[3], F(4), F(6), op[7], me, threads);
+            break;
+        }
         case OP_GELU_TANH_MUL:
             gelu_tanh_mul_share(F(1), rows, op[2], F(3), me, threads);
             break;
