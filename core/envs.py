@@ -5,7 +5,7 @@ so a test's ``monkeypatch.setenv`` or a parent's environment for a spawned
 engine takes effect. Command-line flags are the way to configure a server;
 these are for what a flag would not suit: tuning and debugging switches of
 the kernels, test-only fault injection, and two defaults that deployments
-set from their environment (the API key, the stats interval). The README
+set from their environment (the API key, the stats interval). docs/operations.md
 lists them from ``ENV_VARS``.
 """
 
