@@ -58,6 +58,8 @@ CONVERTS = ("auto", "none", "embed", "classify")
 DEFAULT_PROMPT_LOOKUP_MAX = 5
 DEFAULT_PROMPT_LOOKUP_MIN = 2
 MAX_SPECULATIVE_TOKENS = 16
+# vLLM's largest LoRA rank; three such parts of a fused product fit kernels/cpu's LoRA kernel.
+MAX_LORA_RANK = 512
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "k": 10**3, "kb": 10**3, "kib": 2**10,
@@ -564,6 +566,8 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError("--enable-lora serves generative models; this one is served for pooling")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
+        if self.max_lora_rank > MAX_LORA_RANK:  # a fused q/k/v adapter's ranks fit the C kernel's
+            raise ValueError(f"max_lora_rank must be <= {MAX_LORA_RANK}, got {self.max_lora_rank}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         names: set[str] = set()

@@ -16,7 +16,7 @@ drafts, every query attending like a decode over the context up to its own
 position, all of them through each product at once). Its results are those of
 ``model.forward`` on the same step: the same kernels in the same order, the
 attention kernel chosen as the dispatcher in kernels/ chooses it
-(tests/test_cpu_program.py checks the logits bit for bit).
+(tests/engine/test_cpu_program.py checks the logits bit for bit).
 
 The model describes itself as a recipe (``recipe()``, core/models/recipe.py:
 each layer's operations in the order its forward pass runs them), and the
@@ -342,11 +342,10 @@ class NativeStepProgram(CpuStepProgram):
     forward pass's kernels: kernels.quant's tiled formats (GGUF files, ``--quantization``),
     or float32 weights for the row counts the forward pass gives kernels/cpu's dense
     kernel (kernels/linear.py); a step of other row counts of a float32 model runs as the
-    Python program. Its results are ``model.forward``'s bit for bit, as the Python
-    program's are. It has no place for LoRA deltas: steps with adapters go through the
-    forward pass."""
-
-    applies_lora = False
+    Python program. LoRA deltas are one more operation after each adapted product
+    (kernels/cpu's LoRA kernel reading the step's groups from the descriptors the batch
+    rewrites each step). Its results are ``model.forward``'s bit for bit, as the Python
+    program's are."""
 
     @staticmethod
     def takes(recipe: Recipe) -> bool:
@@ -379,6 +378,10 @@ class NativeStepProgram(CpuStepProgram):
             weight.weight_t.nbytes <= SMALL_WEIGHT_BYTES for weight in dense)
         # A small model's step is over before a second thread would be awake: one thread.
         super().__init__(recipe, kv_caches, buffers, max_model_len, threads=1 if small else None)
+        # LoRA adapters run here where each adapted product has the C kernel's descriptor.
+        self.applies_lora = all(
+            linear.adapters is None or linear.adapters.desc is not None for linear in recipe.products()
+        )
 
     def _in_program(self, rows: int) -> bool:
         """Whether products of ``rows`` rows run as the forward pass runs them (float32 ones go
@@ -465,7 +468,11 @@ class NativeStepProgram(CpuStepProgram):
             for op in layer.ops:
                 kind_of = type(op)
                 if kind_of is Product:
-                    self._linear(program, op.linear, p[op.src], p[op.out], getattr(self, op.out).shape[1])
+                    width, k = getattr(self, op.out).shape[1], getattr(self, op.src).shape[1]
+                    self._linear(program, op.linear, p[op.src], p[op.out], width)
+                    slot = op.linear.adapters
+                    if slot is not None and slot.desc is not None:  # this step's LoRA deltas, if any
+                        program.add(Op.LORA, slot.desc.ctypes.data, p[op.src], k, p[op.out], width)
                     pending = pending or op.out == PROJ
                 elif kind_of is ResidualNorm:
                     self._emit_residual_norm(program, op, pending)

@@ -38,7 +38,8 @@ class LoRAAdapters:
         self.max_lora_rank = max_lora_rank
         self.capacity = max_cpu_loras
         self.device, self.dtype = device, dtype
-        self.batch = LoRABatch()
+        # Room for every loaded adapter in one step (the scheduler keeps it to max_loras).
+        self.batch = LoRABatch(capacity=max_cpu_loras + 1, native=device.type == "cpu" and dtype == torch.float32)
         self.loaded: OrderedDict[int, LoRAWeights] = OrderedDict()  # least recently used first
         self.pinned: set[int] = set()
 

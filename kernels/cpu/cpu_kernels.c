@@ -266,6 +266,58 @@ void scale_share(float *x, int64_t rows, int64_t n, float factor, int me, int th
 
 API void scale_rows(float *x, int64_t rows, int64_t n, float factor) { scale_share(x, rows, n, factor, 0, 1); }
 
+/* The largest rank of a fused product's adapter (its parts' ranks together) the LoRA kernel takes. */
+#define LORA_MAX_RANK 4096
+
+/* One product's LoRA deltas over a step's rows, grouped by adapter, as kernels/lora.py
+ * describes them in ``desc``: the group count, then per group its first row, row count, row
+ * list (0: the rows are first .. first + count - 1), shrink a_t ([k, rank] row-major), rank
+ * and part count, then per part its first column, column count, first rank, rank count and
+ * expand b ([part ranks, part columns] row-major). For each of a group's rows, s = x_r a_t,
+ * then for each part y_r[columns] += s[ranks] b, each sum over k and over ranks in order:
+ * a row's bits do not depend on the others. The rows are dealt round the team. */
+void lora_add_share(const int64_t *desc, const float *x, int64_t x_stride, float *y, int64_t y_stride, int64_t k,
+                    int me, int threads) {
+    float s[LORA_MAX_RANK];
+    const int64_t *g = desc + 1;
+    int64_t item = 0;
+    for (int64_t group = 0; group < desc[0]; group++) {
+        const int64_t first = g[0], count = g[1], rank = g[4], parts = g[5];
+        const int64_t *rows = (const int64_t *)(intptr_t)g[2];
+        const float *a = (const float *)(intptr_t)g[3];
+        const int64_t *part = g + 6;
+        for (int64_t i = 0; i < count; i++, item++) {
+            if (item % threads != me) continue;
+            const int64_t r = rows ? rows[i] : first + i;
+            const float *xr = x + r * x_stride;
+            float *yr = y + r * y_stride;
+            for (int64_t j = 0; j < rank; j++) s[j] = 0.0f;
+            for (int64_t c = 0; c < k; c++) {
+                const float xc = xr[c];
+                const float *ac = a + c * rank;
+                for (int64_t j = 0; j < rank; j++) s[j] += xc * ac[j];
+            }
+            for (int64_t p = 0; p < parts; p++) {
+                const int64_t *pp = part + p * 5;
+                const int64_t col0 = pp[0], cols = pp[1], rank0 = pp[2], ranks = pp[3];
+                const float *b = (const float *)(intptr_t)pp[4];
+                for (int64_t c = 0; c < cols; c++) {
+                    float t = 0.0f;
+                    for (int64_t j = 0; j < ranks; j++) t += s[rank0 + j] * b[j * cols + c];
+                    yr[col0 + c] += t;
+                }
+            }
+        }
+        g += 6 + parts * 5;
+    }
+}
+
+API int64_t lora_max_rank(void) { return LORA_MAX_RANK; }
+
+API void lora_add(const int64_t *desc, const float *x, int64_t x_stride, float *y, int64_t y_stride, int64_t k) {
+    lora_add_share(desc, x, x_stride, y, y_stride, k, 0, 1);
+}
+
 /* Rows ``ids`` of a float32 table of rows of n, copied to out: an embedding lookup. */
 void embed_share(const float *table, int64_t n, const int64_t *ids, int64_t rows, float *out, int me, int threads) {
     int64_t begin, end;

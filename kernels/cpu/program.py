@@ -36,6 +36,7 @@ class Op(enum.IntEnum):
     GELU_TANH_MUL = 13
     SCALE = 14
     DENSE = 15
+    LORA = 16
 
 
 def _word(value: int | float) -> int:

@@ -41,6 +41,7 @@ enum {
     OP_SCALE,             /* x, n, factor: in place */
     OP_DENSE,             /* w, n, k, bias, x, out, out_stride, last_row_only: a float32 product of at most
                              DENSE_FEW_ROWS rows (cpu_kernels.c), x rows of k back to back */
+    OP_LORA,              /* desc, x, k, out, out_stride: a product's LoRA deltas (kernels/lora.py's desc) */
 };
 
 /* The kernels' shares (cpu_kernels.c, quant_kernels.c). */
@@ -69,6 +70,8 @@ void prefill_attention_share(const float *q, int64_t q_stride, int64_t n, int64_
                              team_barrier *barrier, int me, int threads);
 void dense_few_rows_share(const float *x, int64_t m, int64_t x_stride, const float *w, int64_t n, int64_t k,
                           const float *bias, float *out, int64_t out_stride, int me, int threads);
+void lora_add_share(const int64_t *desc, const float *x, int64_t x_stride, float *y, int64_t y_stride, int64_t k,
+                    int me, int threads);
 void gelu_tanh_mul_share(const float *gate_up, int64_t rows, int64_t n, float *out, int me, int threads);
 void scale_share(float *x, int64_t rows, int64_t n, float factor, int me, int threads);
 void packed_rows_share(int64_t type, const void *w, int64_t k, const int64_t *ids, int64_t n, float *out, int me,
@@ -144,6 +147,9 @@ static void run_op(const int64_t *op, int64_t rows, int64_t seq_len, team_barrie
             dense_few_rows_share(x, n, op[3], F(1), op[2], op[3], F(4), F(6), op[7], me, threads);
             break;
         }
+        case OP_LORA:
+            lora_add_share(I(1), F(2), op[3], F(4), op[5], op[3], me, threads);
+            break;
         case OP_GELU_TANH_MUL:
             gelu_tanh_mul_share(F(1), rows, op[2], F(3), me, threads);
             break;
