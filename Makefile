@@ -31,7 +31,7 @@ test-browser: $(STAMP)
 		$$SUDO apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium chromium-driver; \
 	fi
-	$(PY) -m pytest -q tests/test_browser.py $(ARGS)
+	$(PY) -m pytest -q tests/server/test_browser.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

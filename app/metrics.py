@@ -102,7 +102,7 @@ class _Observations:
     prometheus_client has no bulk observe, so ``flush`` adds to the child's
     bucket and sum values directly (``_upper_bounds``, ``_buckets``,
     ``_sum``: internals of the pinned version, the same in its multiprocess
-    mode, whose values are files); tests/test_metrics.py checks the result.
+    mode, whose values are files); tests/server/test_metrics.py checks the result.
     """
 
     __slots__ = ("_child", "_bounds", "_counts", "_sum", "_pending")

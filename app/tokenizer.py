@@ -6,7 +6,7 @@ directory with a ``tokenizer.json`` has all of that in files that the
 ``tokenizers`` library (the Rust core of Hugging Face's fast tokenizers) and
 jinja2 read directly, so the frontend loads neither transformers nor the
 torch it imports: seconds off every start, with the same token ids, text and
-rendered templates as transformers produces (tests/test_tokenizer.py holds
+rendered templates as transformers produces (tests/equivalence/test_tokenizer.py holds
 the two side by side). A directory without ``tokenizer.json`` (a
 sentencepiece model only) falls back to transformers' ``AutoTokenizer``.
 

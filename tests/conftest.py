@@ -1,4 +1,5 @@
-"""Shared fixtures: model directories and a real `python -m app` server process."""
+"""Shared fixtures: model directories and a real `python -m app` server process; and each
+test's tier, a marker named after its folder (unit, engine, server, equivalence, bench)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,18 @@ if not torch.cuda.is_available():
 from core.models.default_model import DEFAULT_MODEL_DIR as STORIES_DIR  # noqa: E402 (after the Triton switch)
 from tests.support.engines import MAX_NEW, hf_greedy, shared_prefix_prompts, tiny_config  # noqa: E402
 from tests.support.servers import Server, start_server, stop_server  # noqa: E402
+
+TIERS = ("unit", "engine", "server", "equivalence", "bench")
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks every test in tests/<tier>/ with the tier's marker (``pytest -m unit``)."""
+    for item in items:
+        folder = item.path.resolve().parent
+        if folder.parent == TESTS and folder.name in TIERS:
+            item.add_marker(folder.name)
 
 
 @pytest.fixture(scope="session")

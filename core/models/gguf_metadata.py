@@ -9,7 +9,7 @@ straight from the header (core/models/gguf_header.py), in milliseconds:
 - the byte-level BPE tokenizers of Llama 3 and Qwen (``tokenizer.ggml.model``
   ``gpt2`` with a pre-tokenizer split named in ``tokenizer.ggml.pre``) as a
   ``tokenizers`` pipeline, as transformers' GGUF conversion builds them
-  (tests/test_gguf_metadata.py checks the encodings against it);
+  (tests/equivalence/test_gguf_metadata.py checks the encodings against it);
 - the chat template and the special tokens.
 
 A tokenizer it does not know (SentencePiece vocabularies, other splits) is

@@ -29,7 +29,7 @@
  * VNNI, or its multiply-adds emulated with vpmaddubsw), AVX2 (with AVX-VNNI
  * or emulated), or portable C. Every path computes the same integers and the
  * same float32 operations in the same order per output, so all produce the
- * same bits (tests/test_quant_kernels.py builds each and compares).
+ * same bits (tests/unit/test_quant_kernels.py builds each and compares).
  *
  * ``quant_matmul_f32`` is the product with float32 activations and each
  * weight row expanded to float32 first: no activation rounding, for checking

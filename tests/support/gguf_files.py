@@ -144,3 +144,24 @@ def gemma3_checkpoint(path: Path) -> Path:
     model.save_pretrained(path)
     shutil.copy(DEFAULT_MODEL_DIR / "tokenizer.model", path / "tokenizer.model")
     return path
+
+
+def qwen_dir(path: Path, arch: str, hidden: int, intermediate: int, heads: int, kv_heads: int, seed: int,
+             head_dim: int | None = None) -> Path:
+    """A small seeded Qwen checkpoint with stories260K's tokenizer (a llama vocabulary of 512)."""
+    cls = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
+    config = cls[0](vocab_size=512, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+                    num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                    rms_norm_eps=1e-6, tie_word_embeddings=arch == "qwen3", bos_token_id=1, eos_token_id=2,
+                    **({"head_dim": head_dim} if head_dim else {}))
+    torch.manual_seed(seed)
+    model = cls[1](config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # biases and norms away from their trivial inits
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen) if "norm" in name else 0.08 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(DEFAULT_MODEL_DIR / name, path / name)
+    return path

@@ -1,4 +1,4 @@
-"""LoRA adapters made with peft, and peft's own greedy continuations: the oracle of tests/test_lora*.py.
+"""LoRA adapters made with peft, and peft's own greedy continuations: the oracle of tests/*/test_lora*.py.
 
 An adapter is a seeded ``LoraConfig`` over a base checkpoint with random A and B
 (B non-zero, unlike a fresh adapter's, so that it changes what the model says),

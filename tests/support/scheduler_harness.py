@@ -139,7 +139,7 @@ NO_MODEL = ModelConfig.from_hf({
 
 def make_config(**overrides) -> EngineConfig:
     """Prefix caching off unless asked: most tests here pin down exact block
-    accounting, and their requests share prompts (tests/test_prefix_caching.py
+    accounting, and their requests share prompts (tests/engine/test_prefix_caching.py
     covers the scheduler with it on)."""
     values = dict(
         model="unused", max_model_len=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import httpx
 import openai
 
-from app.launcher import ManagedServer
+from app.launcher import REPO, ManagedServer
 
 
 def mapped_segments(pid: int, prefix: str = "/dev/shm/ringllm-") -> set[str]:
@@ -95,3 +97,10 @@ def start_server(args: list[str], log_path: Path, timeout: float = 120.0) -> Ser
 
 def stop_server(server: Server) -> None:
     server.stop()
+
+
+def run_app(*args: str) -> subprocess.CompletedProcess:
+    """``python -m app *args`` run to its end (for what exits at once: refusals, --help), its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "app", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+    )

@@ -16,10 +16,9 @@ from core.models import gguf_metadata
 from core.models.default_model import DEFAULT_MODEL_DIR
 from core.models.gguf_checkpoint import GGUFCheckpoint
 from core.models.gguf_header import GGUFFormatError, GGUFHeader, StringArray
-from tests.support.gguf_files import write_gguf
-from tests.test_gguf import _qwen_dir
+from tests.support.gguf_files import qwen_dir, write_gguf
 
-VOCABS = Path(__file__).resolve().parents[2] / "shared" / "chat-formats" / "vocab"
+VOCABS = Path(__file__).resolve().parents[3] / "shared" / "chat-formats" / "vocab"
 needs_vocabs = pytest.mark.skipif(not VOCABS.is_dir(), reason=f"{VOCABS} is missing (../shared beside the checkout)")
 
 CORPUS = [
@@ -130,7 +129,7 @@ def test_the_config_equals_transformers_reading_the_same_file(arch: str, stories
     path = stories_file
     if arch != "llama":
         hidden, head_dim = (64, None) if arch == "qwen2" else (256, 128)
-        path = write_gguf(_qwen_dir(tmp_path / arch, arch, hidden, 2 * hidden, 4, 2, 3, head_dim=head_dim),
+        path = write_gguf(qwen_dir(tmp_path / arch, arch, hidden, 2 * hidden, 4, 2, 3, head_dim=head_dim),
                           tmp_path / f"{arch}.gguf")
     checkpoint = GGUFCheckpoint(str(path))
     try:

@@ -232,7 +232,7 @@ def test_requests_with_adapters_need_enable_lora(stories_dir, tmp_path):
 
 @pytest.mark.parametrize("rows", [[1, 2, 3], [0, 2, 5]])
 def test_grouped_products_numpy_and_torch_paths_agree_with_dense(rows):
-    """The CPU path (numpy, float32) and the device path (torch's addmm / index_add_, run here
+    """The CPU path (kernels/cpu's LoRA kernel, float32) and the device path (torch's addmm / index_add_, run here
     in float64) add the same deltas as dense products to the group's rows only: a fused product
     of two parts, each with its own A and B, into its own columns."""
     from core.lora.weights import LoRAPart, LoRAProduct
@@ -255,7 +255,7 @@ def test_grouped_products_numpy_and_torch_paths_agree_with_dense(rows):
         grouped = group_rows(np.array(rows, dtype=np.int64))
         assert isinstance(grouped, slice) == (rows == [1, 2, 3])
         index = None if isinstance(grouped, slice) else torch.from_numpy(grouped)
-        batch = LoRABatch()
+        batch = LoRABatch(native=dtype == torch.float32)  # float32: kernels/cpu's LoRA kernel
         batch.groups = [LoRAGroup({(0, "qkv"): product}, grouped, index)]
         out = y.to(dtype).clone()
         LoRASlot(batch, (0, "qkv")).add(x.to(dtype), out)

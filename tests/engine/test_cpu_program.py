@@ -7,7 +7,7 @@ batch of decodes at different positions, and for chunks with and without a
 cached prefix, attended by the chunk kernel (head sizes 8 and 16) or a query
 at a time (Qwen3's 32), with float or block-format (quantized) weights, and for Gemma 3's
 recipe (windowed and global layers, GeGLU, norms after each block). (That the
-model's forward matches transformers is tests/test_engine_equivalence.py.)
+model's forward matches transformers is tests/equivalence/test_engine_equivalence.py.)
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Scheduling policies (fcfs, priority) and pipelined scheduling, driven
-through the same Harness and FakeRunner as tests/test_scheduler.py."""
+through the same Harness and FakeRunner as tests/engine/test_scheduler.py."""
 
 from __future__ import annotations
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from app.banner import display_host, format_banner
@@ -16,10 +13,10 @@ from app.cli import (
     parse_args,
     served_model_names,
 )
-from app.launcher import REPO
 from app.scale_out import scale_out_error
 from core.models.default_model import DEFAULT_MODEL_DIR
 from core.protocol import HandshakeReady
+from tests.support.servers import run_app
 
 GROUPS = {
     "model": {"--model", "--served-model-name", "--tokenizer", "--chat-template", "--dtype", "--max-model-len"},
@@ -39,12 +36,6 @@ GROUPS = {
         "--data-parallel-prefix-affinity",
     },
 }
-
-
-def run_app(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "app", *args], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
 
 
 def test_help_groups_every_flag_and_explains_it() -> None:

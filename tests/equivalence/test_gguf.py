@@ -12,7 +12,6 @@ more than 1,000 positions and bounded.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import gguf
@@ -29,10 +28,10 @@ from core.protocol import EngineCoreOutputs, EngineCoreRequest, SamplingParams
 from core.worker.cpu_program import NativeStepProgram
 from kernels import cpu
 from kernels.settings import settings
-from tests.support.gguf_files import gemma3_checkpoint, write_gguf
+from tests.support.gguf_files import gemma3_checkpoint, qwen_dir, write_gguf
 from tests.support.paged import single_prefill
+from tests.support.quant_blocks import random_blocks
 from tests.support.servers import start_server, stop_server
-from tests.test_quant_kernels import random_blocks
 
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason="no C compiler to build kernels/cpu with")
 
@@ -54,35 +53,14 @@ def stories_gguf(tmp_path_factory, cache) -> dict[str, Path]:
     return {q: write_gguf(DEFAULT_MODEL_DIR, folder / f"stories-{q}.gguf", q) for q in ("q8_0", "q4_0", "q5_0", "f32")}
 
 
-def _qwen_dir(path: Path, arch: str, hidden: int, intermediate: int, heads: int, kv_heads: int, seed: int,
-              head_dim: int | None = None) -> Path:
-    """A small seeded Qwen checkpoint with stories260K's tokenizer (a llama vocabulary of 512)."""
-    cls = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
-    config = cls[0](vocab_size=512, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
-                    num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
-                    rms_norm_eps=1e-6, tie_word_embeddings=arch == "qwen3", bos_token_id=1, eos_token_id=2,
-                    **({"head_dim": head_dim} if head_dim else {}))
-    torch.manual_seed(seed)
-    model = cls[1](config).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # biases and norms away from their trivial inits
-            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen) if "norm" in name else 0.08 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(DEFAULT_MODEL_DIR / name, path / name)
-    return path
-
-
 @pytest.fixture(scope="module")
 def qwen_gguf(tmp_path_factory, cache) -> dict[str, Path]:
     """Qwen2 in Q8_0 (biases), and Qwen3 (q/k norms, tied) with Q4_K_M's mix of formats:
     Q4_K and Q6_K projections beside Q8_0 ones, rows of 256 values."""
     folder = tmp_path_factory.mktemp("qwen-gguf")
-    files = {"qwen2-q8_0": write_gguf(_qwen_dir(folder / "qwen2", "qwen2", 64, 96, 4, 2, 7), folder / "qwen2-q8_0.gguf")}
+    files = {"qwen2-q8_0": write_gguf(qwen_dir(folder / "qwen2", "qwen2", 64, 96, 4, 2, 7), folder / "qwen2-q8_0.gguf")}
     # head_dim 128, transformers' Qwen3 default: its GGUF reader does not read the file's own.
-    qwen3 = _qwen_dir(folder / "qwen3", "qwen3", 256, 512, 4, 2, 8, head_dim=128)
+    qwen3 = qwen_dir(folder / "qwen3", "qwen3", 256, 512, 4, 2, 8, head_dim=128)
     overrides = {}
     for layer in range(2):
         for name, rows, k, qtype in [("attn_q", 512, 256, 12), ("attn_k", 256, 256, 12), ("attn_v", 256, 256, 14),
@@ -165,7 +143,7 @@ def test_qwen_files_with_k_formats_equal_transformers(name, qwen_gguf, monkeypat
 def test_int8_activations_over_a_thousand_positions(qtype, stories_gguf) -> None:
     """As served: activations rounded to int8 per block. Measured on stories260K (the numbers
     are in bench/README.md), and bounded: each product's rounding is at most 0.56 % of its
-    blocks' largest activation (tests/test_quant_kernels.py proves it per product), and the
+    blocks' largest activation (tests/unit/test_quant_kernels.py proves it per product), and the
     model's 21 products each add such a relative error to the logits, which therefore stay
     within 21 x 0.56 % ~ 12 % of their own range; nearly every greedy choice survives."""
     path = stories_gguf[qtype]
@@ -183,7 +161,7 @@ def test_int8_activations_over_a_thousand_positions(qtype, stories_gguf) -> None
 
 def test_the_head_size_is_the_files_own(tmp_path, cache) -> None:
     """A Qwen3 file whose heads are not transformers' default size (it reads none from the file)."""
-    path = write_gguf(_qwen_dir(tmp_path / "q", "qwen3", 64, 96, 4, 2, 9, head_dim=16), tmp_path / "q.gguf")
+    path = write_gguf(qwen_dir(tmp_path / "q", "qwen3", 64, 96, 4, 2, 9, head_dim=16), tmp_path / "q.gguf")
     config = EngineArgs(model=str(path)).resolve().model_config
     assert (config.head_dim, config.num_heads, config.num_kv_heads) == (16, 4, 2)
     assert _ours(path) is not None  # every tensor found its place
@@ -193,7 +171,7 @@ def test_the_tokenizer_from_the_files_metadata_equals_the_original(stories_gguf)
     """The frontend tokenizes with what transformers read from the file: the same ids, and the
     same text back, as the checkpoint's own tokenizer.json. (Not for runs of spaces: this
     SentencePiece model folds them, a normaliser setting GGUF does not carry, so the file's
-    tokenizer keeps them, as llama.cpp's does; tests/test_llama_server.py compares with it.)"""
+    tokenizer keeps them, as llama.cpp's does; tests/equivalence/test_llama_server.py compares with it.)"""
     config = EngineArgs(model=str(stories_gguf["q8_0"])).resolve()
     ours = transformers.AutoTokenizer.from_pretrained(config.tokenizer)
     original = transformers.AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)

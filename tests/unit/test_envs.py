@@ -10,7 +10,7 @@ import pytest
 from core import envs
 from kernels.settings import KernelSettings
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NAME = re.compile(r"\bRINGLLM_[A-Z_]+\b")
 
 

@@ -14,7 +14,7 @@ from core.config import EngineArgs
 from core.models.default_model import DEFAULT_MODEL_DIR
 from core.models.gguf_checkpoint import GGUFError
 from tests.support.gguf_files import write_gguf
-from tests.test_cli import run_app
+from tests.support.servers import run_app
 
 
 @pytest.fixture(scope="module")

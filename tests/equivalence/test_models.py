@@ -189,7 +189,7 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
 
 
 def test_a_sliding_window_shorter_than_the_context_is_served_in_every_layer(tmp_path):
-    """Mistral's window reaches every layer's attention (tests/test_families.py checks the tokens)."""
+    """Mistral's window reaches every layer's attention (tests/equivalence/test_families.py checks the tokens)."""
     from core.models.recipe import Attention
 
     _write_config(tmp_path, architectures=["MistralForCausalLM"], sliding_window=64)

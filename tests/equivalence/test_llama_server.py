@@ -36,7 +36,7 @@ from tests.support.gguf_files import gemma3_checkpoint
 from tests.support.servers import start_server, stop_server
 
 PEER_DIR = Path(os.environ.get("LLAMA_PEER_DIR", Path.home() / ".cache" / "ringllm-peer"))
-SCRIPTS = Path(__file__).resolve().parents[2] / "shared" / "peer"
+SCRIPTS = Path(__file__).resolve().parents[3] / "shared" / "peer"
 # LLAMA_SERVER: another build of it (run_peer.sh starts that one too).
 SERVER_BIN = Path(os.environ.get("LLAMA_SERVER", PEER_DIR / "llama.cpp" / "build" / "bin" / "llama-server"))
 QUANTIZE_BIN = PEER_DIR / "llama.cpp" / "build" / "bin" / "llama-quantize"

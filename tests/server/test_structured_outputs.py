@@ -26,7 +26,7 @@ from core.request import RequestStatus
 from tests.support.http import MODEL, assert_openai_error, make_engine, running_server
 
 # llama2.c's stories260K as converted for transformers (no chat template of its own), beside the checkout.
-SHARED_STORIES = str(Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K")
+SHARED_STORIES = str(Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K")
 MODELS = {"embedded": str(DEFAULT_MODEL_DIR), "stories260K": SHARED_STORIES}
 
 SCHEMA = {

@@ -109,7 +109,7 @@ async def test_metrics_move_by_exactly_the_requests_served(stories_dir) -> None:
     info = [dict(labels) for (name, labels) in after if name == "vllm:cache_config_info"]
     assert info and info[0]["block_size"] == "16" and info[0]["engine"] == "0"
     # The example dashboard queries only series that exist.
-    dashboard = (Path(__file__).parents[1] / "examples" / "grafana.json").read_text()
+    dashboard = (Path(__file__).parents[2] / "examples" / "grafana.json").read_text()
     queried = set(re.findall(r"(?:vllm|ringllm):\w+", dashboard))
     exposed = {name for name, _ in after}
     assert queried and queried <= exposed, queried - exposed

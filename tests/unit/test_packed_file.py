@@ -13,7 +13,7 @@ from kernels import cpu, packed_file
 from kernels.packed_file import PackSpec, packed_matrices
 from kernels.quant import QuantizedMatrix, QuantizedWeight, QuantType
 from kernels.settings import settings
-from tests.test_quant_kernels import random_blocks
+from tests.support.quant_blocks import random_blocks
 
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason="no C compiler to build kernels/cpu with")
 

@@ -1,0 +1,30 @@
+"""Valid random weight data in GGUF's block formats, for the quantized kernels' tests and GGUF files."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+
+from kernels.quant import BLOCKS, QuantType, row_bytes
+
+
+def random_blocks(qtype: QuantType, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """Valid random data of ``qtype``: the gguf quantizer's where it has one, else random
+    bits with finite, modest half-precision scales (every bit pattern of the rest is valid)."""
+    rng = np.random.default_rng(seed)
+    if qtype in (QuantType.F32, QuantType.F16):
+        values = rng.standard_normal((rows, k)).astype(np.float32 if qtype == QuantType.F32 else np.float16)
+        return values.view(np.uint8).reshape(rows, -1)
+    if qtype in (QuantType.Q4_0, QuantType.Q5_0, QuantType.Q8_0):
+        values = rng.standard_normal((rows, k)).astype(np.float32)
+        return gguf.quants.quantize(values, gguf.GGMLQuantizationType(qtype))
+    values, nbytes = BLOCKS[qtype]
+    data = rng.integers(0, 256, (rows, k // values, nbytes), dtype=np.uint8)
+    scale = rng.uniform(0.001, 0.02, (rows, k // values)).astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
+    if qtype in (QuantType.Q4_K, QuantType.Q5_K):  # d and dmin first
+        data[:, :, 0:2] = scale
+        data[:, :, 2:4] = (rng.uniform(0.001, 0.02, (rows, k // values)).astype(np.float16)
+                           .view(np.uint8).reshape(rows, -1, 2))
+    else:  # Q6_K: d last
+        data[:, :, -2:] = scale
+    return data.reshape(rows, row_bytes(qtype, k))
