@@ -145,7 +145,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         theta, scaling = _rope_settings(cfg)
         theta, scaling = gemma3.pop("rope_theta", theta), gemma3.pop("rope_scaling", scaling)
         eos = cfg.get("eos_token_id") if eos_token_id is None else eos_token_id
-        gemma3.setdefault("layer_types", tuple(cfg.get("layer_types") or ()))
+        # Layer kinds only where some layer is windowed (transformers lists all-global ones too);
+        # a config that lists its layers and windows none of them has no window.
+        kinds = tuple(cfg.get("layer_types") or ())
+        gemma3.setdefault("layer_types", kinds if "sliding_attention" in kinds else ())
+        window = None if kinds and "sliding_attention" not in kinds else _sliding_window(cfg)
         return cls(
             **gemma3,
             architecture=architecture,
@@ -166,7 +170,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             qk_norm=switches.get("qk_norm", False),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", bool(gemma3))),
             hidden_act=act,
-            sliding_window=_sliding_window(cfg),
+            sliding_window=None if switches.get("gemma3") and not gemma3["layer_types"] else window,
             dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             eos_token_ids=() if eos is None else ((eos,) if isinstance(eos, int) else tuple(int(i) for i in eos)),
             headless=switches.get("headless", False),
@@ -236,6 +240,8 @@ def _gemma3_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     types = cfg.get("layer_types") or [
         "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
     ]
+    if "sliding_attention" not in types:
+        types = []
     params = cfg.get("rope_parameters") or {}
     if "full_attention" in params:  # transformers 5: one rope per layer kind
         theta, scaling = _rope_settings({"rope_parameters": params["full_attention"]})
