@@ -29,7 +29,7 @@ from typing import Any
 from app.launcher import REPO, ManagedServer, ServerStartError
 from bench.compare import process_cpu_s, process_tree_cpu_s
 from bench.report import percentile_key, save_result
-from bench.serve import BACKENDS, add_workload_arguments, run_benchmark
+from bench.serve import BACKENDS, add_workload_arguments, run_benchmark, tokenizer_of
 
 HELP = "start our server once per configuration and compare the same workload across them"
 DEFAULT_CONFIGS = ["shm=--transport shm", "zmq=--transport zmq"]
@@ -122,7 +122,8 @@ def serve_args_for(args: argparse.Namespace, config: ConfigRun, model_dir: str, 
     assert config.server is not None
     ns = copy.copy(args)
     ns.base_url, ns.host, ns.port = config.server.base_url, None, None
-    ns.model, ns.served_model_name, ns.tokenizer = None, None, model_dir  # model name from /v1/models
+    ns.model, ns.served_model_name = None, None  # the model name from /v1/models
+    ns.tokenizer = tokenizer_of(model_dir) or model_dir  # a GGUF file: the directory made from its metadata
     ns.ready_check_timeout_sec = 60.0
     ns.label = config.name
     ns.result_filename = f"sweep-{tag}.json"

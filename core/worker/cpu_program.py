@@ -158,7 +158,8 @@ class CpuStepProgram:
             positions=b.positions.np.ctypes.data, slots=b.slot_mapping.np.ctypes.data,
             tables=b.block_tables.np.ctypes.data,
         )
-        self._views: dict[int, tuple[np.ndarray, ...]] = {}
+        self._views: dict[int, dict[str, np.ndarray]] = {}
+        self._steps = self._compile()
 
     def _views_for(self, n: int) -> dict[str, np.ndarray]:
         """The first n rows of each buffer, by the recipe's buffer names."""
@@ -274,56 +275,79 @@ class CpuStepProgram:
 
     def _layers(self, n: int, attend: Callable[[Attention, _Layer], None]) -> np.ndarray:
         """Every layer's operations over the n staged tokens, then the final norm: the normed rows."""
-        lib, b = self.lib, self.buffers
         views = self._views_for(n)
-        size, eps, width = self.hidden_size, self.eps, self.qkv_width
-        p = self._ptr
-        hidden_p, normed_p, qkv_p, proj_p = p[HIDDEN], p[NORMED], p[QKV], p[PROJ]
-        positions_p, slots_p = p["positions"], p["slots"]
-        self.embedding.take_rows(b.input_ids.np[:n], out=views[HIDDEN])
+        self.embedding.take_rows(self.buffers.input_ids.np[:n], out=views[HIDDEN])
         if self.embed_scale is not None:
-            lib.scale_rows(hidden_p, n, size, self.embed_scale)
+            self.lib.scale_rows(self._ptr[HIDDEN], n, self.hidden_size, self.embed_scale)
         slot = self._first_product.adapters
         adapted = slot is not None and bool(slot.batch.groups)  # this step has rows of LoRA adapters
+        for step in self._steps:
+            step(n, views, attend, adapted)
+        return views[NORMED]
+
+    def _compile(self) -> list[Callable[..., None]]:
+        """The recipe's operations as calls with their weights' and buffers' addresses bound
+        (made again when the buffers move): what ``_layers`` runs, with nothing to look up."""
+        lib, p = self.lib, self._ptr
+        size, eps, width, inter = self.hidden_size, self.eps, self.qkv_width, self.intermediate
+        hidden_p, normed_p, qkv_p, proj_p = p[HIDDEN], p[NORMED], p[QKV], p[PROJ]
+        positions_p, slots_p = p["positions"], p["slots"]
+
+        def residual_norm(op: ResidualNorm, pending: bool) -> Callable[..., None]:
+            w = op.norm.weight.data_ptr()
+            if pending:  # the residual add of the block before, fused with this norm
+                return lambda n, *_: lib.add_rms_norm(proj_p, hidden_p, w, normed_p, n, size, eps)
+            return lambda n, *_: lib.rms_norm(hidden_p, n, size, 1, 0, w, normed_p, size, eps)
+
+        def product(op: Product) -> Callable[..., None]:
+            linear, src, out = op.linear, op.src, op.out
+
+            def run(n: int, views: dict[str, np.ndarray], attend: object, adapted: bool) -> None:
+                x, y = views[src], views[out]
+                linear.cpu_weight.matmul(x, y)
+                if adapted and linear.adapters is not None:
+                    linear.adapters.add_numpy(x, y)
+            return run
+
+        def attention(op: Attention, layer: _Layer) -> Callable[..., None]:
+            heads, kv_heads, d = op.heads, op.kv_heads, op.head_dim
+            cos, sin = self._rotary[id(op.rotary)]
+            k_p, v_p, row = qkv_p + heads * d * 4, qkv_p + (heads + kv_heads) * d * 4, kv_heads * d
+
+            def run(n: int, views: object, attend: Callable[[Attention, _Layer], None], adapted: bool) -> None:
+                lib.rotary(qkv_p, n, width, heads + kv_heads, d, cos, sin, positions_p)
+                lib.write_kv(k_p, width, v_p, width, n, row, layer.k_cache, layer.v_cache, slots_p, self.kv_half)
+                attend(op, layer)
+            return run
+
+        steps: list[Callable[..., None]] = []
         pending = False  # PROJ holds a block's output the residual stream has not taken yet
         for layer in self.layers:
             for op in layer.ops:
                 kind = type(op)
                 if kind is Product:
-                    x, out = views[op.src], views[op.out]
-                    op.linear.cpu_weight.matmul(x, out)
-                    if adapted and op.linear.adapters is not None:
-                        op.linear.adapters.add_numpy(x, out)
+                    steps.append(product(op))
                     pending = pending or op.out == PROJ
                 elif kind is ResidualNorm:
-                    self._residual_norm(op, n, pending)
+                    steps.append(residual_norm(op, pending))
                     pending = False
                 elif kind is Attention:
-                    heads, kv_heads, head_dim = op.heads, op.kv_heads, op.head_dim
-                    cos, sin = self._rotary[id(op.rotary)]
-                    lib.rotary(qkv_p, n, width, heads + kv_heads, head_dim, cos, sin, positions_p)
-                    lib.write_kv(qkv_p + heads * head_dim * 4, width, qkv_p + (heads + kv_heads) * head_dim * 4,
-                                 width, n, kv_heads * head_dim, layer.k_cache, layer.v_cache, slots_p, self.kv_half)
-                    attend(op, layer)
+                    steps.append(attention(op, layer))
                 elif kind is HeadNorms:  # per-head norms of q and of k, written back in place
-                    self._head_norm(n, 0, op.heads, op.q_norm.weight.data_ptr())
-                    self._head_norm(n, op.heads, op.kv_heads, op.k_norm.weight.data_ptr())
+                    q_w, k_w, heads, kv_heads = op.q_norm.weight.data_ptr(), op.k_norm.weight.data_ptr(), \
+                        op.heads, op.kv_heads
+                    steps.append(lambda n, *_, q_w=q_w, k_w=k_w, heads=heads, kv_heads=kv_heads: (
+                        self._head_norm(n, 0, heads, q_w), self._head_norm(n, heads, kv_heads, k_w)))
                 elif kind is GatedActivation:
                     gated = lib.silu_mul if op.kind == "silu" else lib.gelu_tanh_mul
-                    gated(p[GATE_UP], n, self.intermediate, p[ACT])
+                    steps.append(lambda n, *_, gated=gated: gated(p[GATE_UP], n, inter, p[ACT]))
                 elif kind is Norm:  # a block's output normed in place
-                    lib.rms_norm(proj_p, n, size, 1, 0, op.norm.weight.data_ptr(), proj_p, size, eps)
+                    w = op.norm.weight.data_ptr()
+                    steps.append(lambda n, *_, w=w: lib.rms_norm(proj_p, n, size, 1, 0, w, proj_p, size, eps))
                 else:
                     raise TypeError(f"the CPU step program has no kernel for {kind.__name__}")
-        self._residual_norm(self.final_norm, n, pending=True)
-        return views[NORMED]
-
-    def _residual_norm(self, op: ResidualNorm, n: int, pending: bool) -> None:
-        p, size, eps, weight = self._ptr, self.hidden_size, self.eps, op.norm.weight.data_ptr()
-        if pending:  # the residual add of the block before, fused with this norm
-            self.lib.add_rms_norm(p[PROJ], p[HIDDEN], weight, p[NORMED], n, size, eps)
-        else:
-            self.lib.rms_norm(p[HIDDEN], n, size, 1, 0, weight, p[NORMED], size, eps)
+        steps.append(residual_norm(self.final_norm, pending=True))
+        return steps
 
     def _head_norm(self, n: int, first: int, count: int, weight: int) -> None:
         """RMSNorm over heads ``first:first+count`` of each row of qkv, written back."""

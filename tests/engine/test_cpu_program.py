@@ -62,6 +62,19 @@ def _engine(model: str, stories_dir: str, llama, qwen_dirs, **config) -> EngineC
     return engine
 
 
+def _decode_logits(engine: EngineCore, decodes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next step, which must be ``decodes`` plain decodes: its logits by the step program
+    and by the forward pass."""
+    runner = engine.model_executor.runner
+    with torch.inference_mode():
+        so = engine.scheduler.schedule()
+        runner._update_states(so)
+        staged = runner._stage_inputs(so)
+        assert staged.plain_decode and len(staged.req_ids) == decodes
+        program = runner.cpu_program.run(decodes).clone()
+        return program, _forward_logits(runner, staged)
+
+
 def _forward_logits(runner, staged) -> torch.Tensor:
     step = runner._device_inputs(staged)
     hidden = runner.model(step.input_ids, step.positions, runner.kv_caches, step.meta)
@@ -87,13 +100,7 @@ def test_decode_logits_equal_the_forward_pass(
         engine.add_request(engine.preprocess_add_request(request))
     for _ in range(4):  # prefill, then a few decodes
         engine.step()
-    with torch.inference_mode():
-        so = engine.scheduler.schedule()
-        runner._update_states(so)
-        staged = runner._stage_inputs(so)
-        assert staged.plain_decode and len(staged.req_ids) == 3
-        program = runner.cpu_program.run(3).clone()
-        forward = _forward_logits(runner, staged)
+    program, forward = _decode_logits(engine, 3)
     assert torch.equal(program, forward)
 
 
@@ -144,19 +151,39 @@ def test_one_row_float32_steps_equal_the_forward_pass(dense_for_one: bool, stori
 
     engine = _engine("qwen3", stories_dir, llama, qwen_dirs, kv_cache_dtype="float32")
     monkeypatch.setattr(settings, "few_rows_for_one", dense_for_one)
-    runner = engine.model_executor.runner
-    program = runner.cpu_program
-    assert program._in_program(1) is dense_for_one
+    assert engine.model_executor.runner.cpu_program._in_program(1) is dense_for_one
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     request = EngineCoreRequest(request_id="r", prompt_token_ids=list(range(5, 30)), sampling_params=params)
     engine.add_request(engine.preprocess_add_request(request))
     for _ in range(3):
         engine.step()
-    with torch.inference_mode():
-        so = engine.scheduler.schedule()
-        runner._update_states(so)
-        staged = runner._stage_inputs(so)
-        assert staged.plain_decode and len(staged.req_ids) == 1
-        logits = program.run(1).clone()
-        forward = _forward_logits(runner, staged)
+    logits, forward = _decode_logits(engine, 1)
     assert torch.equal(logits, forward)
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2-q4_0"])
+def test_lora_decodes_equal_the_forward_pass(model: str, stories_dir: str, llama, qwen_dirs, tmp_path) -> None:
+    """Decodes of two adapters and the base model in one step: the adapters' deltas are an
+    operation of the one-call program (float32 and block-format bases alike), bit-equal to the
+    forward pass's. (That the deltas are peft's: tests/equivalence/test_lora.py.)"""
+    from core.protocol import LoRARequest
+    from tests.support.lora_adapters import make_adapter
+
+    name = model.partition("-")[0]
+    base = {"llama": llama[1], **qwen_dirs}[name]
+    adapters = [make_adapter(base, tmp_path / f"a{i}", seed=i, rank=4 * (i + 1)) for i in range(2)]
+    engine = _engine(model, stories_dir, llama, qwen_dirs, kv_cache_dtype="float32", enable_lora=True, max_loras=2)
+    runner = engine.model_executor.runner
+    assert runner.cpu_program.applies_lora
+    g = torch.Generator().manual_seed(2)
+    for i, lora in enumerate([None, *(LoRARequest(f"a{j}", j + 1, path) for j, path in enumerate(adapters))]):
+        params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+        prompt = torch.randint(3, 250, (7 + 5 * i,), generator=g).tolist()
+        request = EngineCoreRequest(request_id=f"r{i}", prompt_token_ids=prompt, sampling_params=params,
+                                    lora_request=lora)
+        engine.add_request(engine.preprocess_add_request(request))
+    for _ in range(4):
+        engine.step()
+    program, forward = _decode_logits(engine, 3)
+    assert len(runner.lora.batch.groups) == 2
+    assert torch.equal(program, forward)
