@@ -101,9 +101,7 @@ class EngineCore:
         # outside a step, which run_once hands to an in-process driver (emit_output).
         self._idle_waiters: list[tuple[Future, Callable[[], Any]]] = []
         self._side_outputs: Outputs = []
-        # LoRA adapters added (add_lora, or requests naming them), by number; the runner
-        # holds the weights of those it has loaded.
-        self.lora_requests: dict[int, LoRARequest] = {}
+        # The adapters served from the start (the runner's LoRAAdapters is the one registry).
         for lora_request in config.lora_requests():  # --lora-modules
             self.add_lora(lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path)
         logger.info(
@@ -377,34 +375,24 @@ class EngineCore:
         """Load an adapter (ValueError naming what is wrong with it); False if it was loaded."""
         if not self.config.enable_lora:
             raise ValueError("LoRA adapters are off: start the server with --enable-lora")
-        request = LoRARequest(lora_name, lora_int_id, lora_path)
-        known = self.lora_requests.get(lora_int_id)
-        if lora_int_id < 1 or (known is not None and known != request):
-            raise ValueError(f"LoRA adapter number {lora_int_id} is taken or invalid")
-        loaded = self.model_executor.add_lora(request, self._loras_in_use())
-        self.lora_requests[lora_int_id] = request
-        return loaded
+        return self.model_executor.add_lora(LoRARequest(lora_name, lora_int_id, lora_path), self._loras_in_use())
 
     def remove_lora(self, lora_id: int) -> bool:
         """Unload an adapter; refused (ValueError) while a request runs or waits with it, so
         that no request loses its adapter halfway. False: no such adapter was loaded."""
         users = sum(1 for r in self.scheduler.requests.values() if r.lora_int_id == lora_id)
         if users:
-            known = self.lora_requests.get(lora_id)
-            name = known.lora_name if known is not None else lora_id
+            name = self.model_executor.lora_name(lora_id) or lora_id
             raise ValueError(
                 f"LoRA adapter {name!r} is in use by {users} unfinished request(s): unload it once they finish"
             )
-        known = self.lora_requests.pop(lora_id, None)
-        return self.model_executor.remove_lora(lora_id) or known is not None
+        return self.model_executor.remove_lora(lora_id)
 
     def pin_lora(self, lora_id: int) -> bool:
         """Keep an added adapter loaded (loading it again if it was evicted); False if unknown."""
-        known = self.lora_requests.get(lora_id)
-        if known is None:
+        if not self.config.enable_lora:
             return False
-        self._ensure_lora(known)
-        return self.model_executor.pin_lora(lora_id)
+        return self.model_executor.pin_lora(lora_id, self._loras_in_use())
 
     def list_loras(self) -> list[int]:
         """The numbers of the adapters loaded now."""

@@ -215,8 +215,11 @@ class UniProcExecutor:
     def remove_lora(self, lora_id: int) -> bool:
         return self._on_runner_thread(lambda: self.runner.remove_lora(lora_id))
 
-    def pin_lora(self, lora_id: int) -> bool:
-        return self._on_runner_thread(lambda: self.runner.pin_lora(lora_id))
+    def pin_lora(self, lora_id: int, in_use: set[int]) -> bool:
+        return self._on_runner_thread(lambda: self.runner.pin_lora(lora_id, in_use))
+
+    def lora_name(self, lora_id: int) -> str | None:
+        return self._on_runner_thread(lambda: self.runner.lora_name(lora_id))
 
     def list_loras(self) -> list[int]:
         return self._on_runner_thread(self.runner.list_loras)

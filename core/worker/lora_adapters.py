@@ -40,6 +40,10 @@ class LoRAAdapters:
         self.device, self.dtype = device, dtype
         # Room for every loaded adapter in one step (the scheduler keeps it to max_loras).
         self.batch = LoRABatch(capacity=max_cpu_loras + 1, native=device.type == "cpu" and dtype == torch.float32)
+        # The engine's one registry of adapters: every adapter added (by a call, --lora-modules or
+        # a request naming it) by number, loaded or evicted, so that an evicted one is read again
+        # from its directory when a request or a pin needs it.
+        self.added: dict[int, LoRARequest] = {}
         self.loaded: OrderedDict[int, LoRAWeights] = OrderedDict()  # least recently used first
         self.pinned: set[int] = set()
 
@@ -56,17 +60,20 @@ class LoRAAdapters:
     # ----------------------------------------------------------------- adapters
 
     def add(self, request: LoRARequest, in_use: frozenset[int] | set[int] = frozenset()) -> bool:
-        """Load ``request``'s adapter unless it is loaded (LoRAAdapterError if it cannot be
-        served); False when it already was."""
-        if request.lora_int_id in self.loaded:
-            self.loaded.move_to_end(request.lora_int_id)
+        """Add ``request``'s adapter and load it unless it is loaded (ValueError when its number
+        names another adapter, LoRAAdapterError if it cannot be served); False when it was."""
+        lora_id = request.lora_int_id
+        known = self.added.get(lora_id)
+        if lora_id < 1 or (known is not None and known != request):
+            raise ValueError(f"LoRA adapter number {lora_id} is taken or invalid")
+        if lora_id in self.loaded:
+            self.loaded.move_to_end(lora_id)
             return False
         spec = read_adapter_spec(request.lora_path, self.model_config, self.max_lora_rank)
-        weights = load_lora_weights(
-            spec, self.model_config, request.lora_int_id, request.lora_name, self.dtype, self.device
-        )
+        weights = load_lora_weights(spec, self.model_config, lora_id, request.lora_name, self.dtype, self.device)
         self._make_room(in_use)
-        self.loaded[request.lora_int_id] = weights
+        self.loaded[lora_id] = weights
+        self.added[lora_id] = request
         return True
 
     def _make_room(self, in_use: frozenset[int] | set[int]) -> None:
@@ -80,15 +87,24 @@ class LoRAAdapters:
                 del self.loaded[lora_id]
 
     def remove(self, lora_id: int) -> bool:
+        """Forget an adapter, loaded or evicted; False when none had that number."""
         self.pinned.discard(lora_id)
-        return self.loaded.pop(lora_id, None) is not None
+        known = self.added.pop(lora_id, None)
+        return self.loaded.pop(lora_id, None) is not None or known is not None
 
-    def pin(self, lora_id: int) -> bool:
-        """Keep the adapter loaded whatever the load of others (False: it is not loaded)."""
-        if lora_id not in self.loaded:
+    def pin(self, lora_id: int, in_use: frozenset[int] | set[int] = frozenset()) -> bool:
+        """Keep an added adapter loaded whatever the load of others, reading it again if it was
+        evicted (False: no adapter has that number)."""
+        known = self.added.get(lora_id)
+        if known is None:
             return False
+        self.add(known, in_use)
         self.pinned.add(lora_id)
         return True
+
+    def name(self, lora_id: int) -> str | None:
+        known = self.added.get(lora_id)
+        return None if known is None else known.lora_name
 
     def list(self) -> list[int]:
         return sorted(self.loaded)

@@ -449,14 +449,18 @@ class ModelRunner:
     # ------------------------------------------------------------ LoRA adapters
 
     def add_lora(self, request: LoRARequest, in_use: set[int]) -> bool:
-        """Load an adapter (LoRAAdapterError when it cannot be served); False if it was loaded."""
+        """Add and load an adapter (ValueError or LoRAAdapterError when it cannot be served);
+        False if it was loaded."""
         return self._lora_adapters().add(request, in_use)
 
     def remove_lora(self, lora_id: int) -> bool:
         return self._lora_adapters().remove(lora_id)
 
-    def pin_lora(self, lora_id: int) -> bool:
-        return self._lora_adapters().pin(lora_id)
+    def pin_lora(self, lora_id: int, in_use: set[int]) -> bool:
+        return self._lora_adapters().pin(lora_id, in_use)
+
+    def lora_name(self, lora_id: int) -> str | None:
+        return self._lora_adapters().name(lora_id)
 
     def list_loras(self) -> list[int]:
         return self._lora_adapters().list()
