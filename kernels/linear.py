@@ -22,7 +22,8 @@ altogether. Other dtypes and devices keep torch's kernels. Up to
 batch) go through kernels/cpu's ``dense_few_rows`` when it is built: it reads
 each weight row once for all of them, as the one-row product does, where
 oneDNN and BLAS both pay a fixed cost per call that a few rows do not repay
-(single rows too with ``settings.few_rows_for_one``).
+(single rows too with ``settings.few_rows_for_one``, which an engine sets for
+models whose weights are not all small).
 
 Both libraries release the GIL inside the product, so the engine's I/O
 threads run meanwhile. The forward pass and the CPU step program

@@ -23,10 +23,10 @@ class KernelSettings:
     cpu_blas: bool = True
     # oneDNN packed copies of the weights for decode batches, where they were faster.
     cpu_prepack: bool = True
-    # One-row float32 products through kernels/cpu's dense_few_rows too, not numpy's BLAS: set with
-    # speculative decoding, whose steps alternate one row and a few, so that one thread pool
-    # serves both (two pools' threads fight over the cores when steps switch between them) and a
-    # row's product has the same bits however many rows share the step.
+    # One-row float32 products through kernels/cpu's dense_few_rows too, not numpy's BLAS: set by
+    # an engine for models whose weights are not all small, so that a lone decode runs as one call
+    # of the C step program, one thread pool serves steps of one row and of a few (speculative
+    # verification), and a row's product has the same bits however many rows share the step.
     few_rows_for_one: bool = False
     # Prefill chunks of at most this many (query, key) pairs are attended by the C kernels; longer
     # ones by torch's SDPA, whose per-call cost only pays off there (bench/README.md).

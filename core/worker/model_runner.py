@@ -193,10 +193,11 @@ class ModelRunner:
             self.request_states = self._request_states()
         if self.lora is not None:
             self.lora.attach(self.model)
-        if self.speculator is not None and self.device.type == "cpu":
-            # Verification steps (a few rows) and plain ones (one row) through one kernel and its
-            # thread pool: switching pools at every step costs more than a step of a large model.
-            # A small model's products run on one thread either way, and numpy's call is cheaper.
+        if self.device.type == "cpu":
+            # One-row float32 products through kernels/cpu's dense kernel too, not numpy's gemv:
+            # a lone decode is then one call of the C step program (and verification steps, a
+            # few rows, share its thread pool with plain ones). A small model's products stay
+            # with numpy on one thread, whose call is cheaper. (bench/README.md, issue 37.)
             kernels_configure(few_rows_for_one=not self.products_are_small())
 
     def _kv_shape(self) -> tuple[int, int, int]:
