@@ -10,6 +10,8 @@ each block's scale per value, times the block's weights.
 
 from __future__ import annotations
 
+import functools
+
 import gguf
 import numpy as np
 import pytest
@@ -134,12 +136,19 @@ VARIANTS = {"portable": "-march=x86-64", "avx2": "-march=haswell", "avx512": "-m
             "native": "-march=native"}
 
 
-def _variant(name: str):
+@functools.cache
+def _built(name: str):
+    """The library built for variant ``name``, or None where it does not run on this CPU (built,
+    and found out, once per session: a build this CPU cannot run is never cached on disk)."""
     from kernels.cpu import FLAGS, LIBRARY, OPENMP_VARIANTS
     from kernels.cpu.library import NativeLibrary
 
     flags = [VARIANTS[name] if f == "-march=native" else f for f in FLAGS]
-    lib = NativeLibrary(f"quant-{name}", LIBRARY.sources, flags, OPENMP_VARIANTS, LIBRARY.headers).load()
+    return NativeLibrary(f"quant-{name}", LIBRARY.sources, flags, OPENMP_VARIANTS, LIBRARY.headers).load()
+
+
+def _variant(name: str):
+    lib = _built(name)
     if lib is None:
         pytest.skip(f"the {name} build does not run on this CPU")
     return lib
