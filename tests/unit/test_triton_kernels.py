@@ -54,7 +54,9 @@ def make_batch(query_lens, context_lens, kv_heads, qpk, head_dim, block_size, nu
     return query, keys, values, k_cache, v_cache, meta
 
 
-def dense_reference(query, keys, values, meta, qpk, scale):
+def dense_reference(query, keys, values, meta, qpk, scale, window=0):
+    """Causal attention of each request's queries over its keys (the last ``window`` positions
+    up to each query's own with a sliding window > 0), dense, float32."""
     out = torch.empty_like(query, dtype=torch.float32)
     for r in range(meta.num_reqs):
         a, b = meta.query_start_loc_cpu[r], meta.query_start_loc_cpu[r + 1]
@@ -64,7 +66,11 @@ def dense_reference(query, keys, values, meta, qpk, scale):
         v = values[r].float().repeat_interleave(qpk, dim=1).transpose(0, 1)
         scores = q @ k.transpose(1, 2) * scale
         pos = torch.arange(s - (b - a), s)[:, None]
-        scores = scores.masked_fill(torch.arange(s)[None, :] > pos, float("-inf"))
+        keys_at = torch.arange(s)[None, :]
+        hidden = keys_at > pos
+        if window:
+            hidden |= keys_at <= pos - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[a:b] = (scores.softmax(-1) @ v).transpose(0, 1)
     return out
 
@@ -127,6 +133,38 @@ def test_write_then_paged_attention_matches_dense(query_lens, context_lens, kv_h
     # ...and the torch path (the CPU backend) over the same paged cache.
     reference = torch_ref.paged_attention(query.cpu(), k_cache.cpu(), v_cache.cpu(), meta, scale)
     torch.testing.assert_close(out.cpu(), reference, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("window", [1, 5, 24])
+@pytest.mark.parametrize("query_lens,context_lens,kv_heads,qpk,head_dim,block_size", [CASES[1], CASES[6]])
+def test_sliding_windows_match_the_masked_dense_attention(
+    query_lens, context_lens, kv_heads, qpk, head_dim, block_size, window
+):
+    """Every attention path given a window: Triton, the torch reference (decodes batched, chunks
+    through SDPA) and the C kernels (kernels.paged_attention on a CPU: decodes, chunks at once or a
+    query at a time), against the dense attention masked to each query's window."""
+    import kernels
+    from kernels.settings import configure, settings
+
+    query, keys, values, k_cache, v_cache, meta = written_batch(
+        query_lens, context_lens, kv_heads, qpk, head_dim, block_size, torch.float32
+    )
+    scale = head_dim**-0.5
+    expected = dense_reference(query.cpu(), keys, values, meta, qpk, scale, window)
+    out = triton_attention.paged_attention(query, k_cache, v_cache, to_device(meta), scale, window=window)
+    torch.testing.assert_close(out.cpu(), expected, atol=2e-4, rtol=2e-4)
+    q, kc, vc = query.cpu(), k_cache.cpu(), v_cache.cpu()
+    torch.testing.assert_close(torch_ref.paged_attention(q, kc, vc, meta, scale, window=window), expected,
+                               atol=2e-4, rtol=2e-4)
+    limit = settings.prefill_pairs
+    try:
+        for pairs in (limit, 0):  # chunks by the C kernels, then by SDPA
+            configure(prefill_pairs=pairs)
+            fresh = AttentionMetadata(**{**vars(meta), "cpu_plan": None})
+            got = kernels.paged_attention(q, kc, vc, fresh, scale, window=window)
+            torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
+    finally:
+        configure(prefill_pairs=limit)
 
 
 def test_paged_attention_float16_matches_dense():
