@@ -14,6 +14,7 @@ describes.
 
 from __future__ import annotations
 
+from abc import ABCMeta, abstractmethod
 from collections.abc import Iterable
 
 import torch
@@ -76,7 +77,7 @@ _FUSED = {
 }
 
 
-class CausalDecoder(nn.Module):
+class CausalDecoder(nn.Module, metaclass=ABCMeta):
     """A causal LM over a paged KV cache whose layers a family describes (``make_layer``)."""
 
     # Gemma scales the embedding by sqrt(hidden) and stores norm weights as offsets from 1.
@@ -101,9 +102,9 @@ class CausalDecoder(nn.Module):
             final_norm=ResidualNorm(self.model.norm), lm_head=self.lm_head,
         )
 
+    @abstractmethod
     def make_layer(self, cfg: ModelConfig, index: int, max_positions: int) -> nn.Module:
         """Layer ``index``: a module whose ``ops()`` is its recipe (each family defines it)."""
-        raise NotImplementedError(f"{type(self).__name__} describes no layers")
 
     def recipe(self) -> Recipe:
         return self._recipe

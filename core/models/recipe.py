@@ -27,7 +27,7 @@ the decoder. The buffers are the ones every executor keeps per step:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -175,6 +175,3 @@ class Recipe:
     def products(self) -> list[Linear]:
         """Every product's layer, in the order the layers run them, then the head."""
         return [op.linear for ops in self.layers for op in ops if isinstance(op, Product)] + [self.lm_head]
-
-    def op_kinds(self) -> set[type[Any]]:
-        return {type(op) for ops in self.layers for op in ops}

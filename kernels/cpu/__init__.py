@@ -136,17 +136,18 @@ def write_kv(
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate_up = [gate | up] rows [N, 2n] -> [N, n]."""
-    rows, width = gate_up.shape
-    out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
-    _lib.silu_mul(gate_up.data_ptr(), rows, width // 2, out.data_ptr())
-    return out
+    return _gated(_lib.silu_mul, gate_up)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return _gated(_lib.gelu_tanh_mul, gate_up)
+
+
+def _gated(kernel: object, gate_up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up for gate_up rows [gate | up], by ``kernel`` (contiguous rows)."""
     rows, width = gate_up.shape
     out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
-    _lib.gelu_tanh_mul(gate_up.data_ptr(), rows, width // 2, out.data_ptr())
+    kernel(gate_up.data_ptr(), rows, width // 2, out.data_ptr())  # type: ignore[operator]
     return out
 
 
