@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
 
 from starlette.responses import Response
 
-from app.choices import Choice
+from app.choices import Choice, merged
 from app.errors import BadRequestError
 from app.logprobs import chat_logprobs
 from app.output_processor import RequestOutput
+from app.parsing.output import OutputDelta, OutputParser, ParsedOutput
+from app.parsing.tool_calls import forced_call_constraint, tool_call_stream
 from app.protocol.chat import (
     AssistantMessage,
     ChatChoice,
@@ -25,14 +29,9 @@ from app.protocol.completions import CompletionRequest
 from app.serving.base import (
     Admit,
     OpenAIServing,
+    check_output,
     json_response,
     usage_of,
-)
-from app.tool_calls import (
-    forced_call_constraint,
-    parse_forced,
-    parse_hermes,
-    tool_call_stream,
 )
 from core.protocol import StructuredOutputsParams
 
@@ -54,8 +53,9 @@ class OpenAIServingChat(OpenAIServing):
             return ()
         return self.turn_stop(req)
 
-    async def create_chat_completion(self, body: bytes, admit: Admit | None = None) -> Response:
-        req, engine_id, request_id = self._open_request(body, ChatCompletionRequest, "chatcmpl")
+    def prepare(self, req: ChatCompletionRequest, engine_id: str, admit: Admit | None = None) -> ChatGeneration:
+        """A checked chat request turned into engine requests (taken from admission), with
+        an output parser per choice: what chat completions, Responses and Messages share."""
         if req.tools and req.effective_tool_choice == "auto" and self.tool_call_parser is None:
             raise BadRequestError(
                 '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set.',
@@ -70,22 +70,59 @@ class OpenAIServingChat(OpenAIServing):
         choices = self._choices(engine_id, req, [(prompt_ids, None, "")], req.requested_max_tokens, structured)
         if admit is not None:
             admit(len(choices))
+        parsers = {c.index: self.output_parser(req, prompt_ids) for c in choices}
+        return ChatGeneration(req, prompt_ids, choices, structured, param, parsers)
+
+    def output_parser(self, req: ChatCompletionRequest, prompt_ids: list[int]) -> OutputParser:
+        """How one choice's text comes apart: the forced call's form, or the model's own
+        tool-call syntax under tool_choice "auto"."""
+        return OutputParser(tools=tool_call_stream(req, self.tool_call_parser))
+
+    async def collect(self, gen: ChatGeneration) -> list[tuple[RequestOutput, ParsedOutput]]:
+        """Every choice's whole output and its parts."""
+        outputs = await self._collect_all(gen.choices, gen.param)
+        parsed = []
+        for choice, out in zip(gen.choices, outputs):
+            parser = gen.parsers[choice.index]
+            parser.feed(out.text, True)
+            parsed.append((out, parser.parsed()))
+        return parsed
+
+    async def stream(self, gen: ChatGeneration) -> AsyncGenerator[tuple[Choice, RequestOutput, OutputDelta], None]:
+        """Each output delta of any choice as it comes, with what it adds to that choice's
+        parts. Under a grammar the first output is awaited before this returns, so that a
+        grammar the engine refuses is still an HTTP error."""
+        source = await self._primed(gen.choices, gen.param) if gen.structured is not None else None
+        return self._parsed_deltas(gen, source)
+
+    async def _parsed_deltas(
+        self, gen: ChatGeneration, source: AsyncGenerator[tuple[Choice, RequestOutput], None] | None
+    ) -> AsyncGenerator[tuple[Choice, RequestOutput, OutputDelta], None]:
+        outputs = source if source is not None else merged(self.engine.generate, gen.choices)
+        async with contextlib.aclosing(outputs):
+            async for choice, out in outputs:
+                check_output(out, gen.param)
+                choice.last = out
+                yield choice, out, gen.parsers[choice.index].feed(out.text, out.finished)
+
+    async def create_chat_completion(self, body: bytes, admit: Admit | None = None) -> Response:
+        req, engine_id, request_id = self._open_request(body, ChatCompletionRequest, "chatcmpl")
+        gen = self.prepare(req, engine_id, admit)
         if req.stream:
             return await self._stream_response(
-                request_id, req, choices, ChatCompletionChunk, self._chat_deltas(req, choices), _role_opening,
-                structured=structured, param=param,
+                request_id, req, gen.choices, ChatCompletionChunk, self._chat_deltas(req, gen), _role_opening,
+                structured=gen.structured, param=gen.param,
             )
-        outputs = await self._collect_all(choices, param)
+        results = await self.collect(gen)
         response_choices = [
             ChatChoice(
                 index=choice.index,
-                message=message,
+                message=AssistantMessage(content=parsed.content, tool_calls=parsed.tool_calls),
                 logprobs=self._chat_logprobs(req, out),
-                finish_reason=finish_reason,
+                finish_reason=_finish_reason(out.finish_reason, parsed.tool_calls),
                 stop_reason=out.stop_reason,
             )
-            for choice, out in zip(choices, outputs)
-            for message, finish_reason in [self._chat_message(req, out)]
+            for choice, (out, parsed) in zip(gen.choices, results)
         ]
         return json_response(
             ChatCompletionResponse(
@@ -93,24 +130,10 @@ class OpenAIServingChat(OpenAIServing):
                 created=now(),
                 model=self.response_model(req.model),
                 choices=response_choices,
-                usage=usage_of(choices, outputs),
-                prompt_logprobs=self._prompt_logprobs(req, outputs[0]),
+                usage=usage_of(gen.choices, [out for out, _ in results]),
+                prompt_logprobs=self._prompt_logprobs(req, results[0][0]),
             )
         )
-
-    def _chat_message(self, req: ChatCompletionRequest, out: RequestOutput) -> tuple[AssistantMessage, str | None]:
-        """The assistant's message, with the tool calls found in (or forced on) its text."""
-        calls = []
-        content: str | None = out.text
-        if req.forced_tool_call:
-            calls = parse_forced(req, out.text)
-            content = None if calls else out.text
-        elif req.tools and req.effective_tool_choice == "auto" and self.tool_call_parser == "hermes":
-            content, calls = parse_hermes(out.text)
-        finish_reason = out.finish_reason
-        if calls and finish_reason == "stop":
-            finish_reason = "tool_calls"
-        return AssistantMessage(content=content, tool_calls=calls), finish_reason
 
     def _chat_logprobs(self, req: ChatCompletionRequest, out: RequestOutput) -> ChatLogprobs | None:
         if not req.logprobs or out.logprobs is None:
@@ -118,26 +141,41 @@ class OpenAIServingChat(OpenAIServing):
         return chat_logprobs(self.token_texts, out.logprobs, req.top_logprobs or 0, req.return_tokens_as_token_ids)
 
     def _chat_deltas(
-        self, req: ChatCompletionRequest, choices: list[Choice]
+        self, req: ChatCompletionRequest, gen: ChatGeneration
     ) -> Callable[[Choice, RequestOutput], ChatChunkChoice | None]:
         """The chunk choice of a streamed output (None when it has nothing to say): its
         text, or the tool calls found in the text so far."""
-        tool_streams = {c.index: tool_call_stream(req, self.tool_call_parser) for c in choices}
 
         def delta(choice: Choice, out: RequestOutput) -> ChatChunkChoice | None:
             logprobs = self._chat_logprobs(req, out)
-            text, calls, finish_reason = out.text, None, out.finish_reason
-            tools = tool_streams[choice.index]
-            if tools is not None:
-                text, calls = tools.feed(out.text, out.finished)
-                if tools.num_calls and finish_reason == "stop":
-                    finish_reason = "tool_calls"
-            if not (text or calls or out.finished or (logprobs is not None and logprobs.content)):
+            parser = gen.parsers[choice.index]
+            parts = parser.feed(out.text, out.finished)
+            finish_reason = _finish_reason(out.finish_reason, parser.num_calls)
+            if not (parts or out.finished or (logprobs is not None and logprobs.content)):
                 return None
-            message = DeltaMessage(content=text or None, tool_calls=calls or None)
+            message = DeltaMessage(content=parts.content or None, tool_calls=parts.tool_calls or None)
             return ChatChunkChoice(choice.index, message, logprobs, finish_reason, out.stop_reason)
 
         return delta
+
+
+@dataclass
+class ChatGeneration:
+    """A chat request on its way through the engine: its prompt, one engine request per
+    choice, the grammar they run under (and the request field it came from, for errors),
+    and each choice's output parser (by choice index)."""
+
+    req: ChatCompletionRequest
+    prompt_ids: list[int]
+    choices: list[Choice]
+    structured: StructuredOutputsParams | None
+    param: str | None
+    parsers: dict[int, OutputParser]
+
+
+def _finish_reason(reason: str | None, calls: object) -> str | None:
+    """A choice that stopped after calling tools finished with "tool_calls", as OpenAI's."""
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 def _role_opening(choice: Choice) -> ChatChunkChoice:

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from app.protocol.chat import ChatCompletionRequest
-from app.tool_calls import (
+from app.parsing.tool_calls import (
     HermesStream,
     RequiredCallStream,
     forced_call_constraint,

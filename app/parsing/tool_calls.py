@@ -23,6 +23,7 @@ import re
 import uuid
 from typing import Any
 
+from app.parsing.text import partial_suffix
 from app.protocol.chat import (
     ChatCompletionRequest,
     DeltaFunctionCall,
@@ -33,7 +34,6 @@ from app.protocol.chat import (
 )
 from core.protocol import StructuredOutputsParams
 
-TOOL_CALL_PARSERS = ("hermes",)
 _OBJECT = {"type": "object"}
 
 
@@ -216,12 +216,16 @@ class HermesStream(ToolCallStream):
             if not self.inside:
                 at = self.buffer.find(_HERMES_OPEN)
                 if at < 0:
-                    keep = 0 if finished else _partial_suffix(self.buffer, _HERMES_OPEN)
+                    # Held back: what may begin a tag, and trailing whitespace (dropped before a call).
+                    keep = 0
+                    if not finished:
+                        head = self.buffer[: len(self.buffer) - partial_suffix(self.buffer, _HERMES_OPEN)]
+                        keep = len(self.buffer) - len(head.rstrip())
                     if self.num_calls == 0:  # text after the calls is not content, as in parse_hermes
                         content += self.buffer[: len(self.buffer) - keep]
                     self.buffer = self.buffer[len(self.buffer) - keep :]
                     break
-                content += self.buffer[:at] if self.num_calls == 0 else ""
+                content += self.buffer[:at].rstrip() if self.num_calls == 0 else ""
                 self.buffer = self.buffer[at + len(_HERMES_OPEN) :]
                 self.inside = True
             end = self.buffer.find(_HERMES_CLOSE)
@@ -241,21 +245,18 @@ class HermesStream(ToolCallStream):
         return content, deltas
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that could begin ``marker``."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
+# The parsers of tool_choice "auto", by --tool-call-parser name: each makes a new stream per choice.
+TOOL_CALL_PARSERS: dict[str, type[ToolCallStream]] = {"hermes": HermesStream}
 
 
 def tool_call_stream(req: ChatCompletionRequest, auto_parser: str | None) -> ToolCallStream | None:
-    """The stream parser a chat request needs, if any."""
+    """The stream parser a chat request needs, if any: the forced forms, or the model's own
+    syntax (``auto_parser``) when it may choose to call."""
     choice = req.tool_choice
     if isinstance(choice, NamedToolChoice):
         return NamedCallStream(choice.function.name)
     if req.forced_tool_call:
         return RequiredCallStream()
-    if req.tools and req.effective_tool_choice == "auto" and auto_parser == "hermes":
-        return HermesStream()
+    if req.tools and req.effective_tool_choice == "auto" and auto_parser is not None:
+        return TOOL_CALL_PARSERS[auto_parser]()
     return None
