@@ -28,6 +28,8 @@ from app.frontend_config import (
     DEFAULT_MAX_HEADER_BYTES,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_PORT,
+    DEFAULT_RESPONSES_STORE_MAX_AGE_S,
+    DEFAULT_RESPONSES_STORE_MAX_COUNT,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     FrontendConfig,
     ScaleOutConfig,
@@ -108,6 +110,19 @@ def make_parser() -> argparse.ArgumentParser:
         "--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
         help="let browser pages from these origins call the API (CORS), e.g. https://app.example.com, "
         "or * for any (default: none, no CORS headers)",
+    )
+    server.add_argument(
+        "--responses-store", metavar="PATH",
+        help="the SQLite file of stored responses (/v1/responses with store, previous_response_id), shared by "
+        "every --api-server-count process and kept across restarts (default: responses.sqlite3 in $RINGLLM_CACHE)",
+    )
+    server.add_argument(
+        "--responses-store-max-count", type=positive_int, default=DEFAULT_RESPONSES_STORE_MAX_COUNT, metavar="N",
+        help="keep at most N stored responses, the oldest evicted first (default %(default)s)",
+    )
+    server.add_argument(
+        "--responses-store-max-age", type=_positive_float, default=DEFAULT_RESPONSES_STORE_MAX_AGE_S,
+        metavar="SECONDS", help="forget stored responses older than this (default 30 days)",
     )
     server.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -275,6 +290,13 @@ def _json_list_of_dicts(text: str) -> list[dict[str, float]]:
     return value
 
 
+def _positive_float(value: str) -> float:
+    number = float(value)
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return number
+
+
 def _non_negative_int(value: str) -> int:
     number = int(value)
     if number < 0:
@@ -366,6 +388,9 @@ def build_frontend_config(args: argparse.Namespace) -> FrontendConfig:
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        responses_store=args.responses_store,
+        responses_store_max_count=args.responses_store_max_count,
+        responses_store_max_age=args.responses_store_max_age,
         max_num_waiting=args.max_num_waiting,
         max_request_body_bytes=args.max_request_body_bytes,
         max_header_bytes=args.max_header_bytes,

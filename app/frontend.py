@@ -79,6 +79,7 @@ async def serve(
 
     from app.banner import format_banner
     from app.limits import Admission, ServerLimits, close_connections_on_client_eof
+    from app.responses_store import ResponsesStore
     from app.server import build_app
 
     engine = await _until_started(starting, lifecycle.stop, engine_core)
@@ -101,6 +102,9 @@ async def serve(
             allow_runtime_lora_updating=frontend.allow_runtime_lora_updating,
             enable_auto_tool_choice=frontend.enable_auto_tool_choice, tool_call_parser=frontend.tool_call_parser,
             limits=limits, admission=admission, allowed_origins=frontend.allowed_origins,
+            responses_store=ResponsesStore(
+                frontend.responses_store, frontend.responses_store_max_count, frontend.responses_store_max_age
+            ),
         )
         freeze_startup_heap()
         host, port = sock.getsockname()[:2]

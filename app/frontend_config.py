@@ -23,6 +23,9 @@ DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
 DEFAULT_BACKLOG = 1024
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_DP_RPC_PORT = 29550
+# Stored responses (/v1/responses with store: true): the most kept, and for how long (OpenAI: 30 days).
+DEFAULT_RESPONSES_STORE_MAX_COUNT = 10_000
+DEFAULT_RESPONSES_STORE_MAX_AGE_S = 30 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,9 @@ class FrontendConfig:
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    responses_store: str | None = None  # the SQLite file of stored responses (None: in the cache directory)
+    responses_store_max_count: int = DEFAULT_RESPONSES_STORE_MAX_COUNT
+    responses_store_max_age: float = DEFAULT_RESPONSES_STORE_MAX_AGE_S
     # Limits and shutdown.
     max_num_waiting: int | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES

@@ -48,11 +48,14 @@ from app.limits import Admission, LimitsMiddleware, ServerLimits, ticket_of
 from app.lora_adapters import LoRARegistry
 from app.openapi import openapi_document
 from app.protocol.common import VersionResponse
+from app.responses_store import ResponsesStore
 from app.serving.base import json_response
 from app.serving.chat import OpenAIServingChat
 from app.serving.completions import OpenAIServingCompletion
 from app.serving.lora import lora_routes
+from app.serving.messages import messages_routes
 from app.serving.pooling import OpenAIServingPooling
+from app.serving.responses import responses_routes
 from app.serving.sse import EventStreamResponse, until_disconnect
 from app.serving.tokenize import OpenAIServingTokenization
 from app.ui import ui_routes
@@ -127,6 +130,7 @@ def build_app(
     limits: ServerLimits | None = None,
     admission: Admission | None = None,
     allowed_origins: Sequence[str] = (),
+    responses_store: ResponsesStore | None = None,
 ) -> Starlette:
     """``admission``: the server's own (it drains on shutdown); by default a new one
     over the engine's max_num_seqs and ``limits.max_num_waiting``."""
@@ -279,6 +283,10 @@ def build_app(
     ]
     if allow_runtime_lora_updating:
         routes += lora_routes(engine, loras, openai_route)
+    routes += messages_routes(chat, api_key, admit_for, check_awake, _cancel_on_disconnect)
+    routes += responses_routes(
+        chat, responses_store or ResponsesStore(), openai_route, admit_for, check_awake, _cancel_on_disconnect
+    )
     routes += control_routes(
         engine, openai_route, enable_sleep_mode=enable_sleep_mode, enable_dev_endpoints=enable_dev_endpoints
     )
