@@ -51,8 +51,6 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        parser.error("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
     if args.allow_runtime_lora_updating and not args.enable_lora:
         parser.error("--allow-runtime-lora-updating needs --enable-lora")
     if args.allow_runtime_lora_updating and args.api_server_count > 1:

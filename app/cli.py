@@ -34,6 +34,7 @@ from app.frontend_config import (
     FrontendConfig,
     ScaleOutConfig,
 )
+from app.parsing.detect import REASONING_CHOICES, TOOL_CALL_CHOICES
 from core import envs
 from core.config import EngineArgs, Knob, engine_knobs, parse_size, positive_int
 
@@ -78,12 +79,20 @@ def make_parser() -> argparse.ArgumentParser:
     structured = sections["structured outputs and tools"]
     structured.add_argument(
         "--enable-auto-tool-choice", action="store_true",
-        help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser',
+        help='accepted for vLLM\'s command lines and changes nothing: tool_choice "auto" always works',
     )
     structured.add_argument(
-        "--tool-call-parser", choices=["hermes"],
-        help="how tool calls are found in the text under tool_choice auto: hermes reads "
-        "<tool_call>{...}</tool_call> blocks (Hermes, Qwen2.5, Qwen3 templates)",
+        "--tool-call-parser", choices=TOOL_CALL_CHOICES, default="auto",
+        help="the syntax tool calls are read in under tool_choice auto: hermes (<tool_call>{...}</tool_call>: "
+        "Hermes, Qwen2.5, Qwen3), llama3_json ({\"name\": ..., \"parameters\": ...}: Llama 3.x), mistral "
+        "([TOOL_CALLS]...), qwen3_coder (<tool_call><function=...>); auto (default) reads it from the chat "
+        "template, and a template with none of these answers tool_choice auto in plain text",
+    )
+    structured.add_argument(
+        "--reasoning-parser", choices=REASONING_CHOICES, default="auto",
+        help="how a thinking model's <think>...</think> is returned as reasoning_content: qwen3 or deepseek_r1 "
+        "(alike here: the rendered prompt says whether the block is open); auto (default) when the chat "
+        "template mentions <think>; none keeps it in the content",
     )
 
     sections["LoRA"].add_argument(
@@ -388,6 +397,7 @@ def build_frontend_config(args: argparse.Namespace) -> FrontendConfig:
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         responses_store=args.responses_store,
         responses_store_max_count=args.responses_store_max_count,
         responses_store_max_age=args.responses_store_max_age,

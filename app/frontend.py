@@ -101,6 +101,7 @@ async def serve(
             enable_sleep_mode=frontend.enable_sleep_mode, enable_dev_endpoints=frontend.enable_dev_endpoints,
             allow_runtime_lora_updating=frontend.allow_runtime_lora_updating,
             enable_auto_tool_choice=frontend.enable_auto_tool_choice, tool_call_parser=frontend.tool_call_parser,
+            reasoning_parser=frontend.reasoning_parser,
             limits=limits, admission=admission, allowed_origins=frontend.allowed_origins,
             responses_store=ResponsesStore(
                 frontend.responses_store, frontend.responses_store_max_count, frontend.responses_store_max_age

@@ -60,8 +60,9 @@ class FrontendConfig:
     enable_sleep_mode: bool = False
     enable_dev_endpoints: bool = False
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False  # vLLM's switch: accepted, changes nothing
+    tool_call_parser: str = "auto"  # app/parsing/detect.py: "auto" reads it from the chat template
+    reasoning_parser: str = "auto"
     responses_store: str | None = None  # the SQLite file of stored responses (None: in the cache directory)
     responses_store_max_count: int = DEFAULT_RESPONSES_STORE_MAX_COUNT
     responses_store_max_age: float = DEFAULT_RESPONSES_STORE_MAX_AGE_S

@@ -126,7 +126,8 @@ def build_app(
     enable_dev_endpoints: bool = False,
     allow_runtime_lora_updating: bool = False,
     enable_auto_tool_choice: bool = False,
-    tool_call_parser: str | None = None,
+    tool_call_parser: str | None = "auto",
+    reasoning_parser: str | None = "auto",
     limits: ServerLimits | None = None,
     admission: Admission | None = None,
     allowed_origins: Sequence[str] = (),
@@ -143,7 +144,8 @@ def build_app(
     options = dict(
         engine=engine, served_model_name=served_model_name, max_model_len=max_model_len, loras=loras,
         chat_template=chat_template, model_aliases=model_aliases, enable_auto_tool_choice=enable_auto_tool_choice,
-        tool_call_parser=tool_call_parser, stream_stall_timeout=limits.stream_stall_timeout,
+        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+        stream_stall_timeout=limits.stream_stall_timeout,
     )
     completion = OpenAIServingCompletion(**options)
     chat = OpenAIServingChat(**options)

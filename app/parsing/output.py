@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from app.parsing.reasoning import ThinkStream
+from app.parsing.reasoning import ReasoningTokens, ThinkStream
 from app.parsing.tool_calls import ToolCallStream
 from app.protocol.chat import DeltaToolCall, FunctionCall, ToolCall
 
@@ -29,6 +30,9 @@ class ParsedOutput:
     reasoning: str | None
     content: str | None
     tool_calls: list[ToolCall]
+    # Output tokens spent reasoning, where they can be counted exactly (see ReasoningTokens);
+    # None where they cannot (no reasoning parser, or a </think> of several tokens).
+    reasoning_tokens: int | None = None
 
 
 class OutputParser:
@@ -37,16 +41,25 @@ class OutputParser:
     content. ``parsed()`` is the sum of every delta fed so far, so a whole output and its
     stream come apart identically."""
 
-    def __init__(self, reasoning: ThinkStream | None = None, tools: ToolCallStream | None = None) -> None:
+    def __init__(
+        self,
+        reasoning: ThinkStream | None = None,
+        tools: ToolCallStream | None = None,
+        reasoning_tokens: ReasoningTokens | None = None,
+    ) -> None:
         self.reasoning = reasoning
         self.tools = tools
+        self.reasoning_tokens = reasoning_tokens
         self._reasoning: list[str] = []
         self._content: list[str] = []
         self._calls: list[ToolCall] = []
         self._arguments: list[list[str]] = []
 
-    def feed(self, text: str, finished: bool) -> OutputDelta:
+    def feed(self, text: str, finished: bool, token_ids: Sequence[int] = ()) -> OutputDelta:
+        """What the next delta adds (``token_ids``: its tokens, to count the reasoning ones)."""
         delta = OutputDelta()
+        if self.reasoning_tokens is not None:
+            self.reasoning_tokens.feed(token_ids)
         if self.reasoning is not None:
             delta.reasoning, text = self.reasoning.feed(text, finished)
         if self.tools is not None:
@@ -81,4 +94,5 @@ class OutputParser:
         content = "".join(self._content)
         if self._calls and not content.strip():
             content = ""  # the whitespace around calls is no answer
-        return ParsedOutput(reasoning or None, content or None, self._calls)
+        counted = self.reasoning_tokens.count if self.reasoning_tokens is not None else None
+        return ParsedOutput(reasoning or None, content or None, self._calls, counted)

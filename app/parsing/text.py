@@ -10,3 +10,10 @@ def partial_suffix(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
+
+
+def held_back(text: str, marker: str) -> int:
+    """How much of the end of ``text`` a stream holds back before ``marker``: what may begin
+    it, and the whitespace before that (dropped when the marker does come)."""
+    head = text[: len(text) - partial_suffix(text, marker)]
+    return len(text) - len(head.rstrip())

@@ -61,6 +61,9 @@ class ChatMessage(msgspec.Struct):
     # An assistant turn that called tools, and a tool's result answering one call.
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # An assistant turn's reasoning, as vLLM takes it back (both names, one meaning).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def to_template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it: content flattened to text."""
@@ -80,6 +83,9 @@ class ChatMessage(msgspec.Struct):
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:  # the Qwen3 template writes it back inside <think>
+            message["reasoning_content"] = reasoning
         if self.tool_calls is not None:
             # Templates index into the arguments: a dict where they are JSON, as vLLM hands them.
             message["tool_calls"] = [
@@ -124,18 +130,20 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     verbosity: str | None = None
+    # Thinking: at most this many output tokens of reasoning before the model is made to
+    # end it (a reasoning model's end-of-thinking token; ringllm's field, Anthropic's budget_tokens).
+    max_thinking_tokens: int | None = None
 
     implemented: ClassVar[frozenset[str]] = SamplingFields.implemented | {
         "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
         "tool_choice", "chat_template", "chat_template_kwargs", "add_generation_prompt", "add_special_tokens",
-        "parallel_tool_calls",
+        "parallel_tool_calls", "reasoning_effort", "max_thinking_tokens",
     }
     refused: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = {
         **REFUSED_COMMON,
         "echo": ((False,), "chat does not echo the last message; /v1/completions echoes prompts"),
         "continue_final_message": ((False,), "the final message cannot be continued yet"),
         "documents": ((None,), "retrieval templates get no documents"),
-        "reasoning_effort": ((None,), "this server runs no reasoning models"),
         "modalities": ((None, ["text"]), "only text output is produced"),
         "audio": ((None,), "there is no audio output"),
         "prediction": ((None,), "there are no predicted outputs"),
@@ -162,6 +170,17 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
                 )
         if self.prompt_logprobs is not None and self.stream:
             raise BadRequestError("prompt_logprobs are not available on a streamed chat.", "prompt_logprobs")
+        if self.reasoning_effort is not None and self.reasoning_effort not in REASONING_EFFORTS:
+            raise BadRequestError(
+                f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {self.reasoning_effort!r}.",
+                "reasoning_effort",
+            )
+        if self.max_thinking_tokens is not None and self.max_thinking_tokens < 0:
+            raise BadRequestError("max_thinking_tokens must be at least 0.", "max_thinking_tokens")
+        thinking = (self.chat_template_kwargs or {}).get("enable_thinking")
+        if thinking is not None and not isinstance(thinking, bool):
+            raise BadRequestError("chat_template_kwargs.enable_thinking must be true or false.",
+                                  "chat_template_kwargs")
 
     def _check_tools(self) -> None:
         choice = self.tool_choice
@@ -185,6 +204,27 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
                 "A required or named tool_choice constrains the output already: drop response_format / "
                 "structured_outputs.", "tool_choice",
             )
+
+    @property
+    def enable_thinking(self) -> bool | None:
+        """Thinking asked on or off: ``chat_template_kwargs.enable_thinking`` (the templates'
+        own switch) wins, else reasoning_effort (none/minimal: off, low/medium/high: on);
+        None when the request says nothing (the template's default)."""
+        explicit = (self.chat_template_kwargs or {}).get("enable_thinking")
+        if explicit is not None:
+            return bool(explicit)
+        if self.reasoning_effort is not None:
+            return self.reasoning_effort not in ("none", "minimal")
+        return None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template is given beyond the messages and tools: the request's
+        chat_template_kwargs, with enable_thinking set from reasoning_effort when only that was sent."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        thinking = self.enable_thinking
+        if thinking is not None:
+            kwargs["enable_thinking"] = thinking
+        return kwargs
 
     @property
     def effective_tool_choice(self) -> str | NamedToolChoice:
@@ -212,6 +252,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
         return self.prompt_logprobs
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
 def _choice_name(choice: Any) -> str:
     return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
 
@@ -220,6 +263,9 @@ class AssistantMessage(msgspec.Struct):
     content: str | None
     role: str = "assistant"
     tool_calls: list[ToolCall] = []
+    # The model's reasoning (a thinking model's <think> block): vLLM's older and newer names.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class TopLogprob(msgspec.Struct):
@@ -275,6 +321,8 @@ class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 
-from app.protocol.chat import ChatMessage
+from app.protocol.chat import ChatMessage, ToolDefinition
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -19,7 +19,12 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None  # shown to the template, as chat shows them
     return_token_strs: bool = False
+
+
+    def template_kwargs(self) -> dict[str, Any]:
+        return dict(self.chat_template_kwargs or {})
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

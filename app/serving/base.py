@@ -34,6 +34,7 @@ from app.input_processor import InputProcessor
 from app.logprobs import TokenTexts, prompt_logprobs
 from app.lora_adapters import LoRARegistry
 from app.output_processor import RequestOutput
+from app.parsing.detect import detect_reasoning_parser, detect_tool_call_parser, resolve
 from app.protocol.chat import ChatCompletionRequest
 from app.protocol.common import ModelCard, ModelList, UsageInfo, now, random_id
 from app.protocol.completions import CompletionRequest
@@ -101,16 +102,19 @@ class OpenAIServing:
         chat_template: str | None = None,
         model_aliases: Sequence[str] = (),
         enable_auto_tool_choice: bool = False,
-        tool_call_parser: str | None = None,
+        tool_call_parser: str | None = "auto",
         stream_stall_timeout: float | None = None,
         loras: LoRARegistry | None = None,
+        reasoning_parser: str | None = "auto",
     ) -> None:
         self.engine = engine
         # The LoRA adapters requests may name as their model (app/lora_adapters.py).
         self.loras = loras if loras is not None else LoRARegistry(None, served_model_name)
         self.stream_stall_timeout = stream_stall_timeout
-        # tool_choice "auto" needs both (--enable-auto-tool-choice --tool-call-parser), as in vLLM.
-        self.tool_call_parser = tool_call_parser if enable_auto_tool_choice else None
+        # --tool-call-parser / --reasoning-parser as given ("auto": read from the chat template in use;
+        # enable_auto_tool_choice, vLLM's switch, is accepted and changes nothing: tools always work).
+        self.tool_call_parser_setting = tool_call_parser
+        self.reasoning_parser_setting = reasoning_parser
         self.served_model_name = served_model_name
         # Other names requests may use (not listed by /v1/models, which would
         # show one model twice); responses always carry the served name.
@@ -118,12 +122,24 @@ class OpenAIServing:
         self.max_model_len = max_model_len
         # The server-wide --chat-template; a request's own chat_template wins.
         self.chat_template = chat_template if chat_template is not None else engine.chat_template
+        self.tool_call_parser, self.reasoning_parser = self.parsers_for(None)
         self.created = now()
         self.token_texts = TokenTexts(engine.input_processor.tokenizer)
 
     @property
     def input_processor(self) -> InputProcessor:
         return self.engine.input_processor
+
+    def parsers_for(self, request_template: str | None) -> tuple[str | None, str | None]:
+        """(tool-call parser, reasoning parser) of a request: as set, or, where "auto", what the
+        template in use shows (a request's own chat_template, else the server's or the model's)."""
+        template = request_template if request_template is not None else self.chat_template
+        if template is None:
+            template = getattr(self.input_processor.tokenizer, "chat_template", None)
+        return (
+            resolve(self.tool_call_parser_setting, detect_tool_call_parser(template)),
+            resolve(self.reasoning_parser_setting, detect_reasoning_parser(template)),
+        )
 
     # ------------------------------------------------------------------ models
 
@@ -231,10 +247,9 @@ class OpenAIServing:
         messages = [m.to_template_dict() for m in req.messages]
         template = req.chat_template if req.chat_template is not None else self.chat_template
         add_special = bool(req.add_special_tokens)
-        kwargs = dict(req.chat_template_kwargs or {})
-        tools = getattr(req, "tools", None)
-        if tools and getattr(req, "tool_choice", None) != "none":
-            kwargs["tools"] = [t.to_template_dict() for t in tools]
+        kwargs = req.template_kwargs()
+        if req.tools:  # shown to the template whenever given (tool_choice "none" too, as OpenAI's)
+            kwargs["tools"] = [t.to_template_dict() for t in req.tools]
         try:
             return self.input_processor.apply_chat_template(
                 messages, template, req.add_generation_prompt, add_special, **kwargs

@@ -1,7 +1,9 @@
-"""Tool calling on chat: forced calls through a grammar, the Hermes parser, streamed deltas.
+"""Tool calling on chat: forced calls through a grammar, an explicitly chosen parser, streamed deltas.
 
 Over HTTP with the official openai client on the embedded stories260K (the
-in-process engine), and the parsers on their own.
+in-process engine) under a made-up template; the families' own syntaxes on
+real vocabularies and templates are in test_chat_formats_e2e.py, the parsers
+alone in tests/unit/test_tool_parsers.py.
 """
 
 from __future__ import annotations
@@ -15,11 +17,9 @@ import pytest
 
 from app.protocol.chat import ChatCompletionRequest
 from app.parsing.tool_calls import (
-    HermesStream,
     RequiredCallStream,
     forced_call_constraint,
     parse_forced,
-    parse_hermes,
 )
 from core.models.default_model import DEFAULT_MODEL_DIR
 from tests.support.http import MODEL, assert_openai_error, make_engine, running_server
@@ -52,7 +52,7 @@ TOOL_TEMPLATE = (
 @pytest.fixture
 async def served():
     engine = make_engine(str(DEFAULT_MODEL_DIR), chat_template=TOOL_TEMPLATE, max_model_len=256)
-    async with running_server(engine, enable_auto_tool_choice=True, tool_call_parser="hermes") as (client, base):
+    async with running_server(engine, tool_call_parser="hermes") as (client, base):
         async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0) as oai:
             yield client, oai
 
@@ -126,15 +126,20 @@ async def test_auto_tool_choice_parses_hermes_calls(served) -> None:
 
 
 async def test_tool_choice_none_and_auto_without_a_parser(served) -> None:
+    """tool_choice none never calls; with no parser for the template (a made-up one, no
+    flag given) tool_choice auto is answered in plain text, not refused."""
     client, oai = served
     out = await oai.chat.completions.create(
         model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=8, temperature=0
     )
     assert out.choices[0].message.content and not out.choices[0].message.tool_calls
-    engine = make_engine(str(DEFAULT_MODEL_DIR), chat_template=TOOL_TEMPLATE)
+    engine = make_engine(str(DEFAULT_MODEL_DIR), chat_template=TOOL_TEMPLATE, max_model_len=256)
     async with running_server(engine) as (plain, _):
-        r = await plain.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "tools": TOOLS})
-        assert_openai_error(r, 400, "BadRequestError", "--enable-auto-tool-choice")
+        body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 8, "temperature": 0}
+        r = await plain.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["message"]["content"] == out.choices[0].message.content and not choice["message"]["tool_calls"]
     r = await client.post("/v1/chat/completions", json={
         "model": MODEL, "messages": MESSAGES, "tools": TOOLS,
         "tool_choice": {"type": "function", "function": {"name": "nope"}},
@@ -161,22 +166,6 @@ async def test_tool_calls_and_results_reach_the_template(served) -> None:
 
 
 # ------------------------------------------------------------------ the parsers alone
-
-
-def test_hermes_parser_whole_and_in_any_pieces() -> None:
-    text = 'Sure. <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "g", "arguments": {}}</tool_call>'
-    content, calls = parse_hermes(text)
-    assert content == "Sure." and [(c.function.name, c.function.arguments) for c in calls] == [("f", '{"a": 1}'), ("g", "{}")]
-    assert parse_hermes("no calls here") == ("no calls here", [])
-    assert parse_hermes("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
-    for size in (1, 3, 7, len(text)):
-        stream, content, deltas = HermesStream(), "", []
-        pieces = [text[i : i + size] for i in range(0, len(text), size)]
-        for k, piece in enumerate(pieces):
-            c, d = stream.feed(piece, k == len(pieces) - 1)
-            content, deltas = content + c, deltas + d
-        assert content.strip() == "Sure."
-        assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [(0, "f", '{"a": 1}'), (1, "g", "{}")]
 
 
 def test_required_stream_splits_the_array_into_calls() -> None:

@@ -1,0 +1,92 @@
+"""Llama 3.x calls: ``{"name": ..., "parameters": {...}}`` as the whole answer.
+
+The Llama 3.1/3.2 templates ask for "JSON for a function call" in the format
+``{"name": function name, "parameters": dictionary of argument name and its
+value}`` and write a past call back that way. The model may put
+``<|python_tag|>`` first (a special token: in the text only when special
+tokens are decoded) and may write several calls separated by ``;``. So an
+output is calls when it starts with ``{`` (or has ``<|python_tag|>``, the
+text before it being the answer); each call is sent once its object closes.
+An object that is not a call of a known tool, and any text after the calls
+begin, are content only while no call was found.
+"""
+
+from __future__ import annotations
+
+import json
+
+from app.parsing.text import held_back
+from app.parsing.tool_parsers.base import IdFactory, JsonSpan, ToolCallStream, ToolSchemas, call_of, new_tool_call_id
+from app.protocol.chat import DeltaToolCall
+
+PYTHON_TAG = "<|python_tag|>"
+
+
+class Llama3JsonStream(ToolCallStream):
+    def __init__(self, tools: ToolSchemas | None = None, new_id: IdFactory = new_tool_call_id) -> None:
+        super().__init__(tools, new_id)
+        self.buffer = ""
+        self.state = "start"  # start -> calls | text (-> calls at a python tag)
+        self.span: JsonSpan | None = None
+
+    def feed(self, text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
+        self.buffer += text
+        content, deltas = "", []
+        while True:
+            if self.state == "start":
+                head = self.buffer.lstrip()
+                if head.startswith(PYTHON_TAG) or head.startswith("{"):
+                    self.state = "calls"
+                elif not finished and (not head or PYTHON_TAG.startswith(head)):
+                    break  # too early to tell
+                else:
+                    self.state = "text"
+            if self.state == "text":
+                at = self.buffer.find(PYTHON_TAG)
+                if at < 0:
+                    keep = 0 if finished else held_back(self.buffer, PYTHON_TAG)
+                    if self.num_calls == 0:
+                        content += self.buffer[: len(self.buffer) - keep]
+                    self.buffer = self.buffer[len(self.buffer) - keep :]
+                    break
+                if self.num_calls == 0:
+                    content += self.buffer[:at].rstrip()
+                self.buffer = self.buffer[at:]
+                self.state = "calls"
+            # calls: objects, with separators and python tags between them
+            if self.span is None:
+                rest = self.buffer.lstrip().lstrip(";").lstrip()
+                while rest.startswith(PYTHON_TAG):
+                    rest = rest[len(PYTHON_TAG) :].lstrip().lstrip(";").lstrip()
+                self.buffer = rest
+                if not rest or (not finished and PYTHON_TAG.startswith(rest)):
+                    if finished:
+                        self.buffer = ""
+                    break
+                if not rest.startswith("{"):
+                    self.state = "text"  # no further call: what follows is not a call
+                    continue
+                self.span = JsonSpan()
+            end = self.span.end(self.buffer)
+            if end is None and not finished:
+                break
+            body = self.buffer if end is None else self.buffer[:end]
+            self.buffer = "" if end is None else self.buffer[end:]
+            self.span = None
+            call = self._call(body)
+            if call is None:
+                self.state = "text"
+                if self.num_calls == 0:
+                    content += body
+            else:
+                deltas.append(self.head(*call))
+            if end is None:
+                break
+        return content, deltas
+
+    def _call(self, body: str) -> tuple[str, str] | None:
+        try:
+            call = call_of(json.loads(body), ("parameters", "arguments"))
+        except ValueError:
+            return None
+        return call if call is not None and self.known(call[0]) else None
