@@ -149,6 +149,11 @@ class OpenAIServingResponses:
         self, req: ResponsesRequest, messages: list[ChatMessage], tools: list[FunctionTool]
     ) -> ChatCompletionRequest:
         names = {t.name for t in tools}
+        tool_choice = _chat_tool_choice(req.tool_choice, names)
+        response_format = _response_format(req.text)
+        if response_format is not None and tools and (tool_choice == "required" or isinstance(tool_choice, NamedToolChoice)):
+            # The output is a call, not text: text.format has nothing to shape (as OpenAI's).
+            response_format = None
         chat = ChatCompletionRequest(
             messages=messages,
             model=req.model,
@@ -164,9 +169,9 @@ class OpenAIServingResponses:
             priority=req.priority,
             cache_salt=req.cache_salt,
             tools=[_chat_tool(t) for t in tools] or None,
-            tool_choice=_chat_tool_choice(req.tool_choice, names),
+            tool_choice=tool_choice,
             parallel_tool_calls=req.parallel_tool_calls,
-            response_format=_response_format(req.text),
+            response_format=response_format,
             chat_template_kwargs=None if req.thinking is None else {"enable_thinking": req.thinking},
         )
         with _responses_params():
