@@ -200,7 +200,7 @@ class OpenAIServingResponses:
             for i, call in enumerate(parsed.tool_calls)
         ]))
         assembler.finish(out.finish_reason == "length")
-        response = self._response(turn, gen, assembler.items, out)
+        response = self._response(turn, gen, assembler.items, out, parsed.reasoning_tokens)
         body_bytes = _encoder.encode(response)
         await self._keep(turn, response, body_bytes)
         return Response(body_bytes, media_type="application/json")
@@ -223,7 +223,8 @@ class OpenAIServingResponses:
             assert last is not None and last.finished, "the engine's output ended unfinished"
             for event in assembler.finish(last.finish_reason == "length"):
                 yield event
-            response = self._response(turn, gen, assembler.items, last)
+            reasoning_tokens = gen.parsers[gen.choices[0].index].parsed().reasoning_tokens
+            response = self._response(turn, gen, assembler.items, last, reasoning_tokens)
             await self._keep(turn, response, _encoder.encode(response))
             kind = "response.completed" if response.status == "completed" else "response.incomplete"
             yield events.event(kind, response=response)
@@ -231,7 +232,7 @@ class OpenAIServingResponses:
             error = as_openai_error(exc)
             code = "server_error" if error.status >= 500 else "invalid_request"
             yield events.event("error", code=code, message=error.message, param=error.param)
-            failed = self._response(turn, gen, assembler.items, last, ResponseError(code, error.message))
+            failed = self._response(turn, gen, assembler.items, last, error=ResponseError(code, error.message))
             yield events.event("response.failed", response=failed)
 
     async def input_tokens(self, body: bytes) -> Response:
@@ -259,10 +260,13 @@ class OpenAIServingResponses:
         gen: ChatGeneration,
         items: list[OutputItem],
         out: RequestOutput | None,
+        reasoning_tokens: int | None = None,
         error: ResponseError | None = None,
     ) -> ResponseObject:
         """The response object: in progress (``out`` None), failed (``error``), else
-        completed, or incomplete when the output was cut by max_output_tokens."""
+        completed, or incomplete when the output was cut by max_output_tokens.
+        ``reasoning_tokens``: None where they cannot be counted (a ``</think>`` of several
+        tokens, see OpenAIServingChat.think_end_token), reported as 0."""
         req = turn.req
         usage = incomplete = None
         if error is not None:
@@ -280,7 +284,7 @@ class OpenAIServingResponses:
                 output_tokens=out.num_output_tokens,
                 total_tokens=prompt + out.num_output_tokens,
                 input_tokens_details=InputTokensDetails(out.num_cached_tokens),
-                output_tokens_details=OutputTokensDetails(0),  # the parsers do not count reasoning tokens
+                output_tokens_details=OutputTokensDetails(reasoning_tokens or 0),
             )
         return ResponseObject(
             id=turn.response_id,

@@ -63,6 +63,23 @@ async def served(tmp_path_factory):
             yield client, oai, store
 
 
+# A template that opens the model's reasoning in the prompt (Qwen3's way), closed when thinking is off.
+THINK_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% else %}<think>{% endif %}{% endif %}"
+)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def thinking(tmp_path_factory):
+    """A server whose template shows a reasoning model (the reasoning parser is picked from it)."""
+    engine = make_engine(str(DEFAULT_MODEL_DIR), chat_template=THINK_TEMPLATE, max_model_len=256)
+    store = ResponsesStore(tmp_path_factory.mktemp("responses") / "store.sqlite3")
+    async with running_server(engine, responses_store=store) as (_, base):
+        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0) as oai:
+            yield oai
+
+
 async def _chat(oai: openai.AsyncOpenAI, messages: list[dict], **body: Any) -> Any:
     return await oai.chat.completions.create(model=MODEL, messages=messages, temperature=0, **body)
 
@@ -374,3 +391,27 @@ async def test_agents_sdk_runs_a_function_tool_to_a_final_output(served) -> None
     assert isinstance(result.final_output, Answer)
     kinds = [item.type for item in result.new_items]
     assert kinds == ["tool_call_item", "tool_call_output_item", "message_output_item"], kinds
+
+
+async def test_reasoning_comes_back_as_a_reasoning_item(thinking) -> None:
+    """The output starts inside the reasoning the template opened: cut before any </think>,
+    it is all reasoning, as chat's reasoning_content; with reasoning.effort "none" the
+    template closes it and the output is the answer."""
+    oai = thinking
+    body = dict(model=MODEL, input="Once upon a time", temperature=0, max_output_tokens=12)
+    whole = await oai.responses.create(**body)
+    chat = await _chat(oai, [{"role": "user", "content": "Once upon a time"}], max_tokens=12)
+    reasoning = chat.choices[0].message.model_extra["reasoning_content"]
+    (item,) = whole.output
+    assert item.type == "reasoning" and item.id.startswith("rs_") and item.status == "incomplete"
+    assert [c.text for c in item.content] == [reasoning] and reasoning
+    assert whole.output_text == "" and whole.status == "incomplete"
+    events, final = await _streamed(oai, **body)
+    _check_events(events)
+    assert _items(final) == _items(whole)
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
+    off = await oai.responses.create(**body, reasoning={"effort": "none"})
+    chat_off = await _chat(oai, [{"role": "user", "content": "Once upon a time"}], max_tokens=12,
+                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert [i.type for i in off.output] == ["message"]
+    assert off.output_text == chat_off.choices[0].message.content and off.output_text
