@@ -125,6 +125,9 @@ class EngineCore:
         structured = request.sampling_params.structured_outputs
         if structured is not None:  # its grammar starts compiling on the pool now
             built.structured = self.structured_output_manager.new_request(structured)
+        reasoning = request.sampling_params.reasoning
+        if reasoning is not None and (structured is not None or reasoning.budget is not None):
+            built.reasoning = reasoning  # else the reasoning changes nothing the engine does
         return built
 
     def add_request(self, request: Request) -> None:

@@ -134,6 +134,22 @@ class StructuredOutputsParams(
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
+class ReasoningParams(
+    msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True
+):
+    """The request's output starts inside the model's reasoning (``<think>`` opened by the
+    prompt), which ends where ``end_token_id`` (``</think>``, say) is sampled.
+
+    Its structured-output grammar, if any, neither masks nor advances on the
+    reasoning tokens nor on the end token itself: it applies from the token
+    after. With ``budget``, a request that has generated that many tokens
+    while still reasoning gets ``end_token_id`` as its next token, forced.
+    """
+
+    end_token_id: int
+    budget: int | None = None
+
+
 class SamplingParams(
     msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True
 ):
@@ -170,6 +186,8 @@ class SamplingParams(
     prompt_logprobs: int | None = None
     # Constrained decoding: the engine masks every token its grammar rejects.
     structured_outputs: StructuredOutputsParams | None = None
+    # The output begins inside the model's reasoning: grammars wait for its end, a budget caps it.
+    reasoning: ReasoningParams | None = None
 
     @property
     def greedy(self) -> bool:
@@ -229,6 +247,9 @@ class SamplingParams(
             so.kind()
             if so.choice is not None and (not so.choice or any(not c for c in so.choice)):
                 raise ValueError("structured_outputs.choice must list non-empty strings.")
+        reasoning = self.reasoning
+        if reasoning is not None and reasoning.budget is not None and reasoning.budget < 0:
+            raise ValueError(f"reasoning budget must be at least 0, got {reasoning.budget}.")
 
     def token_ids_to_check(self) -> dict[str, list[int]]:
         """Every token id this request names, by the parameter that names it."""
@@ -237,6 +258,7 @@ class SamplingParams(
             "logit_bias": list(self.logit_bias or ()),
             "allowed_token_ids": self.allowed_token_ids or [],
             "bad_words": [t for word in self.bad_words_token_ids for t in word],
+            "reasoning": [self.reasoning.end_token_id] if self.reasoning is not None else [],
         }
 
 

@@ -21,6 +21,7 @@ from core.protocol import (
     FinishReason,
     LoRARequest,
     PoolingParams,
+    ReasoningParams,
     SamplingParams,
 )
 from core.structured.request import StructuredOutputRequest
@@ -138,6 +139,10 @@ class Request:
         self.block_hashes: list[bytes] = []
         # Its grammar and matcher when it has structured outputs (set by the engine).
         self.structured: StructuredOutputRequest | None = None
+        # While its output is inside the model's reasoning and that matters (a grammar waits
+        # for its end, or a budget caps it): its ReasoningParams; None once the end token is
+        # among the output tokens (set by the engine; core/structured/reasoning.py).
+        self.reasoning: ReasoningParams | None = None
         if block_hasher is not None:
             self.set_block_hasher(block_hasher)
 

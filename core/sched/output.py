@@ -71,6 +71,9 @@ class SchedulerOutput:
     # token: xgrammar's layout), which the runner applies to their logits.
     grammar_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: torch.Tensor | None = None
+    # Reasoning budgets (core/structured/reasoning.py): (request, its nth row this step, token)
+    # for each row whose token is forced; the runner masks every other token of that row.
+    forced_token_ids: list[tuple[str, int, int]] = field(default_factory=list)
     # Speculative decoding: the draft tokens scheduled for verification, by request.
     # They follow the request's known tokens and are counted in num_scheduled_tokens;
     # the runner samples one more token than it was given drafts.

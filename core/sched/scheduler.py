@@ -67,9 +67,19 @@ from core.sched.output import (
 )
 from core.sched.request_queue import create_request_queue
 from core.structured.manager import StructuredOutputManager
+from core.structured.reasoning import forced_rows, rows_in_reasoning
+from core.structured.reasoning import valid_drafts as valid_reasoning_drafts
 from core.utils import cdiv
 
 _RUNNING = RequestStatus.RUNNING
+_NO_DRAFTS: list[int] = []
+
+
+def _budget_reached(request: Request, placeholders: int) -> bool:
+    """Whether the next token of a request inside a reasoning, after the ``placeholders`` in
+    flight, is one its budget forces (if none of those ends the reasoning)."""
+    budget = request.reasoning.budget  # type: ignore[union-attr]
+    return budget is not None and request.num_output_tokens + placeholders >= budget
 _NO_BLOCK_IDS: tuple[int, ...] = ()
 
 
@@ -290,23 +300,52 @@ class Scheduler:
         # on the scheduler treats the scheduled tokens as computed, and a step
         # that reaches the end of the known tokens owes one sampled token.
         num_scheduled = plan.num_scheduled_tokens
-        grammar_requests: list[Request] = []
+        guided: list[Request] = []
         for requests in (plan.running, plan.new):
             for request in requests:
                 computed = request.num_computed_tokens + num_scheduled[request.request_id]
                 request.num_computed_tokens = computed
                 if computed >= len(request.all_token_ids) + request.num_output_placeholders:
                     request.num_output_placeholders += 1
-                    if request.structured is not None:
-                        grammar_requests.append(request)
-        if grammar_requests:
-            # A row per request, and one more per draft it verifies (the mask after that draft).
-            drafts = [plan.spec_tokens.get(r.request_id, []) for r in grammar_requests]
-            output.grammar_req_ids = [r.request_id for r, d in zip(grammar_requests, drafts) for _ in range(len(d) + 1)]
-            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
-                grammar_requests, drafts if any(drafts) else None
-            )
+                    if request.structured is not None or request.reasoning is not None:
+                        guided.append(request)
+        if guided:
+            self._guide(output, guided, plan.spec_tokens)
         return output
+
+    def _guide(self, output: SchedulerOutput, requests: list[Request], spec_tokens: dict[str, list[int]]) -> None:
+        """The masks of the step's sampling requests that have a grammar or are inside a
+        reasoning that matters: a bitmask row for each row of those whose grammar applies
+        (a row, and one more per draft verified: the mask after that draft; all ones for
+        rows still inside the reasoning), and the rows whose token a budget forces."""
+        grammar: list[Request] = []
+        grammar_drafts: list[list[int]] = []
+        skips: list[int] = []
+        row_ids: list[str] = []
+        forced: list[tuple[str, int, int]] = []
+        for request in requests:
+            req_id = request.request_id
+            drafts = spec_tokens.get(req_id, _NO_DRAFTS)
+            skip = 0
+            reasoning = request.reasoning
+            if reasoning is not None:
+                skip = rows_in_reasoning(reasoning, drafts)
+                # The placeholder just counted is the token of this step's first row.
+                num_output = request.num_output_tokens + request.num_output_placeholders - 1
+                end = reasoning.end_token_id
+                forced.extend((req_id, j, end) for j in forced_rows(reasoning, num_output, skip))
+            if request.structured is not None and skip <= len(drafts):  # some row under the grammar
+                grammar.append(request)
+                grammar_drafts.append(drafts[skip:] if skip else drafts)
+                skips.append(skip)
+                row_ids.extend([req_id] * (len(drafts) + 1))
+        if grammar:
+            output.grammar_req_ids = row_ids
+            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+                grammar, grammar_drafts if any(grammar_drafts) else None, skips if any(skips) else None
+            )
+        if forced:
+            output.forced_token_ids = forced
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         """Decodes and unfinished prefill chunks of running requests, in order."""
@@ -319,11 +358,13 @@ class Scheduler:
             placeholders = request.num_output_placeholders
             num_tokens = len(request.all_token_ids) + placeholders
             # A request under a grammar waits for its token in flight: its next
-            # bitmask depends on it.
+            # bitmask depends on it. So does one whose reasoning budget may force its next
+            # token, unless the token in flight ends the reasoning.
             if placeholders and (
                 request.structured is not None
                 or request.num_output_tokens + placeholders >= request.sampling_params.max_tokens
                 or num_tokens >= max_model_len
+                or (request.reasoning is not None and _budget_reached(request, placeholders))
             ):
                 req_index += 1  # the token in flight is its last one
                 continue
@@ -476,8 +517,13 @@ class Scheduler:
                 max_model_len - request.num_tokens, request.sampling_params.max_tokens - request.num_output_tokens
             ) - 1
             drafts = drafts[:room] if room > 0 else []
-            if drafts and request.structured is not None:
-                drafts = request.structured.valid_drafts(drafts)
+            if drafts:
+                if request.reasoning is not None:
+                    drafts = valid_reasoning_drafts(
+                        request.reasoning, request.structured, request.num_output_tokens, drafts
+                    )
+                elif request.structured is not None:
+                    drafts = request.structured.valid_drafts(drafts)
             request.spec_token_ids = drafts
 
     def update_from_output(
@@ -533,10 +579,10 @@ class Scheduler:
                 num_accepted = len(new_token_ids) - 1
                 request.num_computed_tokens -= len(drafts) - num_accepted
                 self.spec_stats.observe(len(drafts), num_accepted)  # type: ignore[union-attr]
-            structured = request.structured
+            guided = request.structured is not None or request.reasoning is not None
             for k, token_id in enumerate(new_token_ids):
                 request.append_output_token_ids(token_id)
-                if (structured is not None and self._grammar_stops(request, token_id)) or self._check_stop(request):
+                if (guided and self._guided_stops(request, token_id)) or self._check_stop(request):
                     new_token_ids = new_token_ids[: k + 1]
                     stopped.add(req_id)
                     self._free_request(request)
@@ -581,6 +627,27 @@ class Scheduler:
                 engine_outputs[0] = first = EngineCoreOutputs(timestamp=now)
             first.scheduler_stats = stats
         return engine_outputs
+
+    @classmethod
+    def _guided_stops(cls, request: Request, token_id: int) -> bool:
+        """Follow a token of a request with a grammar or inside a reasoning; True (status set)
+        when that ends it. A token inside the reasoning, the end token included, does not
+        reach the grammar."""
+        reasoning = request.reasoning
+        if reasoning is None:  # ended (maybe earlier in this step's tokens)
+            return request.structured is not None and cls._grammar_stops(request, token_id)
+        if token_id == reasoning.end_token_id:
+            request.reasoning = None  # the grammar, if any, applies from the next token on
+        elif reasoning.budget is not None and request.num_output_tokens > reasoning.budget:
+            # The row was forced to the end token: only another constraint masking it too
+            # (allowed_token_ids, bad words) can have left nothing to sample.
+            request.status = RequestStatus.FINISHED_ERROR
+            request.stop_reason = (
+                f"The reasoning budget forced token {reasoning.end_token_id}, which the request's "
+                "other constraints exclude."
+            )
+            return True
+        return False
 
     @staticmethod
     def _grammar_stops(request: Request, token_id: int) -> bool:

@@ -30,7 +30,7 @@ from core.worker.input_batch import InputBatch
 from core.worker.logprobs import gather_logprobs
 from core.worker.prompt_logprobs import PromptLogprobs
 from core.worker.sampler import SamplingMetadata, target_distribution
-from core.worker.staging import Staged, Stager, apply_grammar
+from core.worker.staging import Staged, Stager, apply_grammar, force_tokens
 
 
 class Speculator:
@@ -94,6 +94,8 @@ class Speculator:
         logits_rows = np.repeat(sample_rows, num_rows)  # each logits row's batch row
         if so.grammar_bitmask is not None:  # a row per logits row of the requests under a grammar
             apply_grammar(so, staged, logits, starts)
+        if so.forced_token_ids:  # rows whose token a reasoning budget forces
+            force_tokens(so, staged, logits, starts)
         md = sampling.metadata(logits_rows, batch.num_tokens, batch.token_ids, drafts_before)
         target = target_distribution(logits, md)
         # The draft each row checks: the token after the ones it follows (-1 on the last row).

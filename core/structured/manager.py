@@ -114,11 +114,14 @@ class StructuredOutputManager:
 
     # ------------------------------------------------------------ steps
 
-    def grammar_bitmask(self, requests: Sequence[Request], drafts: list[list[int]] | None = None) -> torch.Tensor:
+    def grammar_bitmask(
+        self, requests: Sequence[Request], drafts: list[list[int]] | None = None, skips: list[int] | None = None
+    ) -> torch.Tensor:
         """The next-token bitmask of each request (which have matchers), row i for requests[i];
-        with ``drafts``, a row more for each of request i's drafts (after accepting the ones before)."""
+        with ``drafts``, a row more for each of request i's drafts (after accepting the ones before);
+        ``skips[i]`` rows allowing every token before request i's (rows still inside its reasoning)."""
         matchers = [r.structured.matcher for r in requests]  # type: ignore[union-attr]
-        return self._get_backend().bitmask(matchers, drafts)
+        return self._get_backend().bitmask(matchers, drafts, skips)
 
     def shutdown(self) -> None:
         if self._pool is not None:

@@ -113,14 +113,19 @@ class XgrammarBackend:
             words[token // 32] &= ~(bit - (1 << 32) if bit >= 1 << 31 else bit)  # as int32
         return not bool(words.any())
 
-    def bitmask(self, matchers: list[Any], drafts: list[list[int]] | None = None) -> torch.Tensor:
+    def bitmask(
+        self, matchers: list[Any], drafts: list[list[int]] | None = None, skips: list[int] | None = None
+    ) -> torch.Tensor:
         """[rows, ceil(vocab / 32)] int32: bit t of a row allows token t. A row per matcher,
         or with ``drafts`` (speculative decoding) len(drafts[i]) + 1 rows for matcher i: its
-        mask now, then after each of its drafts (which it must accept; it is rolled back)."""
+        mask now, then after each of its drafts (which it must accept; it is rolled back).
+        ``skips[i]`` rows allowing every token come first (the grammar does not apply yet)."""
         drafts = drafts or [[] for _ in matchers]
-        mask = xgr.allocate_token_bitmask(sum(len(d) + 1 for d in drafts), self.vocab_size)
+        skips = skips or [0] * len(matchers)
+        mask = xgr.allocate_token_bitmask(sum(len(d) + 1 for d in drafts) + sum(skips), self.vocab_size)
         row = 0
-        for matcher, tokens in zip(matchers, drafts):
+        for matcher, tokens, skip in zip(matchers, drafts, skips):
+            row += skip  # allocated all ones
             matcher.fill_next_token_bitmask(mask, row)
             row += 1
             for token_id in tokens:

@@ -252,9 +252,7 @@ def apply_grammar(
     from core.structured.xgrammar_backend import apply_token_bitmask
 
     assert so.grammar_bitmask is not None
-    sample = staged.sample
-    positions = range(sample.size) if logits_rows is None else logits_rows.tolist()
-    row_of = {staged.req_ids[i]: k for i, k in zip(sample.tolist(), positions)}
+    row_of = _first_logits_rows(staged, logits_rows)
     # A request verifying drafts is listed once per row: its rows follow one another.
     rows: list[int] = []
     seen: dict[str, int] = {}
@@ -268,3 +266,34 @@ def apply_grammar(
         rows, bitmask = [rows[k] for k in keep], bitmask[keep]
     if rows:
         apply_token_bitmask(logits, bitmask, rows)
+
+
+def force_tokens(
+    so: SchedulerOutput, staged: Staged, logits: torch.Tensor, logits_rows: np.ndarray | None = None
+) -> None:
+    """Leave, in place, only the forced token to the rows a reasoning budget forces
+    (``so.forced_token_ids``): its logit is kept, every other one is -inf, as a grammar
+    allowing that one token would leave the row."""
+    row_of = _first_logits_rows(staged, logits_rows)
+    rows: list[int] = []
+    token_ids: list[int] = []
+    for req_id, nth, token_id in so.forced_token_ids:
+        first = row_of.get(req_id)
+        if first is not None:  # else not sampled this step after all
+            rows.append(first + nth)
+            token_ids.append(token_id)
+    if not rows:
+        return
+    rows_t = torch.tensor(rows, device=logits.device)
+    token_ids_t = torch.tensor(token_ids, device=logits.device)
+    kept = logits[rows_t, token_ids_t]
+    logits[rows_t] = float("-inf")
+    logits[rows_t, token_ids_t] = kept
+
+
+def _first_logits_rows(staged: Staged, logits_rows: np.ndarray | None) -> dict[str, int]:
+    """The first logits row of each request that samples (``logits_rows[k]`` that of
+    ``staged.sample[k]``; default: k)."""
+    sample = staged.sample
+    positions = range(sample.size) if logits_rows is None else logits_rows.tolist()
+    return {staged.req_ids[i]: k for i, k in zip(sample.tolist(), positions)}

@@ -1,7 +1,7 @@
 """Sampling a step in which no request verifies drafts, and reporting its tokens.
 
 Each request that reaches the end of its known tokens gets one logits row:
-grammars mask it, the sampler draws from it, and the token is appended to the
+grammars mask it (a reasoning budget may force it), the sampler draws from it, and the token is appended to the
 persistent batch. On a GPU the ids stay on the device (core/worker/async_output.py):
 the batch gets placeholders, the next step reads its inputs from the device,
 and the output is materialised when the engine reads it. (A step that
@@ -24,7 +24,7 @@ from core.worker.async_output import (
 from core.worker.input_batch import InputBatch
 from core.worker.prompt_logprobs import PromptLogprobs
 from core.worker.sampler import Sampler
-from core.worker.staging import Staged, apply_grammar
+from core.worker.staging import Staged, apply_grammar, force_tokens
 
 
 class StepSampler:
@@ -56,6 +56,8 @@ class StepSampler:
         sampling = batch.sampling
         if so.grammar_bitmask is not None:
             apply_grammar(so, staged, logits)
+        if so.forced_token_ids:
+            force_tokens(so, staged, logits)
         out = self.sampler(logits, sampling.metadata(sample_rows, batch.num_tokens, batch.token_ids))
         req_ids = staged.req_ids
         token_ids = out.token_ids
