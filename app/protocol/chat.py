@@ -40,7 +40,10 @@ class ToolDefinition(msgspec.Struct, kw_only=True):
     type: str = "function"
 
     def to_template_dict(self) -> dict[str, Any]:
-        return msgspec.to_builtins(self)
+        """As OpenAI's clients send a tool (type first, no field that was not given): templates
+        print the dict as it is (tojson), so its keys and their order are the prompt's."""
+        function = {k: v for k, v in msgspec.to_builtins(self.function).items() if v is not None}
+        return {"type": self.type, "function": function}
 
 
 class NamedFunction(msgspec.Struct):
