@@ -369,23 +369,37 @@ def chat_messages(instructions: str | None, history: list[InputItem], items: lis
     """The conversation as chat messages: instructions first (they are not carried over
     from earlier responses, as OpenAI's), then every item in order. Function calls join
     the assistant message before them (one assistant turn that says something and calls
-    tools); a function's output must answer a call made earlier in the conversation.
-    Reasoning items are not shown to the template (templates drop past reasoning)."""
+    tools); a function's output must answer a call made earlier in the conversation. A
+    reasoning item's text is the ``reasoning_content`` of the assistant turn after it
+    (templates that show past reasoning write it back); one with nothing readable in it
+    (encrypted, summaries only) is dropped."""
     messages = [ChatMessage("system", instructions)] if instructions else []
     calls: set[str] = set()
+    reasoning: list[str] = []  # waiting for the assistant turn it belongs to
+
+    def assistant_turn(message: ChatMessage) -> ChatMessage:
+        if reasoning and message.reasoning_content is None:
+            message.reasoning_content = "".join(reasoning)
+        reasoning.clear()
+        return message
+
     for i, item in enumerate([*history, *items]):
         where = f"input[{i - len(history)}]"
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
-            messages.append(ChatMessage(role, content_text(item.content)))
+            message = ChatMessage(role, content_text(item.content))
+            messages.append(assistant_turn(message) if role == "assistant" else message)
+            if role != "assistant":
+                reasoning.clear()
         elif isinstance(item, FunctionCallItem):
             calls.add(item.call_id)
             call = ToolCall(id=item.call_id, function=FunctionCall(item.name, item.arguments))
             last = messages[-1] if messages else None
             if last is not None and last.role == "assistant":
                 last.tool_calls = [*(last.tool_calls or ()), call]
+                assistant_turn(last)
             else:
-                messages.append(ChatMessage("assistant", None, tool_calls=[call]))
+                messages.append(assistant_turn(ChatMessage("assistant", None, tool_calls=[call])))
         elif isinstance(item, FunctionCallOutputItem):
             if item.call_id not in calls:
                 raise BadRequestError(
@@ -393,8 +407,10 @@ def chat_messages(instructions: str | None, history: list[InputItem], items: lis
                     f"{where}.call_id",
                 )
             messages.append(ChatMessage("tool", content_text(item.output), tool_call_id=item.call_id))
+            reasoning.clear()
         else:
             assert isinstance(item, ReasoningItem)
+            reasoning += [part.text for part in item.content or ()]
     return messages
 
 

@@ -31,7 +31,8 @@ TEMPLATE = (
     "{% if m.tool_calls %}<assistant>{{ m.content }}{% for c in m.tool_calls %}<call {{ c.id }} {{ c.function.name }} "
     "{{ c.function.arguments | tojson }}>{% endfor %}\n"
     "{% elif m.role == 'tool' %}<result {{ m.tool_call_id }}>{{ m.content }}\n"
-    "{% else %}<{{ m.role }}>{{ m.content }}\n{% endif %}{% endfor %}"
+    "{% else %}<{{ m.role }}>{% if m.reasoning_content %}[reasoning: {{ m.reasoning_content }}]{% endif %}"
+    "{{ m.content }}\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
 WEATHER = {
@@ -120,6 +121,25 @@ async def test_greedy_text_equals_chat(served, case) -> None:
     assert usage.total_tokens == usage.input_tokens + 16 and usage.output_tokens_details.reasoning_tokens == 0
     counted = await oai.responses.input_tokens.count(model=MODEL, input=given, **kwargs)
     assert counted.input_tokens == chat.usage.prompt_tokens
+
+
+async def test_reasoning_items_reach_the_template_with_their_assistant_turn(served) -> None:
+    _, oai, _ = served
+    items = [
+        {"role": "user", "content": "Hi"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Be nice."}]},
+        {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "x"}],
+         "encrypted_content": "opaque"},  # nothing readable: dropped
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello!"}]},
+        {"role": "user", "content": "Bye"},
+    ]
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello!", "reasoning_content": "Be nice."},
+                {"role": "user", "content": "Bye"}]
+    counted = await oai.responses.input_tokens.count(model=MODEL, input=items)
+    chat = await _chat(oai, messages, max_tokens=1)
+    without = await _chat(oai, [{**m, "reasoning_content": None} for m in messages], max_tokens=1)
+    assert counted.input_tokens == chat.usage.prompt_tokens > without.usage.prompt_tokens
 
 
 async def test_cached_tokens_come_from_the_prefix_cache(served) -> None:
@@ -415,3 +435,29 @@ async def test_reasoning_comes_back_as_a_reasoning_item(thinking) -> None:
                            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert [i.type for i in off.output] == ["message"]
     assert off.output_text == chat_off.choices[0].message.content and off.output_text
+
+
+async def test_a_failure_during_the_stream_ends_it_with_failed_events_and_stores_nothing(
+    tmp_path, monkeypatch
+) -> None:
+    """The engine's model step raises mid-stream (test-only fault injection): the stream
+    ends with an error event and response.failed carrying the output so far; nothing is
+    stored."""
+    from core.worker.faults import FAULT_ENV
+
+    monkeypatch.setenv(FAULT_ENV, "step:6")
+    engine = make_engine(str(DEFAULT_MODEL_DIR), chat_template=TEMPLATE, max_model_len=256)
+    store = ResponsesStore(tmp_path / "store.sqlite3")
+    async with running_server(engine, responses_store=store) as (_, base):
+        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0) as oai:
+            stream = await oai.responses.create(model=MODEL, input="Once upon a time", temperature=0,
+                                                max_output_tokens=40, stream=True)
+            events = [event async for event in stream]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-2].code == "server_error" and events[-2].message
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error.message == events[-2].message
+    assert [e.type for e in events[:3]] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert failed.output and failed.output[0].type == "message"
+    assert await store.count() == 0
