@@ -11,6 +11,7 @@ earlier response, with whatever fields that response carried.
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Any, ClassVar
 
@@ -238,10 +239,21 @@ def decode_items(raw: str | list[dict[str, Any]]) -> list[InputItem]:
         try:
             item = msgspec.convert(entry, item_type)
         except msgspec.ValidationError as exc:
-            raise BadRequestError(f"input[{i}]: {exc}", f"input[{i}]") from None
+            raise BadRequestError(f"input[{i}]: {exc}", error_path(f"input[{i}]", exc)) from None
         _check_item(item, i)
         items.append(item)
     return items
+
+
+_AT = re.compile(r" - at `\$([^`]*)`")
+_MISSING = re.compile(r"missing required field `([^`]+)`")
+
+
+def error_path(where: str, exc: msgspec.ValidationError) -> str:
+    """The field a msgspec error inside ``where`` is about (``input[2].content``)."""
+    at, missing = _AT.search(str(exc)), _MISSING.search(str(exc))
+    path = where + (at.group(1) if at is not None else "")
+    return f"{path}.{missing.group(1)}" if missing is not None else path
 
 
 def _check_item(item: InputItem, i: int) -> None:
@@ -257,11 +269,17 @@ def _check_item(item: InputItem, i: int) -> None:
     else:
         return
     for j, part in enumerate(parts):
+        if part.type in TEXT_PARTS and part_text(part) is None:
+            raise BadRequestError(f"input[{i}].{field}[{j}]: the {part.type} part has no text.",
+                                  f"input[{i}].{field}[{j}]")
         if part_text(part) is None:
             raise BadRequestError(
                 f"input[{i}].{field}[{j}]: only text parts can be read here, not {part.type!r}.",
                 f"input[{i}].{field}[{j}].type",
             )
+
+
+TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
 
 def part_text(part: ContentPart) -> str | None:

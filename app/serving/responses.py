@@ -70,6 +70,7 @@ from app.protocol.responses import (
     TextFormat,
     content_text,
     decode_items,
+    error_path,
     new_id,
 )
 from app.protocol.sampling import JsonSchemaFormat, ResponseFormat
@@ -113,6 +114,8 @@ class OpenAIServingResponses:
         self.chat._check_model(req.model)
         history = await self._history(req.previous_response_id)
         items = decode_items(req.input)
+        if not items and not history:
+            raise BadRequestError("input must not be empty.", "input")
         tools = self._function_tools(req.tools)
         messages = chat_messages(req.instructions, history, items)
         return Turn(req, history, items, tools, self._chat_request(req, messages, tools))
@@ -140,7 +143,7 @@ class OpenAIServingResponses:
             try:
                 function = msgspec.convert(tool, FunctionTool)
             except msgspec.ValidationError as exc:
-                raise BadRequestError(f"tools[{i}]: {exc}", f"tools[{i}]") from None
+                raise BadRequestError(f"tools[{i}]: {exc}", error_path(f"tools[{i}]", exc)) from None
             _check_function_tool(function, i)
             functions.append(function)
         return functions
