@@ -384,7 +384,8 @@ async def test_a_grammar_the_engine_refuses_stores_nothing(served) -> None:
     assert await store.count() == count
 
 
-async def test_agents_sdk_runs_a_function_tool_to_a_final_output(served) -> None:
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+async def test_agents_sdk_runs_a_function_tool_to_a_final_output(served, streamed) -> None:
     """The OpenAI Agents SDK's Responses model: tool_choice required makes the model call
     the tool (the SDK then resets tool_choice to auto), the tool runs, and the run ends with
     the agent's structured output (text.format json_schema). The SDK fails a run on an
@@ -411,7 +412,12 @@ async def test_agents_sdk_runs_a_function_tool_to_a_final_output(served) -> None
         model=OpenAIResponsesModel(model=MODEL, openai_client=oai),
         model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0),
     )
-    result = await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
+    if streamed:
+        result = Runner.run_streamed(agent, "What is the weather in Paris?", max_turns=4)
+        async for _ in result.stream_events():
+            pass
+    else:
+        result = await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
     assert len(calls) == 1 and calls[0] in ("paris", "rome")
     assert isinstance(result.final_output, Answer)
     kinds = [item.type for item in result.new_items]
