@@ -11,13 +11,14 @@ read errors as ``{"type": "error", "error": {"type", "message"}}``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from http import HTTPStatus
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from starlette.requests import Request
@@ -25,7 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from app.choices import Choice
-from app.errors import AuthenticationError, BadRequestError, OpenAIError, as_openai_error
+from app.errors import AuthenticationError, BadRequestError, OpenAIError, StreamTimeoutError, as_openai_error
 from app.output_processor import RequestOutput
 from app.parsing.output import OutputDelta
 from app.protocol.messages import (
@@ -57,7 +58,12 @@ from app.serving.base import Admit, decode_request, json_response
 from app.serving.chat import ChatGeneration, OpenAIServingChat
 from app.serving.sse import EventStreamResponse
 
+T = TypeVar("T")
+
 _encoder = msgspec.json.Encoder()
+# Seconds a stream may go without an event before a ping is sent: a long prompt's prefill, or a
+# server with every slot taken, shows the client the connection is alive.
+PING_INTERVAL_S = 10.0
 
 # Anthropic's error type for each HTTP status this server reports.
 _ERROR_TYPES = {
@@ -187,6 +193,43 @@ class MessageAssembler:
             self._open = False
 
 
+async def paced(
+    source: AsyncGenerator[T, None], ping_every: float, stall_timeout: float | None = None
+) -> AsyncGenerator[T | None, None]:
+    """The items of ``source``, with None (time for a ping) whenever ``ping_every`` seconds
+    pass without one; StreamTimeoutError once ``stall_timeout`` seconds pass without one
+    (--stream-stall-timeout, which pings must not defeat). Closing this closes ``source``,
+    so its requests are aborted."""
+    loop = asyncio.get_running_loop()
+    pending: asyncio.Future[T] | None = None
+    since = loop.time()
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(source.__anext__())
+                since = loop.time()
+            wait = ping_every if stall_timeout is None else min(ping_every, since + stall_timeout - loop.time())
+            await asyncio.wait((pending,), timeout=max(wait, 0.0))
+            if pending.done():
+                done, pending = pending, None
+                try:
+                    item = done.result()
+                except StopAsyncIteration:
+                    return
+                yield item
+            elif stall_timeout is not None and loop.time() - since >= stall_timeout:
+                raise StreamTimeoutError(
+                    f"No output for {stall_timeout:g} s (--stream-stall-timeout); the request was aborted."
+                )
+            else:
+                yield None
+    finally:
+        if pending is not None:
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        await source.aclose()
+
+
 def _tool_input(arguments: str) -> dict[str, Any]:
     try:
         value = json.loads(arguments)
@@ -214,8 +257,9 @@ def _usage(choice: Choice, out: RequestOutput) -> Usage:
 class ServingMessages:
     """The Messages API on top of the chat serving (its template, model names, parsers)."""
 
-    def __init__(self, chat: OpenAIServingChat) -> None:
+    def __init__(self, chat: OpenAIServingChat, ping_interval: float | None = None) -> None:
         self.chat = chat
+        self.ping_interval = PING_INTERVAL_S if ping_interval is None else ping_interval
 
     def _open(self, body: bytes) -> tuple[MessagesRequest, ChatCompletionRequest]:
         req = decode_request(body, MessagesRequest)
@@ -254,7 +298,8 @@ class ServingMessages:
         source = await self.chat.stream(gen)
         reply = _Reply(req, gen, message_id, self.chat.response_model(req.model), clamped)
         if req.stream:
-            return EventStreamResponse(reply.events(source), self.chat.stream_stall_timeout)
+            # The stall timeout is kept by ``paced`` (it ends the stream with an Anthropic error event).
+            return EventStreamResponse(reply.events(paced(source, self.ping_interval, self.chat.stream_stall_timeout)))
         async with contextlib.aclosing(source):
             async for choice, out, delta in source:
                 reply.add(choice, out, delta)
@@ -297,15 +342,23 @@ class _Reply:
         return MessageStart(Message(self.id, self.model, [], None, None, usage))
 
     async def events(
-        self, source: AsyncGenerator[tuple[Choice, RequestOutput, OutputDelta], None]
+        self, source: AsyncGenerator[tuple[Choice, RequestOutput, OutputDelta] | None, None]
     ) -> AsyncGenerator[bytes, None]:
-        """message_start once the prompt is in (its usage then knows the cached tokens), a
-        ping, the blocks' events, message_delta with the stop reason and the totals,
-        message_stop; a failure on the way becomes an ``error`` event."""
+        """message_start once the prompt is in (its usage then knows the cached tokens) or
+        when a ping is due before that, a ping, the blocks' events, message_delta with the
+        stop reason and the totals (which replace message_start's), message_stop; a ping for
+        each None of ``source`` (``paced``); a failure on the way becomes an ``error`` event."""
         started = False
         try:
             async with contextlib.aclosing(source):
-                async for choice, out, delta in source:
+                async for item in source:
+                    if item is None:
+                        if not started:
+                            yield sse(self._start())
+                            started = True
+                        yield sse(Ping())
+                        continue
+                    choice, out, delta = item
                     if not started:
                         self.last = out
                         yield sse(self._start())

@@ -9,6 +9,7 @@ messages (token counts); jsonschema (forced tool inputs, structured outputs).
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import anthropic
@@ -18,7 +19,10 @@ import pytest
 import pytest_asyncio
 from transformers import AutoTokenizer
 
+from app.errors import StreamTimeoutError
+from app.serving.messages import paced
 from core.models.default_model import DEFAULT_MODEL_DIR
+from tests.support.chat_models import write_chat_model
 from tests.support.http import MODEL, make_engine, running_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -384,3 +388,122 @@ async def test_malformed_bodies_are_400(served) -> None:
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
     r = await client.post("/v1/messages/count_tokens", content=b'{"model": "stories"}', headers={"x-api-key": KEY})
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------ a thinking model
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def qwen3(tmp_path_factory):
+    """A random Qwen3 with Qwen3's vocabulary and template: ``</think>`` is one token, so
+    budget_tokens caps the reasoning in the engine."""
+    model_dir = write_chat_model(tmp_path_factory.mktemp("qwen3"), "qwen3", "Qwen-Qwen3-0.6B.jinja")
+    engine = make_engine(str(model_dir), chat_template=None, max_model_len=512, dtype="float32")
+    async with running_server(engine) as (client, base):
+        async with (
+            anthropic.AsyncAnthropic(base_url=base, api_key="x", max_retries=0) as claude,
+            openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0) as oai,
+        ):
+            yield claude, oai, AutoTokenizer.from_pretrained(str(model_dir))
+
+
+async def test_thinking_blocks_equal_chats_reasoning(qwen3) -> None:
+    """Greedy, budget_tokens as chat's max_thinking_tokens: the thinking block is chat's
+    reasoning_content, the text block its content; streamed, the same message."""
+    claude, oai, _ = qwen3
+    question = [{"role": "user", "content": "Why is the sky blue?"}]
+    for budget in (4, 12):
+        body = dict(model=MODEL, messages=question, max_tokens=30, thinking={"type": "enabled", "budget_tokens": budget},
+                    extra_body=GREEDY)
+        message = await claude.messages.create(**body)
+        chat = await oai.chat.completions.create(
+            model=MODEL, messages=question, max_tokens=30, temperature=0,
+            extra_body={"chat_template_kwargs": {"enable_thinking": True}, "max_thinking_tokens": budget},
+        )
+        reply = chat.choices[0].message
+        thinking = [b for b in message.content if b.type == "thinking"]
+        assert thinking and thinking[0] is message.content[0] and thinking[0].signature == ""
+        assert thinking[0].thinking == reply.model_extra["reasoning_content"]
+        assert _text(message) == (reply.content or "")
+        async with claude.messages.stream(**body) as stream:
+            final = await stream.get_final_message()
+        assert final.model_dump(exclude={"id", "usage"}) == message.model_dump(exclude={"id", "usage"})
+    off = await claude.messages.create(model=MODEL, messages=question, max_tokens=10, thinking={"type": "disabled"},
+                                       extra_body=GREEDY)
+    assert [b.type for b in off.content] == ["text"]
+    omitted = await claude.messages.create(
+        model=MODEL, messages=question, max_tokens=10, extra_body=GREEDY,
+        thinking={"type": "enabled", "budget_tokens": 4, "display": "omitted"},
+    )
+    assert omitted.content[0].type == "thinking" and omitted.content[0].thinking == ""
+
+
+async def test_thinking_sent_back_reaches_the_template(qwen3) -> None:
+    """A tool loop's assistant turn keeps its thinking, which Qwen3's template writes back
+    after the last user query: count_tokens == transformers' rendering with reasoning_content."""
+    claude, _, tokenizer = qwen3
+    call = {"id": "toolu_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": {"city": "Paris", "unit": "c"}}}
+    chat_messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "reasoning_content": "I should look.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
+    ]
+    tools = [{"type": "function", "function": {"name": t["name"], **({"description": t["description"]} if
+                                                                     "description" in t else {}),
+                                               "parameters": t["input_schema"]}} for t in TOOLS]
+    text = tokenizer.apply_chat_template(chat_messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    assert "I should look." in text
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "I should look.", "signature": ""},
+            {"type": "redacted_thinking", "data": "opaque"},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris", "unit": "c"}},
+        ]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]},
+    ]
+    counted = await claude.messages.count_tokens(model=MODEL, system=SYSTEM, messages=messages, tools=TOOLS)
+    assert counted.input_tokens == len(tokenizer.encode(text, add_special_tokens=False))
+
+
+# ------------------------------------------------------------------ pings and stalls
+
+
+class _Gate:
+    """An async generator that yields 1 and 2 once opened, and records being closed."""
+
+    def __init__(self) -> None:
+        self.opened = asyncio.Event()
+        self.closed = False
+
+    async def items(self):
+        try:
+            await self.opened.wait()
+            yield 1
+            yield 2
+        finally:
+            self.closed = True
+
+
+async def test_paced_pings_while_the_source_waits_and_ends_with_it() -> None:
+    gate, seen = _Gate(), []
+    async for item in paced(gate.items(), ping_every=0.01):
+        seen.append(item)
+        if seen.count(None) == 2:
+            gate.opened.set()
+    assert seen[:2] == [None, None] and [x for x in seen if x is not None] == [1, 2] and gate.closed
+
+
+async def test_paced_ends_a_stalled_source_and_closes_it() -> None:
+    gate = _Gate()
+    with pytest.raises(StreamTimeoutError):
+        async for _ in paced(gate.items(), ping_every=0.01, stall_timeout=0.05):
+            pass
+    assert gate.closed
+    gate = _Gate()
+    stream = paced(gate.items(), ping_every=0.01)
+    assert await stream.__anext__() is None
+    await stream.aclose()  # the client left while the source waited
+    assert gate.closed
