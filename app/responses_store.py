@@ -1,8 +1,9 @@
 """Stored responses (``store: true`` on /v1/responses): an SQLite database every API server shares.
 
 A response is kept so that a later request can continue from it
-(``previous_response_id``) and so that ``GET /v1/responses/{id}`` can show it.
-Each row holds the response as it was returned and the conversation it ended:
+(``previous_response_id``) and so that ``GET /v1/responses/{id}`` (and its
+``/input_items``) can show it. Each row holds the response as it was returned,
+its own input items, and the conversation it ended:
 the input items of every response before it in the chain, its own input and
 its output items (function calls included), so a continuation is one lookup
 however long the chain, and survives its ancestors' eviction.
@@ -41,6 +42,7 @@ CREATE TABLE IF NOT EXISTS responses (
     id TEXT NOT NULL UNIQUE,
     created_at REAL NOT NULL,
     response BLOB NOT NULL,
+    input_items BLOB NOT NULL,
     conversation BLOB NOT NULL
 );
 CREATE INDEX IF NOT EXISTS responses_created_at ON responses (created_at);
@@ -54,6 +56,7 @@ def default_store_path() -> Path:
 @dataclass(frozen=True)
 class StoredResponse:
     response: bytes  # the response object's JSON, as it was returned
+    input_items: bytes  # JSON list of its own input items (ids given)
     conversation: bytes  # JSON list of the input items that continue from it
 
 
@@ -91,15 +94,16 @@ class ResponsesStore:
     def _oldest_kept(self) -> float:
         return time.time() - self.max_age_s
 
-    async def put(self, response_id: str, response: bytes, conversation: bytes) -> None:
+    async def put(self, response_id: str, response: bytes, input_items: bytes, conversation: bytes) -> None:
         """Keep a response, evicting what is over the age and count bounds."""
 
         def put(conn: sqlite3.Connection) -> None:
             conn.execute("BEGIN IMMEDIATE")
             try:
                 conn.execute(
-                    "INSERT OR REPLACE INTO responses (id, created_at, response, conversation) VALUES (?, ?, ?, ?)",
-                    (response_id, time.time(), response, conversation),
+                    "INSERT OR REPLACE INTO responses (id, created_at, response, input_items, conversation) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    (response_id, time.time(), response, input_items, conversation),
                 )
                 conn.execute("DELETE FROM responses WHERE created_at < ?", (self._oldest_kept(),))
                 conn.execute(
@@ -117,10 +121,10 @@ class ResponsesStore:
     async def get(self, response_id: str) -> StoredResponse | None:
         def get(conn: sqlite3.Connection) -> StoredResponse | None:
             row = conn.execute(
-                "SELECT response, conversation FROM responses WHERE id = ? AND created_at >= ?",
+                "SELECT response, input_items, conversation FROM responses WHERE id = ? AND created_at >= ?",
                 (response_id, self._oldest_kept()),
             ).fetchone()
-            return None if row is None else StoredResponse(bytes(row[0]), bytes(row[1]))
+            return None if row is None else StoredResponse(*(bytes(column) for column in row))
 
         return await self._run(get)
 

@@ -164,7 +164,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 # ------------------------------------------------------------------ input items
 
 
-class ContentPart(msgspec.Struct, kw_only=True):
+class ContentPart(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A part of a message's content: input_text / output_text / refusal are text;
     anything else (images, files, audio) cannot be read by this server."""
 
@@ -387,6 +387,33 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     background: bool = False
     truncation: str = "disabled"
     service_tier: str = "default"
+
+
+class InputItemList(msgspec.Struct):
+    """``GET /v1/responses/{id}/input_items``: one page, as OpenAI's cursor pages."""
+
+    data: list[Any]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+    object: str = "list"
+
+
+_ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def with_ids(items: list[InputItem]) -> list[InputItem]:
+    """Input items as a stored response lists them: each with an id, a status, and a
+    message's content as parts."""
+    for item in items:
+        if item.id is None:
+            item.id = new_id(_ITEM_ID_PREFIXES[item.type])
+        if item.status is None:
+            item.status = "completed"
+        if isinstance(item, MessageItem) and isinstance(item.content, str):
+            kind = "output_text" if item.role == "assistant" else "input_text"
+            item.content = [ContentPart(type=kind, text=item.content)]
+    return items
 
 
 class InputTokensResponse(msgspec.Struct):

@@ -69,9 +69,11 @@ from app.protocol.responses import (
     TextConfig,
     TextFormat,
     content_text,
+    InputItemList,
     decode_items,
     error_path,
     new_id,
+    with_ids,
 )
 from app.protocol.sampling import JsonSchemaFormat, ResponseFormat
 from app.responses_store import ResponsesStore
@@ -250,6 +252,29 @@ class OpenAIServingResponses:
             raise NotFoundError(f"Response with id '{response_id}' not found.", "response_id")
         return Response(stored.response, media_type="application/json")
 
+    async def input_items(self, response_id: str, limit: int, order: str, after: str | None) -> Response:
+        """A stored response's own input items, a page of ``limit`` in ``order`` (OpenAI's
+        default: newest first) after the item ``after``."""
+        if not 1 <= limit <= 100:
+            raise BadRequestError(f"limit must be in [1, 100], got {limit}.", "limit")
+        if order not in ("asc", "desc"):
+            raise BadRequestError(f"order must be asc or desc, got {order!r}.", "order")
+        stored = await self.store.get(response_id)
+        if stored is None:
+            raise NotFoundError(f"Response with id '{response_id}' not found.", "response_id")
+        items = msgspec.json.decode(stored.input_items)
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise BadRequestError(f"after: no input item {after!r} in response '{response_id}'.", "after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return json_response(InputItemList(
+            page, page[0]["id"] if page else None, page[-1]["id"] if page else None, len(items) > limit,
+        ))
+
     async def delete(self, response_id: str) -> Response:
         if not await self.store.delete(response_id):
             raise NotFoundError(f"Response with id '{response_id}' not found.", "response_id")
@@ -317,8 +342,9 @@ class OpenAIServingResponses:
         """Store a finished response with the conversation that continues from it."""
         if not turn.req.stored:
             return
-        conversation = [*turn.history, *turn.items, *response.output]
-        await self.store.put(turn.response_id, body, _encoder.encode(conversation))
+        items = with_ids(turn.items)
+        conversation = [*turn.history, *items, *response.output]
+        await self.store.put(turn.response_id, body, _encoder.encode(items), _encoder.encode(conversation))
 
 
 @dataclass
@@ -602,7 +628,7 @@ def responses_routes(
     guard: Callable[[Request, Awaitable[Response]], Awaitable[Response]],
 ) -> list[Route]:
     """POST /v1/responses (and /responses), POST /v1/responses/input_tokens, GET and
-    DELETE /v1/responses/{id}. ``guard`` runs a generation, cancelling it when the client
+    DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items. ``guard`` runs a generation, cancelling it when the client
     leaves (app/server.py's)."""
     serving = OpenAIServingResponses(chat, store)
 
@@ -620,6 +646,16 @@ def responses_routes(
     async def delete(request: Request) -> Response:
         return await serving.delete(request.path_params["response_id"])
 
+    async def input_items(request: Request) -> Response:
+        query = request.query_params
+        try:
+            limit = int(query.get("limit", "20"))
+        except ValueError:
+            raise BadRequestError(f"limit must be an integer, got {query['limit']!r}.", "limit") from None
+        return await serving.input_items(
+            request.path_params["response_id"], limit, query.get("order", "desc"), query.get("after"),
+        )
+
     routes = []
     for prefix in ("/v1", ""):
         routes += [
@@ -627,5 +663,6 @@ def responses_routes(
             Route(f"{prefix}/responses/input_tokens", openai_route(input_tokens), methods=["POST"]),
             Route(f"{prefix}/responses/{{response_id}}", openai_route(retrieve), methods=["GET"]),
             Route(f"{prefix}/responses/{{response_id}}", openai_route(delete), methods=["DELETE"]),
+            Route(f"{prefix}/responses/{{response_id}}/input_items", openai_route(input_items), methods=["GET"]),
         ]
     return routes

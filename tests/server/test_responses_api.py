@@ -300,6 +300,25 @@ async def test_retrieve_delete_and_store_false(served) -> None:
     assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
 
 
+async def test_input_items_of_a_stored_response(served) -> None:
+    _, oai, _ = served
+    first = await oai.responses.create(model=MODEL, input="Hi", temperature=0, max_output_tokens=2)
+    given = [{"role": "user", "content": "One"}, {"type": "message", "role": "user", "id": "msg_mine",
+                                                  "content": [{"type": "input_text", "text": "Two"}]}]
+    second = await oai.responses.create(model=MODEL, input=given, previous_response_id=first.id,
+                                        temperature=0, max_output_tokens=2)
+    page = await oai.responses.input_items.list(second.id, order="asc")
+    assert [(i.type, i.role, [c.text for c in i.content]) for i in page.data] == [
+        ("message", "user", ["One"]), ("message", "user", ["Two"])]  # its own input, not the first turn's
+    assert page.data[1].id == "msg_mine" and page.data[0].id.startswith("msg_") and not page.has_more
+    newest = await oai.responses.input_items.list(second.id, limit=1)  # OpenAI's default order: newest first
+    assert [i.id for i in newest.data] == ["msg_mine"] and newest.has_more
+    rest = await oai.responses.input_items.list(second.id, limit=1, after="msg_mine")
+    assert [i.id for i in rest.data] == [page.data[0].id] and not rest.has_more
+    with pytest.raises(openai.NotFoundError):
+        await oai.responses.input_items.list("resp_unknown")
+
+
 async def test_reasoning_effort_turns_thinking_on_and_off(served) -> None:
     _, oai, _ = served
     off = await oai.responses.input_tokens.count(model=MODEL, input="Hi", reasoning={"effort": "minimal"})

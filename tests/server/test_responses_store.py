@@ -23,7 +23,7 @@ def _run(coroutine):
 
 
 async def _put(store: ResponsesStore, name: str) -> None:
-    await store.put(name, b'{"id": "%s"}' % name.encode(), b"[]")
+    await store.put(name, b'{"id": "%s"}' % name.encode(), b"[1]", b"[]")
 
 
 def test_put_get_delete_and_the_count_bound(tmp_path: Path) -> None:
@@ -35,7 +35,8 @@ def test_put_get_delete_and_the_count_bound(tmp_path: Path) -> None:
                 await _put(store, name)
             assert await store.count() == 3 and await store.get("resp_a") is None  # the oldest went
             kept = await store.get("resp_b")
-            assert kept is not None and kept.response == b'{"id": "resp_b"}' and kept.conversation == b"[]"
+            assert kept is not None and kept.response == b'{"id": "resp_b"}'
+            assert (kept.input_items, kept.conversation) == (b"[1]", b"[]")
             assert await store.delete("resp_b") and not await store.delete("resp_b")
             assert await store.get("resp_b") is None and await store.count() == 2
         finally:
