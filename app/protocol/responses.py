@@ -151,10 +151,11 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         return [name for name in self.IGNORED if getattr(self, name) is not None]
 
     @property
-    def thinking(self) -> bool | None:
-        """reasoning.effort as thinking on or off (None: the template's default)."""
+    def chat_reasoning_effort(self) -> str | None:
+        """reasoning.effort as chat's reasoning_effort (thinking off for none and minimal,
+        on otherwise; chat knows no "xhigh")."""
         effort = self.reasoning.effort if self.reasoning is not None else None
-        return None if effort is None else effort not in EFFORTS_OFF
+        return "high" if effort == "xhigh" else effort
 
     @property
     def stored(self) -> bool:

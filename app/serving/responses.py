@@ -156,8 +156,8 @@ class OpenAIServingResponses:
         names = {t.name for t in tools}
         tool_choice = _chat_tool_choice(req.tool_choice, names)
         response_format = _response_format(req.text)
-        if response_format is not None and tools and (tool_choice == "required" or isinstance(tool_choice, NamedToolChoice)):
-            # The output is a call, not text: text.format has nothing to shape (as OpenAI's).
+        forced = bool(tools) and (tool_choice == "required" or isinstance(tool_choice, NamedToolChoice))
+        if forced:  # the output is a call, not text: text.format has nothing to shape (as OpenAI's)
             response_format = None
         chat = ChatCompletionRequest(
             messages=messages,
@@ -177,7 +177,7 @@ class OpenAIServingResponses:
             tool_choice=tool_choice,
             parallel_tool_calls=req.parallel_tool_calls,
             response_format=response_format,
-            chat_template_kwargs=None if req.thinking is None else {"enable_thinking": req.thinking},
+            reasoning_effort=req.chat_reasoning_effort,
         )
         with _responses_params():
             chat.check_supported()
