@@ -55,7 +55,7 @@ from app.protocol.messages import (
 )
 from app.protocol.chat import ChatCompletionRequest
 from app.serving.base import Admit, decode_request, json_response
-from app.serving.chat import ChatGeneration, OpenAIServingChat
+from app.serving.chat import OpenAIServingChat
 from app.serving.sse import EventStreamResponse
 
 T = TypeVar("T")
@@ -296,31 +296,30 @@ class ServingMessages:
         message_id = f"msg_{uuid.uuid4().hex}"
         gen = self.chat.prepare(chat_req, message_id, admit)
         source = await self.chat.stream(gen)
-        reply = _Reply(req, gen, message_id, self.chat.response_model(req.model), clamped)
+        reply = _Reply(req, gen.choices, message_id, self.chat.response_model(req.model), clamped)
         if req.stream:
             # The stall timeout is kept by ``paced`` (it ends the stream with an Anthropic error event).
             return EventStreamResponse(reply.events(paced(source, self.ping_interval, self.chat.stream_stall_timeout)))
         async with contextlib.aclosing(source):
-            async for choice, out, delta in source:
-                reply.add(choice, out, delta)
+            async for _, out, delta in source:
+                reply.add(out, delta)
         reply.assembler.finish()
         return json_response(reply.message())
 
 
 class _Reply:
-    """One message on its way: its blocks (``assembler``), the last output and its choice."""
+    """One message on its way: its blocks (``assembler``), its one choice and last output."""
 
-    def __init__(self, req: MessagesRequest, gen: ChatGeneration, message_id: str, model: str, clamped: bool) -> None:
+    def __init__(self, req: MessagesRequest, choices: list[Choice], message_id: str, model: str, clamped: bool) -> None:
         self.req = req
-        self.gen = gen
         self.id = message_id
         self.model = model
         self.clamped = clamped
         self.assembler = MessageAssembler(req.omit_thinking)
-        (self.choice,) = gen.choices
+        (self.choice,) = choices
         self.last: RequestOutput | None = None
 
-    def add(self, choice: Choice, out: RequestOutput, delta: OutputDelta) -> list[StreamEvent]:
+    def add(self, out: RequestOutput, delta: OutputDelta) -> list[StreamEvent]:
         self.last = out
         return self.assembler.feed(delta)
 
@@ -358,13 +357,13 @@ class _Reply:
                             started = True
                         yield sse(Ping())
                         continue
-                    choice, out, delta = item
+                    _, out, delta = item
                     if not started:
                         self.last = out
                         yield sse(self._start())
                         yield sse(Ping())
                         started = True
-                    for event in self.add(choice, out, delta):
+                    for event in self.add(out, delta):
                         yield sse(event)
             if not started:
                 yield sse(self._start())

@@ -507,3 +507,22 @@ async def test_paced_ends_a_stalled_source_and_closes_it() -> None:
     assert await stream.__anext__() is None
     await stream.aclose()  # the client left while the source waited
     assert gate.closed
+
+
+async def test_a_fault_mid_stream_ends_it_with_an_error_event(monkeypatch) -> None:
+    """The engine's model step raises mid-stream (test-only fault injection): after the
+    message's first events, an ``error`` event, which the client raises."""
+    from core.worker.faults import FAULT_ENV
+
+    monkeypatch.setenv(FAULT_ENV, "step:6")
+    engine = make_engine(str(DEFAULT_MODEL_DIR), chat_template=TEMPLATE, max_model_len=256)
+    async with running_server(engine) as (_, base):
+        async with anthropic.AsyncAnthropic(base_url=base, api_key="x", max_retries=0) as claude:
+            stream = await claude.messages.create(model=MODEL, messages=TURNS, max_tokens=40, stream=True,
+                                                  extra_body=GREEDY)
+            seen = []
+            with pytest.raises(anthropic.APIStatusError) as caught:
+                async for event in stream:
+                    seen.append(event.type)
+    assert seen[:2] == ["message_start", "content_block_start"] and "message_stop" not in seen
+    assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == "api_error"
