@@ -92,7 +92,7 @@ class OpenAIServingChat(OpenAIServing):
         for choice in choices:
             params = choice.request.sampling_params
             if end_token is not None:
-                params.reasoning = ReasoningParams(end_token, req.max_thinking_tokens)
+                params.reasoning = ReasoningParams(end_token_id=end_token, budget=req.max_thinking_tokens)
             if keep_tags:
                 # [TOOL_CALLS] is a control token of Mistral's vocabularies: decoded for the parser
                 # to see, with the end-of-sequence token's text kept out of the answer.

@@ -1,9 +1,10 @@
-"""Tool calling on chat: forced calls through a grammar, an explicitly chosen parser, streamed deltas.
+"""Tool calling on chat: forced calls through a grammar, the parsers, streamed deltas.
 
-Over HTTP with the official openai client on the embedded stories260K (the
-in-process engine) under a made-up template; the families' own syntaxes on
-real vocabularies and templates are in test_chat_formats_e2e.py, the parsers
-alone in tests/unit/test_tool_parsers.py.
+Over HTTP with the official openai client: on the embedded stories260K (the
+in-process engine) under a made-up template with an explicitly chosen
+parser, and on random models with each family's real vocabulary and
+published template, the parser read from the template (the end of this
+file). The parsers alone: tests/unit/test_tool_parsers.py.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from app.parsing.tool_calls import (
     parse_forced,
 )
 from core.models.default_model import DEFAULT_MODEL_DIR
+from tests.support.chat_models import TEMPLATES, cached_chat_model
 from tests.support.http import MODEL, assert_openai_error, make_engine, running_server
 
 WEATHER = {
@@ -219,3 +221,73 @@ def test_a_cut_forced_output_keeps_its_complete_calls() -> None:
     )
     (call,) = parse_forced(named, '{"zone":"u')  # as far as it got, as OpenAI returns a cut call
     assert (call.function.name, call.function.arguments) == ("get_time", '{"zone":"u')
+
+
+# ------------------------------------------------ each family's own syntax, real vocabularies and templates
+
+FAMILY_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]},
+}}]
+FAMILY_MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+CITY = "[A-Z][a-z]{2,6}"
+
+# family -> (arch, template, the family's syntax as a regex (after "Checking. " where the
+# syntax allows text first), what the parser is expected to be, content expected)
+FAMILIES = {
+    "hermes": ("qwen3", "Qwen-Qwen3-0.6B.jinja",
+               r'Checking\. <tool_call>\n\{"name": "get_weather", "arguments": \{"city": "' + CITY
+               + r'", "days": [1-9]\}\}\n</tool_call>', "Checking."),
+    "qwen3_coder": ("qwen2", "Qwen3-Coder.jinja",
+                    r"Checking\.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n" + CITY
+                    + r"\n</parameter>\n<parameter=days>\n[1-9]\n</parameter>\n</function>\n</tool_call>",
+                    "Checking."),
+    "llama3_json": ("llama", "meta-llama-Llama-3.1-8B-Instruct.jinja",
+                    r'\{"name": "get_weather", "parameters": \{"city": "' + CITY + r'", "days": [1-9]\}\}',
+                    None),
+    "mistral": ("llama", "Mistral-Small-3.2-24B-Instruct-2506.jinja",
+                r'Checking\. \[TOOL_CALLS\]get_weather\[ARGS\]\{"city": "' + CITY + r'", "days": [1-9]\}',
+                "Checking."),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+async def test_the_family_syntax_becomes_tool_calls(family: str, tmp_path_factory) -> None:
+    """A random model with the family's real vocabulary and template, served with no parser
+    flag (the parser is read from the template), its output forced by a regex into the
+    family's syntax as its template shows calls: tool_calls, whole and streamed alike."""
+    if not TEMPLATES.is_dir():
+        pytest.skip("../shared/chat-formats is not beside this checkout")
+    arch, template, regex, content = FAMILIES[family]
+    engine = make_engine(cached_chat_model(tmp_path_factory, arch, template), chat_template=None, max_model_len=2048)
+    async with running_server(engine) as (_, base):
+        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0) as oai:
+            body = dict(model=MODEL, messages=FAMILY_MESSAGES, tools=FAMILY_TOOLS, max_tokens=120, temperature=0,
+                        extra_body={"structured_outputs": {"regex": regex},
+                                    "chat_template_kwargs": {"enable_thinking": False}})
+            out = await oai.chat.completions.create(**body)
+            choice = out.choices[0]
+            assert choice.finish_reason == "tool_calls", choice
+            assert choice.message.content == content
+            (call,) = choice.message.tool_calls
+            arguments = json.loads(call.function.arguments)
+            assert call.function.name == "get_weather" and set(arguments) == {"city", "days"}
+            assert isinstance(arguments["days"], int)  # Qwen3-Coder's text value typed by the schema
+            if family == "mistral":
+                assert len(call.id) == 9 and call.id.isalnum()
+            else:
+                assert call.id.startswith("chatcmpl-tool-")
+            streamed_content, calls, finish = "", {}, None
+            async for chunk in await oai.chat.completions.create(**body, stream=True):
+                delta = chunk.choices[0].delta
+                streamed_content += delta.content or ""
+                for part in delta.tool_calls or ():
+                    entry = calls.setdefault(part.index, {"name": None, "arguments": ""})
+                    if part.function.name is not None:
+                        assert entry["name"] is None and part.id and part.type == "function"
+                        entry["name"] = part.function.name
+                    entry["arguments"] += part.function.arguments or ""
+                finish = chunk.choices[0].finish_reason or finish
+            assert finish == "tool_calls" and streamed_content.strip() == (content or "")
+            assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", call.function.arguments)]

@@ -117,3 +117,12 @@ def write_chat_model(out: Path, arch: str, template: str, seed: int = 0, layers:
                     else 0.08 * torch.randn(p.shape, generator=gen))
     model.save_pretrained(out)
     return out
+
+
+def cached_chat_model(tmp_path_factory: Any, arch: str, template: str, seed: int = 3) -> str:
+    """``write_chat_model``'s directory, made once per test session (under the session's base
+    temporary directory, so test modules share it)."""
+    path = tmp_path_factory.getbasetemp() / "chat-models" / f"{arch}-{Path(template).stem}-{seed}"
+    if not (path / "model.safetensors").exists():
+        write_chat_model(path, arch, template, seed)
+    return str(path)
