@@ -180,15 +180,23 @@ def test_a_budget_forces_the_end_token_at_exactly_its_index(llm, prompts, free, 
                 jsonschema.validate(json.loads(text), SCHEMA)
 
 
-def test_without_a_grammar_only_the_budget_matters(llm, prompts, free) -> None:
-    """An end token the model writes before the budget ends the reasoning: no token is forced
-    after it; with no budget either, the request is the free run."""
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_an_end_token_the_model_writes_lifts_the_budget(llm, stories_dir, prompts, free, async_scheduling) -> None:
+    """The model writes the end token itself at index m, the last one the budget leaves it: no
+    token is forced after it (with async scheduling the next step is scheduled before that
+    token is known: the request waits for it). Without a grammar nor a budget, the request is
+    the free run."""
     m = 5
-    params = [_greedy(reasoning=ReasoningParams(end_token_id=out[m], budget=m + 3)) for out in free]
     assert all(out[m] not in out[:m] for out in free)
-    assert [r.token_ids for r in llm.generate(prompts, params)] == free
+    params = [_greedy(reasoning=ReasoningParams(end_token_id=out[m], budget=m + 1)) for out in free]
     unbounded = [_greedy(reasoning=ReasoningParams(end_token_id=_absent_token(*free))) for _ in free]
-    assert [r.token_ids for r in llm.generate(prompts, unbounded)] == free
+    engine = LLM(stories_dir, **ENGINE, async_scheduling=True) if async_scheduling else llm
+    try:
+        assert [r.token_ids for r in engine.generate(prompts, params)] == free
+        assert [r.token_ids for r in engine.generate(prompts, unbounded)] == free
+    finally:
+        if engine is not llm:
+            engine.shutdown()
 
 
 def _variants(free: list[list[int]]) -> list[SamplingParams]:
@@ -199,8 +207,8 @@ def _variants(free: list[list[int]]) -> list[SamplingParams]:
     return [
         _greedy(structured_outputs=REGEX, reasoning=ReasoningParams(end_token_id=426)),
         _greedy(structured_outputs=REGEX, reasoning=ReasoningParams(end_token_id=337, budget=6)),
-        _greedy(structured_outputs=JSON, reasoning=ReasoningParams(end_token_id=346, budget=20)),
-        _greedy(structured_outputs=JSON, reasoning=ReasoningParams(end_token_id=absent, budget=9)),
+        _greedy(structured_outputs=JSON, reasoning=ReasoningParams(end_token_id=346, budget=10)),
+        _greedy(structured_outputs=JSON, reasoning=ReasoningParams(end_token_id=absent, budget=4)),
         _greedy(reasoning=ReasoningParams(end_token_id=266, budget=9), ignore_eos=True),
         _greedy(reasoning=ReasoningParams(end_token_id=absent, budget=13), ignore_eos=True),
         _greedy(structured_outputs=REGEX),
@@ -215,6 +223,8 @@ class Run:
     all_blocks_free: bool
     # End tokens that drafts carried while their request was still reasoning: accepted, rejected.
     end_drafts: list[int] = field(default_factory=lambda: [0, 0])
+    # Preemptions of requests with ReasoningParams: inside the reasoning, after it (under a grammar).
+    preempted: list[int] = field(default_factory=lambda: [0, 0])
 
 
 def _run(path: str, prompts, params: list[SamplingParams], **engine_args) -> Run:
@@ -234,7 +244,15 @@ def _run(path: str, prompts, params: list[SamplingParams], **engine_args) -> Run
                 run.end_drafts[0 if accepted else 1] += 1
         return update(so, runner_output)
 
+    preempt = scheduler._preempt_request
+
+    def preempted(request):
+        if request.sampling_params.reasoning is not None and request.num_output_tokens:
+            run.preempted[0 if request.reasoning is not None else 1] += request.structured is not None
+        return preempt(request)
+
     scheduler.update_from_output = observed
+    scheduler._preempt_request = preempted
     try:
         run.tokens = [r.token_ids for r in llm.generate(prompts, params)]
         pool = scheduler.kv_cache_manager.block_pool
@@ -247,8 +265,9 @@ def _run(path: str, prompts, params: list[SamplingParams], **engine_args) -> Run
 
 @pytest.fixture(scope="module")
 def batch(prompts, free):
-    variants = _variants(free)
-    return [p for p in prompts for _ in variants], [v for _ in prompts for v in variants]
+    """Each variant on the first two prompts, 56 tokens at most."""
+    variants = [msgspec.structs.replace(v, max_tokens=56) for v in _variants(free)]
+    return [p for p in prompts[:2] for _ in variants], [v for _ in prompts[:2] for v in variants]
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +275,7 @@ def reference(stories_dir, batch, tokenizer, free) -> list[list[int]]:
     """The mixed batch in a roomy cache, no speculation, synchronous: checked against its oracles."""
     prompts, params = batch
     run = _run(stories_dir, prompts, params)
-    for tokens, p, out in zip(run.tokens, params, [o for o in free for _ in _variants(free)]):
+    for tokens, p, out in zip(run.tokens, params, [o for o in free for _ in _variants(free)], strict=False):
         reasoning = p.reasoning
         if reasoning is None:
             continue
@@ -289,4 +308,5 @@ def test_preemption_keeps_the_outputs(stories_dir, batch, reference, engine_args
     prompts, params = batch
     run = _run(stories_dir, prompts, params, num_gpu_blocks_override=40, max_num_batched_tokens=64, **engine_args)
     assert run.tokens == reference and run.all_blocks_free
-    assert run.preemptions > 0
+    inside, after = run.preempted
+    assert inside > 0 and after > 0
