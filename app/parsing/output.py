@@ -30,8 +30,8 @@ class ParsedOutput:
     reasoning: str | None
     content: str | None
     tool_calls: list[ToolCall]
-    # Output tokens spent reasoning, where they can be counted exactly (see ReasoningTokens);
-    # None where they cannot (no reasoning parser, or a </think> of several tokens).
+    # Output tokens spent reasoning, where they can be counted exactly: 0 without reasoning, the
+    # count of ReasoningTokens with it; None where they cannot (a </think> of several tokens).
     reasoning_tokens: int | None = None
 
 
@@ -94,5 +94,7 @@ class OutputParser:
         content = "".join(self._content)
         if self._calls and not content.strip():
             content = ""  # the whitespace around calls is no answer
-        counted = self.reasoning_tokens.count if self.reasoning_tokens is not None else None
+        counted: int | None = 0  # no reasoning parser: nothing was reasoning
+        if self.reasoning is not None:
+            counted = self.reasoning_tokens.count if self.reasoning_tokens is not None else None
         return ParsedOutput(reasoning or None, content or None, self._calls, counted)

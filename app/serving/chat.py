@@ -86,6 +86,8 @@ class OpenAIServingChat(OpenAIServing):
             param = req.structured_param if structured is not None else None
         thinking = reasoning_parser is not None and not thinking_closed(self._prompt_tail(prompt_ids))
         end_token = self.think_end_token if thinking else None
+        if structured is not None and end_token is None:
+            thinking = False  # without the engine's switch the grammar binds from the first token: no thinking
         choices = self._choices(engine_id, req, [(prompt_ids, None, "")], req.requested_max_tokens, structured)
         keep_tags = tool_parser == "mistral" and bool(req.tools) and req.effective_tool_choice == "auto"
         eos_text = getattr(self.input_processor.tokenizer, "eos_token", None)

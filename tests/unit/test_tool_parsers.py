@@ -19,7 +19,7 @@ import re
 import pytest
 
 from app.parsing.output import OutputParser
-from app.parsing.reasoning import ThinkStream
+from app.parsing.reasoning import ReasoningTokens, ThinkStream
 from app.parsing.tool_parsers import TOOL_CALL_PARSERS
 from tests.support.chat_models import TEMPLATES
 
@@ -199,3 +199,44 @@ def test_mistral_ids_are_what_its_templates_accept() -> None:
     _, _, fragments = parse("mistral", [text])
     ids = [f.id for f in fragments if f.id is not None]
     assert len(ids) == 2 and all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in ids)
+
+
+@pytest.mark.parametrize(
+    ("text", "reasoning", "content", "calls"),
+    [
+        ("<think>\nWhich tool? </think>\n\nSure.", "\nWhich tool? ", "Sure.", []),
+        ("Prompt opened it.</think>\n\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"zone\": \"CET\"}}\n"
+         "</tool_call>", "Prompt opened it.", None, CALLS[1:]),
+        ("<think>Maybe <tool_call> here?</think>No.", "Maybe <tool_call> here?", "No.", []),
+        ("Cut before the end </thi", "Cut before the end </thi", None, []),
+    ],
+    ids=["model-opens", "prompt-opened-then-call", "tags-inside-reasoning", "cut"],
+)
+def test_reasoning_comes_first(text: str, reasoning: str, content: str | None, calls: list) -> None:
+    """The reasoning block is read before the calls (a tag inside it is reasoning), an
+    output cut inside it is all reasoning, streamed at every split point alike."""
+    wanted = None
+    for cut in range(len(text) + 1):
+        out = OutputParser(ThinkStream(), TOOL_CALL_PARSERS["hermes"](SCHEMAS))
+        out.feed(text[:cut], False)
+        out.feed(text[cut:], True)
+        parsed = out.parsed()
+        got = (parsed.reasoning, parsed.content, [(c.function.name, json.loads(c.function.arguments))
+                                                  for c in parsed.tool_calls])
+        wanted = wanted or got
+        assert got == wanted == (reasoning, content, calls), cut
+
+
+def test_reasoning_tokens_are_counted_to_the_end_token() -> None:
+    """Every token up to and including </think> (151668 in Qwen3), whichever deltas bring them;
+    none without a reasoning parser."""
+    end = 151668
+    out = OutputParser(ThinkStream(), None, ReasoningTokens(end))
+    out.feed("a", False, [1])
+    out.feed("b</think>c", False, [2, end, 3])
+    out.feed("d", True, [4])
+    assert out.parsed().reasoning_tokens == 3 and out.parsed().content == "cd"
+    plain = OutputParser()
+    plain.feed("abc", True, [1, 2, 3])
+    assert plain.parsed().reasoning_tokens == 0
+    assert OutputParser(ThinkStream()).parsed().reasoning_tokens is None  # </think> not one token: unknown
