@@ -35,25 +35,17 @@ from app.parsing.tool_parsers import TOOL_CALL_PARSERS, call_ids_of
 from app.parsing.tool_parsers.base import (
     IdFactory,
     ToolCallStream,
-    ToolSchemas,
     dumps,
     new_tool_call_id,
 )
-from app.parsing.tool_parsers.hermes import HermesStream
 from app.protocol.chat import (
     ChatCompletionRequest,
-    DeltaFunctionCall,
     DeltaToolCall,
     FunctionCall,
     NamedToolChoice,
     ToolCall,
 )
 from core.protocol import StructuredOutputsParams
-
-__all__ = [
-    "TOOL_CALL_PARSERS", "HermesStream", "NamedCallStream", "RequiredCallStream", "ToolCallStream",
-    "forced_call_constraint", "parse_forced", "tool_call_stream", "tool_schemas",
-]
 
 _OBJECT = {"type": "object"}
 
