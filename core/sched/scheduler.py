@@ -73,6 +73,7 @@ from core.utils import cdiv
 
 _RUNNING = RequestStatus.RUNNING
 _NO_DRAFTS: list[int] = []
+_NO_BLOCK_IDS: tuple[int, ...] = ()
 
 
 def _budget_reached(request: Request, placeholders: int) -> bool:
@@ -80,7 +81,6 @@ def _budget_reached(request: Request, placeholders: int) -> bool:
     flight, is one its budget forces (if none of those ends the reasoning)."""
     budget = request.reasoning.budget  # type: ignore[union-attr]
     return budget is not None and request.num_output_tokens + placeholders >= budget
-_NO_BLOCK_IDS: tuple[int, ...] = ()
 
 
 class PauseState(enum.IntEnum):

@@ -180,6 +180,16 @@ def test_a_budget_forces_the_end_token_at_exactly_its_index(llm, prompts, free, 
                 jsonschema.validate(json.loads(text), SCHEMA)
 
 
+def test_a_budget_other_constraints_contradict_finishes_with_an_error(llm, prompts, free) -> None:
+    """allowed_token_ids without the end token leave nothing to sample where the budget forces
+    it: the request ends there with an error, as one whose grammar allows nothing."""
+    allowed = sorted(set(free[0][:3]))
+    params = _greedy(allowed_token_ids=allowed, reasoning=ReasoningParams(end_token_id=_absent_token(*free), budget=3))
+    result = llm.generate(prompts[:1], params)[0]
+    assert result.finish_reason == "error" and len(result.token_ids) == 4
+    assert set(result.token_ids[:3]) <= set(allowed)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_an_end_token_the_model_writes_lifts_the_budget(llm, stories_dir, prompts, free, async_scheduling) -> None:
     """The model writes the end token itself at index m, the last one the budget leaves it: no
