@@ -87,3 +87,25 @@ async def test_tokenize_renders_the_tools_as_transformers_does(qwen3, qwen3_dir)
     assert r.status_code == 200, r.text
     assert r.json()["tokens"] == ids and len(ids) > 100  # the tool list is in the prompt
     assert QWEN_THINK_END not in ids
+
+
+async def test_a_request_template_brings_its_own_parsers(qwen3) -> None:
+    """A request's own chat_template decides the parsers: under Qwen2.5's (no <think> in it) the
+    same output is all content; under the model's own Qwen3 template it is reasoning, then content."""
+    _, oai = qwen3
+    regex = r"<think>\nHm\.\n</think>\n\nFine\."
+    qwen25 = (TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+    plain = await oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0,
+        extra_body={"structured_outputs": {"regex": regex}, "chat_template": qwen25},
+    )
+    message = plain.choices[0].message
+    assert message.content == "<think>\nHm.\n</think>\n\nFine." and message.model_extra["reasoning_content"] is None
+    own = await oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
+        extra_body={"structured_outputs": {"regex": regex}, "max_thinking_tokens": 3},
+    )
+    # Under Qwen3's template the output starts in the reasoning and the engine holds the grammar
+    # until </think> (forced after three tokens): the regex's text is then all answer.
+    message = own.choices[0].message
+    assert message.model_extra["reasoning_content"] and message.content == "<think>\nHm.\n</think>\n\nFine."
