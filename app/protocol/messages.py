@@ -68,7 +68,13 @@ class ToolUseBlockParam(_Block, tag="tool_use"):
     toolset_name: str | None = None
 
 
-ResultBlockParam = TextBlockParam | ImageBlockParam | DocumentBlockParam
+class ToolReferenceBlockParam(_Block, tag="tool_reference"):
+    """In a tool's result: the deferred tool (``defer_loading``) of that name is loaded."""
+
+    tool_name: str
+
+
+ResultBlockParam = TextBlockParam | ImageBlockParam | DocumentBlockParam | ToolReferenceBlockParam
 
 
 class ToolResultBlockParam(_Block, tag="tool_result"):
@@ -134,7 +140,7 @@ class CustomTool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     strict: bool | None = None
     cache_control: Any = None
     allowed_callers: Any = None
-    defer_loading: Any = None
+    defer_loading: bool | None = None  # shown to the model only once a tool_reference names it
     eager_input_streaming: Any = None
     input_examples: Any = None
 
@@ -183,14 +189,16 @@ class MessagesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.mcp_servers:
             raise BadRequestError("mcp_servers are not supported: this server connects to no MCP server.",
                                   "mcp_servers")
-        tools, tool_choice, parallel = self._tools()
+        references: dict[str, str] = {}  # deferred tools loaded by a tool_reference -> where
+        messages = self._chat_messages(references)
+        tools, tool_choice, parallel = self._tools(references)
         kwargs: dict[str, Any] = {}
         max_thinking = None
         if self.thinking is not None:
             kwargs["enable_thinking"], max_thinking = self._thinking()
         return ChatCompletionRequest(
             model=self.model,
-            messages=self._chat_messages(),
+            messages=messages,
             max_tokens=self.max_tokens,
             stop=self.stop_sequences,
             temperature=self.temperature,
@@ -208,13 +216,13 @@ class MessagesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def omit_thinking(self) -> bool:
         return self.thinking is not None and self.thinking.display == "omitted"
 
-    def _chat_messages(self) -> list[ChatMessage]:
+    def _chat_messages(self, references: dict[str, str]) -> list[ChatMessage]:
         messages = []
         if self.system is not None:
             messages.append(ChatMessage("system", _text(self.system, "system")))
         calls: set[str] = set()
         for i, message in enumerate(self.messages):
-            messages += _turn(message, f"messages[{i}]", calls)
+            messages += _turn(message, f"messages[{i}]", calls, references)
         if self.messages and self.messages[-1].role == "assistant":
             raise BadRequestError(
                 "The last message is the assistant's: continuing (prefilling) an assistant turn is not "
@@ -222,8 +230,13 @@ class MessagesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             )
         return messages
 
-    def _tools(self) -> tuple[list[ToolDefinition] | None, str | NamedToolChoice | None, bool | None]:
+    def _tools(
+        self, references: dict[str, str]
+    ) -> tuple[list[ToolDefinition] | None, str | NamedToolChoice | None, bool | None]:
+        """The custom tools the model is shown: a deferred one (``defer_loading``, Claude Code's
+        tool search) once a tool_reference in a tool's result has loaded it."""
         tools = []
+        names = set()
         for i, raw in enumerate(self.tools or ()):
             kind = raw.get("type")
             if kind not in (None, "custom"):
@@ -237,9 +250,16 @@ class MessagesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             except msgspec.ValidationError as exc:
                 raise BadRequestError(f"tools[{i}]: {exc}", f"tools[{i}]") from None
             _check_schema(tool.input_schema, f"tools[{i}].input_schema")
+            names.add(tool.name)
+            if tool.defer_loading and tool.name not in references:
+                continue
             tools.append(ToolDefinition(function=FunctionDefinition(
                 name=tool.name, description=tool.description, parameters=tool.input_schema, strict=tool.strict,
             )))
+        for name, where in references.items():
+            if name not in names:
+                raise BadRequestError(f"{where}: the tool_reference names {name!r}, which is not among the tools.",
+                                      where)
         choice = self.tool_choice
         if choice is None:
             return tools or None, None, None
@@ -309,12 +329,20 @@ def _check_schema(schema: dict[str, Any], param: str) -> None:
         raise BadRequestError(f"{param}.required must be a list of property names.", param)
 
 
-def _text(content: str | list[TextBlockParam] | list[ResultBlockParam], param: str) -> str | list[ContentPart]:
-    """Text content as chat has it: a string, or text parts (which chat joins)."""
+def _text(
+    content: str | list[TextBlockParam] | list[ResultBlockParam], param: str,
+    references: dict[str, str] | None = None,
+) -> str | list[ContentPart]:
+    """Text content as chat has it: a string, or text parts (which chat joins). In a tool's
+    result (``references`` given), a tool_reference loads that tool and says so."""
     if isinstance(content, str):
         return content
     parts = []
     for j, block in enumerate(content):
+        if isinstance(block, ToolReferenceBlockParam) and references is not None:
+            references.setdefault(block.tool_name, f"{param}[{j}].tool_name")
+            parts.append(ContentPart("text", f"Tool {block.tool_name} loaded."))
+            continue
         if not isinstance(block, TextBlockParam):
             _refuse_block(block, f"{param}[{j}]")
         parts.append(ContentPart("text", block.text))
@@ -328,7 +356,7 @@ def _refuse_block(block: Any, param: str) -> None:
     raise BadRequestError(f"{param}: a {kind} block has no place here.", param)
 
 
-def _turn(message: MessageParam, param: str, calls: set[str]) -> list[ChatMessage]:
+def _turn(message: MessageParam, param: str, calls: set[str], references: dict[str, str]) -> list[ChatMessage]:
     """One Anthropic turn as chat messages: a user turn's tool_result blocks become "tool"
     messages (in their order among its text), an assistant turn's tool_use blocks its
     tool_calls and its thinking its reasoning_content."""
@@ -354,7 +382,7 @@ def _turn(message: MessageParam, param: str, calls: set[str]) -> list[ChatMessag
             if texts:
                 out.append(ChatMessage("user", texts))
                 texts = []
-            result = _text(block.content, f"{where}.content")
+            result = _text(block.content, f"{where}.content", references)
             if block.is_error:  # chat has no flag for it: the model reads it
                 result = [ContentPart("text", "Error:"), *([ContentPart("text", result)] if isinstance(result, str)
                                                           else result)]

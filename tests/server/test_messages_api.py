@@ -234,6 +234,42 @@ async def test_token_counts_equal_the_template_rendered_by_transformers(served, 
     assert reply.stop_reason in ("max_tokens", "end_turn") and all(b.type == "text" for b in reply.content)
 
 
+async def test_deferred_tools_are_shown_once_a_tool_reference_loads_them(served, tokenizer) -> None:
+    """Claude Code's tool search: a tool with defer_loading stays out of the prompt until a
+    tool's result holds a tool_reference to it (oracle: transformers' rendering of the
+    chat messages with and without that tool)."""
+    _, claude, _ = served
+    tools = [TOOLS[0], {**TOOLS[1], "defer_loading": True}]
+    asked = [{"role": "user", "content": "What time is it?"}]
+    searched = [
+        *asked,
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "toolu_9", "name": "get_weather", "input": {"city": "time", "unit": "c"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": [
+            {"type": "text", "text": "found"}, {"type": "tool_reference", "tool_name": "get_time"}]}]},
+    ]
+
+    def rendered(messages: list[dict], names: list[str]) -> int:
+        shown = [{"type": "function", "function": {"name": t["name"], "parameters": t["input_schema"]}}
+                 for t in TOOLS if t["name"] in names]
+        text = tokenizer.apply_chat_template(messages, tools=shown, chat_template=TEMPLATE,
+                                             add_generation_prompt=True, tokenize=False)
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    before = await claude.beta.messages.count_tokens(model=MODEL, messages=asked, tools=tools)
+    assert before.input_tokens == rendered(asked, ["get_weather"])
+    after = await claude.beta.messages.count_tokens(model=MODEL, messages=searched, tools=tools)
+    call = {"id": "toolu_9", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": {"city": "time", "unit": "c"}}}
+    chat = [*asked, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "toolu_9", "content": "found\nTool get_time loaded."}]
+    assert after.input_tokens == rendered(chat, ["get_weather", "get_time"])
+    wrong = [*searched[:2], {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": [
+        {"type": "tool_reference", "tool_name": "teleport"}]}]}]
+    with pytest.raises(anthropic.BadRequestError, match="teleport"):
+        await claude.beta.messages.count_tokens(model=MODEL, messages=wrong, tools=tools)
+
+
 async def test_tool_result_continuation_through_the_beta_client(served) -> None:
     """A forced call, its result sent back (as the client's to_param gives it), and the next turn."""
     _, claude, _ = served
