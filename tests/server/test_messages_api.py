@@ -391,6 +391,14 @@ BAD_REQUESTS = {
     "mcp servers": (_bad(mcp_servers=[{"type": "url", "url": "http://x", "name": "x"}]), "mcp_servers"),
     "output format not json_schema": (_bad(output_config={"format": {"type": "xml", "schema": {}}}),
                                       "output_config.format.type"),
+    "max_tokens zero": (_bad(max_tokens=0), "max_tokens"),
+    "unknown role": (_bad(messages=[{"role": "robot", "content": "x"}]), "messages[0].role"),
+    "unknown tool_choice": (_bad(tools=TOOLS, tool_choice={"type": "sometimes"}), "tool_choice.type"),
+    "unknown thinking type": (_bad(thinking={"type": "deep"}), "thinking.type"),
+    "tool_use in a user turn": (_bad(messages=[{"role": "user", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}]}]), "messages[0].content[0]"),
+    "tool_reference outside a result": (_bad(messages=[{"role": "user", "content": [
+        {"type": "tool_reference", "tool_name": "get_time"}]}]), "messages[0].content[0].type"),
 }
 
 
@@ -543,6 +551,33 @@ async def test_paced_ends_a_stalled_source_and_closes_it() -> None:
     assert await stream.__anext__() is None
     await stream.aclose()  # the client left while the source waited
     assert gate.closed
+
+
+async def test_a_waiting_stream_is_opened_and_pinged(monkeypatch) -> None:
+    """While the engine is paused the request waits: the stream has already sent
+    message_start (its usage the prompt's whole, no cache known yet) and pings; once
+    resumed the message completes, and its final usage replaces the first."""
+    import app.serving.messages as serving_messages
+
+    monkeypatch.setattr(serving_messages, "PING_INTERVAL_S", 0.02)
+    engine = make_engine(str(DEFAULT_MODEL_DIR), chat_template=TEMPLATE, max_model_len=256)
+    async with running_server(engine) as (client, _):
+        assert (await client.post("/pause", params={"mode": "keep"})).status_code == 200
+        names, data = [], []
+        body = {"model": MODEL, "messages": TURNS, "max_tokens": 8, "stream": True, **GREEDY}
+        async with client.stream("POST", "/v1/messages", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("event: "):
+                    names.append(line.removeprefix("event: "))
+                    if names.count("ping") == 2:
+                        assert (await client.post("/resume")).status_code == 200
+                elif line.startswith("data: "):
+                    data.append(json.loads(line.removeprefix("data: ")))
+    assert names[:3] == ["message_start", "ping", "ping"] and names[-2:] == ["message_delta", "message_stop"]
+    start, final = data[0]["message"]["usage"], data[-2]["usage"]
+    assert start["cache_read_input_tokens"] == 0 and start["output_tokens"] == 0
+    assert final["input_tokens"] + final["cache_read_input_tokens"] == start["input_tokens"]
+    assert final["output_tokens"] == 8 and data[-2]["delta"]["stop_reason"] == "max_tokens"
 
 
 async def test_a_fault_mid_stream_ends_it_with_an_error_event(monkeypatch) -> None:
