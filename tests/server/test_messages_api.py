@@ -14,13 +14,27 @@ import json
 
 import anthropic
 import jsonschema
+import msgspec
 import openai
 import pytest
 import pytest_asyncio
+from anthropic.lib.streaming._messages import accumulate_event
 from transformers import AutoTokenizer
 
 from app.errors import StreamTimeoutError
-from app.serving.messages import paced
+from app.parsing.output import OutputDelta
+from app.protocol.chat import DeltaFunctionCall, DeltaToolCall
+from app.protocol.messages import (
+    ContentBlockStart,
+    ContentBlockStop,
+    Message,
+    MessageDelta,
+    MessageStart,
+    MessageStop,
+    StopDelta,
+    Usage,
+)
+from app.serving.messages import MessageAssembler, paced
 from core.models.default_model import DEFAULT_MODEL_DIR
 from tests.support.chat_models import write_chat_model
 from tests.support.http import MODEL, make_engine, running_server
@@ -597,3 +611,50 @@ async def test_a_fault_mid_stream_ends_it_with_an_error_event(monkeypatch) -> No
                     seen.append(event.type)
     assert seen[:2] == ["message_start", "content_block_start"] and "message_stop" not in seen
     assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == "api_error"
+
+
+# ------------------------------------------------------------------ blocks from parsed deltas
+
+
+def _call(index: int, name: str | None = None, arguments: str | None = None) -> DeltaToolCall:
+    first = name is not None
+    return DeltaToolCall(index=index, id=f"call_{index}" if first else None, type="function" if first else None,
+                         function=DeltaFunctionCall(name=name, arguments=arguments))
+
+
+@pytest.mark.parametrize(("deltas", "kinds"), [
+    # Reasoning, an answer, two calls in pieces, whitespace after them.
+    ([OutputDelta(reasoning="Let me"), OutputDelta(reasoning=" think."), OutputDelta(content="\n"),
+     OutputDelta(content="Checking. "), OutputDelta(tool_calls=[_call(0, "get_weather", '{"city": "Pa')]),
+     OutputDelta(tool_calls=[_call(0, arguments='ris", "unit": "c"}')]),
+     OutputDelta(content="\n", tool_calls=[_call(1, "get_time", "{}")]), OutputDelta(content=" \n")],
+    ["thinking", "text", "tool_use", "tool_use"]),
+    # Only whitespace around a call: no text block.
+    ([OutputDelta(content=" \n"), OutputDelta(tool_calls=[_call(0, "get_time", '{"zone":')]),
+      OutputDelta(tool_calls=[_call(0, arguments=' "utc"}')]), OutputDelta(content="\n")], ["tool_use"]),
+    # Only whitespace and no call: that is the answer.
+    ([OutputDelta(content=" "), OutputDelta(content="\n")], ["text"]),
+    # Text after a call opens a new text block.
+    ([OutputDelta(tool_calls=[_call(0, "get_time", '{"zone": "cet"}')]), OutputDelta(content=" and more")],
+     ["tool_use", "text"]),
+], ids=["everything", "whitespace-around-a-call", "whitespace-only", "text-after-a-call"])
+async def test_the_events_add_up_to_the_blocks_in_the_clients_accumulator(deltas, kinds) -> None:
+    """The anthropic client's own accumulator, fed the events, rebuilds the assembler's blocks."""
+    assembler = MessageAssembler()
+    start = MessageStart(Message("msg_1", MODEL, [], None, None, Usage(3, 0)))
+    events = [start]
+    for delta in deltas:
+        events += assembler.feed(delta)
+    events += assembler.finish()
+    events += [MessageDelta(StopDelta("end_turn", None), Usage(3, 9)), MessageStop()]
+    snapshot, json_bufs = None, {}
+    for event in events:
+        raw = json.loads(msgspec.json.encode(event))
+        snapshot = accumulate_event(event=raw, current_snapshot=snapshot, json_bufs=json_bufs)
+    assert snapshot.model_dump(exclude_none=True)["content"] == msgspec.to_builtins(assembler.blocks)
+    indices = [e.index for e in events if isinstance(e, (ContentBlockStart, ContentBlockStop))]
+    assert indices == [i for i in range(len(assembler.blocks)) for _ in (0, 1)]  # each opened, then closed
+    assert [b.type for b in snapshot.content] == kinds
+    for block in snapshot.content:
+        if block.type == "tool_use":
+            assert block.id.startswith("toolu_") and isinstance(block.input, dict)
