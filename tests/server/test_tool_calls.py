@@ -123,8 +123,11 @@ async def test_auto_tool_choice_parses_hermes_calls(served) -> None:
     async for chunk in await oai.chat.completions.create(**body, stream=True):
         content += chunk.choices[0].delta.content or ""
         parts += chunk.choices[0].delta.tool_calls or []
-    assert content.strip() == "Let me check." and [p.function.name for p in parts] == ["get_weather"]
-    _check_call("get_weather", parts[0].function.arguments)
+    # The name first, then the arguments in pieces as the model writes them.
+    assert content.strip() == "Let me check." and [p.function.name for p in parts if p.function.name] == ["get_weather"]
+    assert parts[0].id and len(parts) > 2
+    arguments = "".join(p.function.arguments or "" for p in parts)
+    _check_call("get_weather", arguments)
 
 
 async def test_tool_choice_none_and_auto_without_a_parser(served) -> None:

@@ -187,11 +187,25 @@ def test_written_outputs(parser: str, text: str, content: str | None, calls: lis
     assert [(n, json.loads(a)) for n, a in got_calls] == calls
 
 
-def test_a_cut_llama_call_is_content() -> None:
-    """A Llama call the output cut before its object closed is no call: its text is the
-    content, as written (a client sees what the model wrote)."""
-    text = '{"name": "get_time", "parameters": {"zone": "CET"'
-    assert check_streams("llama3_json", text) == (text, [])
+def test_a_cut_call() -> None:
+    """An output cut inside a call's arguments keeps the call, its arguments as far as they were
+    written (as OpenAI returns a cut call); cut before its arguments began, it is no call."""
+    text = '{"name": "get_time", "parameters": {"zone": "CE'
+    assert check_streams("llama3_json", text) == (None, [("get_time", '{"zone": "CE')])
+    assert check_streams("hermes", "<tool_call>\n" + text) == (None, [("get_time", '{"zone": "CE')])
+    early = '{"name": "get_time", "param'
+    assert check_streams("llama3_json", early) == (early, [])
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_arguments_stream_as_they_are_written(name: str) -> None:
+    """Fed a character at a time, each call's arguments come in many fragments, not at its end
+    (Qwen3-Coder's a parameter at a time)."""
+    parser, _, _, several = FAMILIES[name]
+    text = template_output(name, "", CALLS if several else CALLS[:1])
+    _, _, fragments = parse(parser, list(text))
+    pieces = [f for f in fragments if f.index == 0 and f.function.arguments]
+    assert len(pieces) >= (len(NESTED) if parser == "qwen3_coder" else 20), pieces
 
 
 def test_mistral_ids_are_what_its_templates_accept() -> None:

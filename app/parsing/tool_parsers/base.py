@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import json
+import re
 import secrets
 import string
 import uuid
@@ -96,11 +97,12 @@ def call_of(value: Any, arguments_keys: tuple[str, ...] = ("arguments", "paramet
 
 class JsonSpan:
     """Where the JSON object or array at the start of a growing text ends: fed the same
-    text, longer each time, it scans only what is new."""
+    text, longer each time, it scans only what is new (``depth`` 1: the text is inside
+    one already, and ends at its closing bracket)."""
 
-    def __init__(self) -> None:
+    def __init__(self, depth: int = 0) -> None:
         self.pos = 0
-        self.depth = 0
+        self.depth = depth
         self.in_string = self.escaped = False
 
     def end(self, text: str) -> int | None:
@@ -124,3 +126,34 @@ class JsonSpan:
                 if self.depth == 0:
                     return self.pos
         return None
+
+
+# The start of a JSON call whose arguments can be sent as they are written: its name first,
+# then its arguments object (the order every template here shows).
+CALL_PREFIX = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+
+
+class StreamedCall:
+    """The rest of a JSON call object whose name was read (CALL_PREFIX): its arguments object
+    sent as the model writes it, then what follows skipped up to the call's closing brace.
+    Fed the unread text each time; what it answers depends only on the text, never on how
+    it was split."""
+
+    def __init__(self) -> None:
+        self.arguments = JsonSpan()
+        self.rest: JsonSpan | None = None
+
+    def feed(self, text: str) -> tuple[str, int, bool]:
+        """(arguments text to send, how much of ``text`` is used up, the call's object closed)."""
+        piece, used = "", 0
+        if self.rest is None:
+            end = self.arguments.end(text)
+            if end is None:
+                self.arguments.pos = 0  # all of it is used: the next text is new
+                return text, len(text), False
+            piece, used, self.rest = text[:end], end, JsonSpan(depth=1)
+        close = self.rest.end(text[used:])
+        if close is None:
+            self.rest.pos = 0
+            return piece, len(text), False
+        return piece, used + close, True

@@ -3,16 +3,26 @@
 As the templates of Hermes 2/3, Qwen2.5 and Qwen3 show them to the model (one
 block per call, a newline inside each tag). The answer is the text before the
 first block; a block that is no call of a known tool stays in the content as
-written. Each call is sent whole once its block closes (its JSON cannot be
-judged before), or at the end for a block the output left open.
+written. A block that starts ``{"name": "f", "arguments": {`` (as the
+templates write calls) is a call from there on: its name is sent, then its
+arguments as they are written; any other block is judged whole once it
+closes (or at the end, for a block the output left open).
 """
 
 from __future__ import annotations
 
 import json
 
-from app.parsing.text import held_back
-from app.parsing.tool_parsers.base import IdFactory, ToolCallStream, ToolSchemas, call_of, new_tool_call_id
+from app.parsing.text import held_back, partial_suffix
+from app.parsing.tool_parsers.base import (
+    CALL_PREFIX,
+    IdFactory,
+    StreamedCall,
+    ToolCallStream,
+    ToolSchemas,
+    call_of,
+    new_tool_call_id,
+)
 from app.protocol.chat import DeltaToolCall
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -26,6 +36,8 @@ class HermesStream(ToolCallStream):
         super().__init__(tools, new_id)
         self.buffer = ""
         self.inside = False
+        self.call: StreamedCall | None = None  # a call whose arguments are being sent
+        self.closing = False  # a streamed call's object closed: skipping to </tool_call>
 
     def feed(self, text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
         self.buffer += text
@@ -43,6 +55,27 @@ class HermesStream(ToolCallStream):
                     content += self.buffer[:at].rstrip()
                 self.buffer = self.buffer[at + len(OPEN) :]
                 self.inside = True
+            if self.call is None and not self.closing:
+                prefix = CALL_PREFIX.match(self.buffer)
+                if prefix is not None and self.known(prefix.group(1)):
+                    deltas.append(self.head(prefix.group(1)))
+                    self.buffer, self.call = self.buffer[prefix.end() :], StreamedCall()
+            if self.call is not None:
+                piece, used, done = self.call.feed(self.buffer)
+                if piece:
+                    deltas.append(self.more(piece))
+                self.buffer = self.buffer[used:]
+                if not done:
+                    break
+                self.call, self.closing = None, True
+            if self.closing:
+                end = self.buffer.find(CLOSE)
+                if end < 0:
+                    keep = 0 if finished else partial_suffix(self.buffer, CLOSE)
+                    self.buffer = self.buffer[len(self.buffer) - keep :]
+                    break
+                self.buffer, self.inside, self.closing = self.buffer[end + len(CLOSE) :], False, False
+                continue
             end = self.buffer.find(CLOSE)
             if end < 0 and not finished:
                 break

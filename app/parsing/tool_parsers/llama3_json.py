@@ -6,9 +6,11 @@ value}`` and write a past call back that way. The model may put
 ``<|python_tag|>`` first (a special token: in the text only when special
 tokens are decoded) and may write several calls separated by ``;``. So an
 output is calls when it starts with ``{`` (or has ``<|python_tag|>``, the
-text before it being the answer); each call is sent once its object closes.
-An object that is not a call of a known tool, and any text after the calls
-begin, are content only while no call was found.
+text before it being the answer). An object that starts ``{"name": "f",
+"parameters": {`` is a call from there on (its arguments sent as they are
+written); any other object is judged once it closes. An object that is not a
+call of a known tool, and any text after the calls begin, are content only
+while no call was found.
 """
 
 from __future__ import annotations
@@ -16,7 +18,16 @@ from __future__ import annotations
 import json
 
 from app.parsing.text import held_back
-from app.parsing.tool_parsers.base import IdFactory, JsonSpan, ToolCallStream, ToolSchemas, call_of, new_tool_call_id
+from app.parsing.tool_parsers.base import (
+    CALL_PREFIX,
+    IdFactory,
+    JsonSpan,
+    StreamedCall,
+    ToolCallStream,
+    ToolSchemas,
+    call_of,
+    new_tool_call_id,
+)
 from app.protocol.chat import DeltaToolCall
 
 PYTHON_TAG = "<|python_tag|>"
@@ -28,6 +39,7 @@ class Llama3JsonStream(ToolCallStream):
         self.buffer = ""
         self.state = "start"  # start -> calls | text (-> calls at a python tag)
         self.span: JsonSpan | None = None
+        self.call: StreamedCall | None = None  # a call whose arguments are being sent
 
     def feed(self, text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
         self.buffer += text
@@ -54,6 +66,15 @@ class Llama3JsonStream(ToolCallStream):
                 self.buffer = self.buffer[at:]
                 self.state = "calls"
             # calls: objects, with separators and python tags between them
+            if self.call is not None:
+                piece, used, done = self.call.feed(self.buffer)
+                if piece:
+                    deltas.append(self.more(piece))
+                self.buffer = self.buffer[used:]
+                if not done:
+                    break
+                self.call = None
+                continue
             if self.span is None:
                 rest = self.buffer.lstrip().lstrip(";").lstrip()
                 while rest.startswith(PYTHON_TAG):
@@ -67,6 +88,11 @@ class Llama3JsonStream(ToolCallStream):
                     self.state = "text"  # no further call: what follows is not a call
                     continue
                 self.span = JsonSpan()
+            prefix = CALL_PREFIX.match(self.buffer)
+            if prefix is not None and self.known(prefix.group(1)):
+                deltas.append(self.head(prefix.group(1)))
+                self.buffer, self.span, self.call = self.buffer[prefix.end() :], None, StreamedCall()
+                continue
             end = self.span.end(self.buffer)
             if end is None and not finished:
                 break

@@ -1,8 +1,9 @@
 """Mistral calls, after ``[TOOL_CALLS]``, in either of the two forms Mistral's templates use.
 
 - Mistral Nemo (and the v3 tokenizer's models) write one JSON array:
-  ``[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]``; each call is sent
-  once its object closes.
+  ``[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]``; an item that starts
+  with its name and then its arguments object has them sent as they come, any
+  other is judged once its object closes.
 - Mistral Small 3.2 (and later v11+ models) write each call as
   ``[TOOL_CALLS]f[ARGS]{...}`` (the template also shows ``[CALL_ID]id`` before
   ``[ARGS]``, which is skipped): the name is sent at ``[ARGS]``, then the
@@ -22,8 +23,10 @@ import json
 
 from app.parsing.text import held_back
 from app.parsing.tool_parsers.base import (
+    CALL_PREFIX,
     IdFactory,
     JsonSpan,
+    StreamedCall,
     ToolCallStream,
     ToolSchemas,
     call_of,
@@ -40,6 +43,7 @@ class MistralStream(ToolCallStream):
         self.buffer = ""
         self.state = "text"  # text -> tag -> (array | name -> arguments) -> text
         self.span: JsonSpan | None = None
+        self.call: StreamedCall | None = None  # an array item whose arguments are being sent
 
     def feed(self, text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
         self.buffer += text
@@ -113,8 +117,17 @@ class MistralStream(ToolCallStream):
         return TOOL_CALLS + text if self.num_calls == 0 else ""
 
     def _array_items(self, finished: bool, deltas: list[DeltaToolCall]) -> tuple[bool, str]:
-        """Calls of the array as their objects close; (the array is over, content)."""
+        """Calls of the array as they come; (the array is over, content)."""
         while True:
+            if self.call is not None:
+                piece, used, done = self.call.feed(self.buffer)
+                if piece:
+                    deltas.append(self.more(piece))
+                self.buffer = self.buffer[used:]
+                if not done:
+                    return False, ""
+                self.call = None
+                continue
             if self.span is None:
                 rest = self.buffer.lstrip().lstrip(",").lstrip()
                 self.buffer = rest
@@ -127,6 +140,11 @@ class MistralStream(ToolCallStream):
                     self.state = "text"  # not an array of calls after all: the rest is text
                     return True, self._not_a_call("[") if self.num_calls == 0 else ""
                 self.span = JsonSpan()
+            prefix = CALL_PREFIX.match(self.buffer)
+            if prefix is not None and self.known(prefix.group(1)):
+                deltas.append(self.head(prefix.group(1)))
+                self.buffer, self.span, self.call = self.buffer[prefix.end() :], None, StreamedCall()
+                continue
             end = self.span.end(self.buffer)
             if end is None and not finished:
                 return False, ""
