@@ -156,7 +156,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
         "store": ((None, False), "this server stores no completions"),
         "metadata": ((None,), "this server stores no completions to tag"),
         "service_tier": ((None, "auto", "default"), "there is one service tier"),
-        "verbosity": ((None,), "this server runs no reasoning models"),
+        "verbosity": ((None,), "answers are not shortened or lengthened on request; max_tokens caps them"),
     }
 
     def check_supported(self) -> None:
