@@ -217,12 +217,22 @@ class MessagesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return self.thinking is not None and self.thinking.display == "omitted"
 
     def _chat_messages(self, references: dict[str, str]) -> list[ChatMessage]:
-        messages = []
+        """The turns as chat messages, after one system message: ``system`` and then the
+        system turns of ``messages`` (Claude Code sends its environment as one, last), since
+        chat templates take a single system prompt first (Mistral Nemo's refuses a system turn
+        anywhere else; SmolLM3's drops it)."""
+        system: list[ContentPart] = []
         if self.system is not None:
-            messages.append(ChatMessage("system", _text(self.system, "system")))
+            system += _parts(_text(self.system, "system"))
+        messages = []
         calls: set[str] = set()
         for i, message in enumerate(self.messages):
-            messages += _turn(message, f"messages[{i}]", calls, references)
+            if message.role == "system":
+                system += _parts(_text(message.content, f"messages[{i}].content"))  # type: ignore[arg-type]
+            else:
+                messages += _turn(message, f"messages[{i}]", calls, references)
+        if system:
+            messages.insert(0, ChatMessage("system", system))
         if self.messages and self.messages[-1].role == "assistant":
             raise BadRequestError(
                 "The last message is the assistant's: continuing (prefilling) an assistant turn is not "
@@ -349,6 +359,10 @@ def _text(
     return parts
 
 
+def _parts(content: str | list[ContentPart]) -> list[ContentPart]:
+    return [ContentPart("text", content)] if isinstance(content, str) else content
+
+
 def _refuse_block(block: Any, param: str) -> None:
     kind = block.__struct_config__.tag
     if kind in ("image", "document"):
@@ -361,10 +375,10 @@ def _turn(message: MessageParam, param: str, calls: set[str], references: dict[s
     messages (in their order among its text), an assistant turn's tool_use blocks its
     tool_calls and its thinking its reasoning_content."""
     role = message.role
-    if role not in ("user", "assistant", "system"):
-        raise BadRequestError(f"{param}.role must be user or assistant, got {role!r}.", f"{param}.role")
-    if isinstance(message.content, str) or role == "system":
-        return [ChatMessage(role, _text(message.content, f"{param}.content"))]  # type: ignore[arg-type]
+    if role not in ("user", "assistant"):
+        raise BadRequestError(f"{param}.role must be user, assistant or system, got {role!r}.", f"{param}.role")
+    if isinstance(message.content, str):
+        return [ChatMessage(role, message.content)]
     if role == "assistant":
         return [_assistant(message.content, f"{param}.content", calls)]
     out: list[ChatMessage] = []

@@ -241,6 +241,12 @@ async def test_token_counts_equal_the_template_rendered_by_transformers(served, 
         model=MODEL, system=SYSTEM, messages=messages, tools=TOOLS, betas=["token-counting-2024-11-01"]
     )
     assert beta.input_tokens == expected
+    # A system turn among the messages (Claude Code's environment, sent last) joins the system prompt.
+    environment = [{"role": "user", "content": "Hi"}, {"role": "system", "content": [{"type": "text", "text": "ENV"}]}]
+    counted = await claude.messages.count_tokens(model=MODEL, system=SYSTEM, messages=environment)
+    joined = [{"role": "system", "content": SYSTEM + "\nENV"}, {"role": "user", "content": "Hi"}]
+    text = tokenizer.apply_chat_template(joined, chat_template=TEMPLATE, add_generation_prompt=True, tokenize=False)
+    assert counted.input_tokens == len(tokenizer.encode(text, add_special_tokens=False))
     # And a generation from it reports that prompt (the tools shown under tool_choice none too).
     reply = await claude.messages.create(model=MODEL, system=SYSTEM, messages=messages, tools=TOOLS, max_tokens=5,
                                          tool_choice={"type": "none"}, extra_body=GREEDY)
