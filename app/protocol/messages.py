@@ -133,6 +133,10 @@ class OutputConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class CustomTool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # Accepted, nothing to do with them here: cache breakpoints, programmatic callers, how
+    # finely the input streams (as it is parsed, here), examples (chat templates show none).
+    IGNORED: ClassVar[tuple[str, ...]] = ("cache_control", "allowed_callers", "eager_input_streaming", "input_examples")
+
     name: str
     input_schema: dict[str, Any]
     description: str | None = None
@@ -246,7 +250,8 @@ class MessagesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """The custom tools the model is shown: a deferred one (``defer_loading``, Claude Code's
         tool search) once a tool_reference in a tool's result has loaded it."""
         tools = []
-        names = set()
+        names: set[str] = set()
+        ignored: set[str] = set()
         for i, raw in enumerate(self.tools or ()):
             kind = raw.get("type")
             if kind not in (None, "custom"):
@@ -260,12 +265,15 @@ class MessagesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             except msgspec.ValidationError as exc:
                 raise BadRequestError(f"tools[{i}]: {exc}", f"tools[{i}]") from None
             _check_schema(tool.input_schema, f"tools[{i}].input_schema")
+            ignored.update(name for name in tool.IGNORED if getattr(tool, name) is not None)
             names.add(tool.name)
             if tool.defer_loading and tool.name not in references:
                 continue
             tools.append(ToolDefinition(function=FunctionDefinition(
                 name=tool.name, description=tool.description, parameters=tool.input_schema, strict=tool.strict,
             )))
+        if ignored:
+            logger.debug("/v1/messages: ignoring tools' %s (they mean nothing on this server)", ", ".join(sorted(ignored)))
         for name, where in references.items():
             if name not in names:
                 raise BadRequestError(f"{where}: the tool_reference names {name!r}, which is not among the tools.",
@@ -313,8 +321,9 @@ class MessagesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def _response_format(self) -> ResponseFormat | None:
         config_format = self.output_config.format if self.output_config is not None else None
-        if self.output_config is not None and self.output_config.effort is not None:
-            logger.debug("/v1/messages: ignoring output_config.effort (it means nothing on this server)")
+        for name in ("effort", "task_budget"):
+            if self.output_config is not None and getattr(self.output_config, name) is not None:
+                logger.debug("/v1/messages: ignoring output_config.%s (it means nothing on this server)", name)
         if config_format is not None and self.output_format is not None:
             raise BadRequestError("Give output_config.format or output_format, not both.", "output_format")
         fmt, param = (config_format, "output_config.format") if config_format is not None else (
