@@ -96,7 +96,7 @@ async def test_a_request_template_brings_its_own_parsers(qwen3) -> None:
     regex = r"<think>\nHm\.\n</think>\n\nFine\."
     qwen25 = (TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
     plain = await oai.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0,
+        model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
         extra_body={"structured_outputs": {"regex": regex}, "chat_template": qwen25},
     )
     message = plain.choices[0].message
@@ -109,3 +109,17 @@ async def test_a_request_template_brings_its_own_parsers(qwen3) -> None:
     # until </think> (forced after three tokens): the regex's text is then all answer.
     message = own.choices[0].message
     assert message.model_extra["reasoning_content"] and message.content == "<think>\nHm.\n</think>\n\nFine."
+
+
+async def test_reasoning_parser_none_keeps_the_block_in_the_content(qwen3_dir) -> None:
+    """--reasoning-parser none on a thinking model: no reasoning parsed, and no engine switch
+    either (the grammar binds from the first token)."""
+    engine = make_engine(qwen3_dir, chat_template=None, max_model_len=2048)
+    async with running_server(engine, reasoning_parser="none") as (_, base):
+        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0) as oai:
+            out = await oai.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
+                extra_body={"structured_outputs": {"regex": r"<think>\nHm\.\n</think>\n\nFine\."}},
+            )
+    message = out.choices[0].message
+    assert message.content == "<think>\nHm.\n</think>\n\nFine." and message.model_extra["reasoning_content"] is None

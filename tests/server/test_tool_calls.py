@@ -266,7 +266,7 @@ async def test_the_family_syntax_becomes_tool_calls(family: str, tmp_path_factor
     engine = make_engine(cached_chat_model(tmp_path_factory, arch, template), chat_template=None, max_model_len=2048)
     async with running_server(engine) as (_, base):
         async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0) as oai:
-            body = dict(model=MODEL, messages=FAMILY_MESSAGES, tools=FAMILY_TOOLS, max_tokens=120, temperature=0,
+            body = dict(model=MODEL, messages=FAMILY_MESSAGES, tools=FAMILY_TOOLS, max_tokens=300, temperature=0,
                         extra_body={"structured_outputs": {"regex": regex},
                                     "chat_template_kwargs": {"enable_thinking": False}})
             out = await oai.chat.completions.create(**body)
