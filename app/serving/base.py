@@ -248,6 +248,10 @@ class OpenAIServing:
         template = req.chat_template if req.chat_template is not None else self.chat_template
         add_special = bool(req.add_special_tokens)
         kwargs = req.template_kwargs()
+        if "enable_thinking" not in kwargs and self.parsers_for(req.chat_template)[1] is not None:
+            # A thinking model thinks unless the request says otherwise, as llama-server renders it
+            # (llama.cpp's DeepSeek-R1 template closes the block when enable_thinking is unset).
+            kwargs["enable_thinking"] = True
         if req.tools:  # shown to the template whenever given (tool_choice "none" too, as OpenAI's)
             kwargs["tools"] = [t.to_template_dict() for t in req.tools]
         try:

@@ -17,13 +17,20 @@ added tokens: they are put back at their ids, special or not as Qwen has them
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
+
+from app.protocol.chat import ChatCompletionRequest
 
 from core.models.gguf_header import GGUFHeader
 from core.models.gguf_metadata import write_tokenizer
+
+if TYPE_CHECKING:
+    from app.tokenizer import Tokenizer
 
 CHAT_FORMATS = Path(__file__).resolve().parents[3] / "shared" / "chat-formats"
 TEMPLATES = CHAT_FORMATS / "templates"
@@ -126,3 +133,56 @@ def cached_chat_model(tmp_path_factory: Any, arch: str, template: str, seed: int
     if not (path / "model.safetensors").exists():
         write_chat_model(path, arch, template, seed)
     return str(path)
+
+
+# A conversation with tools, a call, its result, reasoning and a new question: what the template tests render.
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "description": "The city, e.g. Zürich"},
+        "days": {"type": "integer"},
+        "options": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}},
+    },
+    "required": ["city"],
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather \"now\" in a city",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string"}}}}},
+]
+ARGUMENTS = {"city": "Zürich", "days": 2, "options": {"unit": "c"}}
+CALL_ID = "call12345"  # nine letters and digits: Mistral's templates accept no other id
+
+
+def conversation(arguments: object, system: bool = True) -> list[dict]:
+    messages = [{"role": "system", "content": "You are terse."}] if system else []
+    return [
+        *messages,
+        {"role": "user", "content": "Weather in Zürich, and say \"hi\"?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": CALL_ID, "type": "function", "function": {"name": "get_weather", "arguments": arguments}},
+        ]},
+        {"role": "tool", "tool_call_id": CALL_ID, "content": '{"temperature": 21, "sky": "clear"}'},
+        {"role": "assistant", "content": "21 degrees, clear. Hi!", "reasoning_content": "The tool said 21."},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+
+
+def render_as_chat_request(tokenizer: Tokenizer, template: str, kwargs: dict) -> str:
+    """The test conversation as a chat request sends it (arguments as JSON text, through the
+    protocol types) rendered by ringllm's tokenizer with ``template``."""
+    req = msgspec.convert(
+        {"messages": conversation(json.dumps(ARGUMENTS, ensure_ascii=False)), "tools": TOOLS,
+         "chat_template_kwargs": kwargs or None},
+        ChatCompletionRequest,
+    )
+    req.check_supported()
+    messages = [m.to_template_dict() for m in req.messages]
+    tools = [t.to_template_dict() for t in req.tools or ()]
+    rendered = tokenizer.apply_chat_template(
+        messages, chat_template=template, tools=tools, add_generation_prompt=True, tokenize=False,
+        **req.template_kwargs(),
+    )
+    assert isinstance(rendered, str)
+    return rendered

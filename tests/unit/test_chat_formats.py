@@ -14,14 +14,18 @@ parser app/parsing/detect.py picks for each template is the family's.
 
 from __future__ import annotations
 
-import json
-import msgspec
 import pytest
 
 from app.parsing.detect import detect_reasoning_parser, detect_tool_call_parser
-from app.protocol.chat import ChatCompletionRequest
 from app.tokenizer import Tokenizer
-from tests.support.chat_models import TEMPLATES, write_vocabulary
+from tests.support.chat_models import (
+    ARGUMENTS,
+    TEMPLATES,
+    TOOLS,
+    conversation,
+    render_as_chat_request,
+    write_vocabulary,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,39 +48,6 @@ CASES = {
     "google-gemma-2-2b-it.jinja": ("llama-bpe", None, None),
 }
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "description": "The city, e.g. Zürich"},
-        "days": {"type": "integer"},
-        "options": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}},
-    },
-    "required": ["city"],
-}
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather \"now\" in a city",
-                                      "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "get_time", "description": "The time", "parameters": {
-        "type": "object", "properties": {"zone": {"type": "string"}}}}},
-]
-ARGUMENTS = {"city": "Zürich", "days": 2, "options": {"unit": "c"}}
-CALL_ID = "call12345"  # nine letters and digits: Mistral's templates accept no other id
-
-
-def conversation(arguments: object, system: bool = True) -> list[dict]:
-    messages = [{"role": "system", "content": "You are terse."}] if system else []
-    return [
-        *messages,
-        {"role": "user", "content": "Weather in Zürich, and say \"hi\"?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": CALL_ID, "type": "function", "function": {"name": "get_weather", "arguments": arguments}},
-        ]},
-        {"role": "tool", "tool_call_id": CALL_ID, "content": '{"temperature": 21, "sky": "clear"}'},
-        {"role": "assistant", "content": "21 degrees, clear. Hi!", "reasoning_content": "The tool said 21."},
-        {"role": "user", "content": "And tomorrow?"},
-    ]
-
-
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory) -> dict[str, tuple[Tokenizer, object]]:
     """Each vocabulary as ours and as transformers' fast tokenizer, loaded once."""
@@ -86,24 +57,6 @@ def tokenizers(tmp_path_factory) -> dict[str, tuple[Tokenizer, object]]:
         path = str(write_vocabulary(name, None, root / name))
         out[name] = (Tokenizer.from_directory(path), transformers.AutoTokenizer.from_pretrained(path))
     return out
-
-
-def _ours(tokenizer: Tokenizer, template: str, kwargs: dict) -> str:
-    """As the chat route renders: the request's messages and tools through the protocol types."""
-    req = msgspec.convert(
-        {"messages": conversation(json.dumps(ARGUMENTS, ensure_ascii=False)), "tools": TOOLS,
-         "chat_template_kwargs": kwargs or None},
-        ChatCompletionRequest,
-    )
-    req.check_supported()
-    messages = [m.to_template_dict() for m in req.messages]
-    tools = [t.to_template_dict() for t in req.tools or ()]
-    rendered = tokenizer.apply_chat_template(
-        messages, chat_template=template, tools=tools, add_generation_prompt=True, tokenize=False,
-        **req.template_kwargs(),
-    )
-    assert isinstance(rendered, str)
-    return rendered
 
 
 @pytest.mark.parametrize("enable_thinking", [None, False], ids=["default", "no-thinking"])
@@ -121,7 +74,7 @@ def test_rendered_prompt_equals_transformers(name: str, enable_thinking: bool | 
         conversation(ARGUMENTS), tools=TOOLS, chat_template=template, add_generation_prompt=True, tokenize=False,
         **kwargs,
     )
-    ours = _ours(ours_tokenizer, template, kwargs)
+    ours = render_as_chat_request(ours_tokenizer, template, kwargs)
     assert ours == theirs
     if tool_parser is not None:  # the tools and the call reached the prompt (SmolLM3's template shows neither)
         assert "get_weather" in ours and "Zürich" in ours
