@@ -34,6 +34,7 @@ from typing import Any
 from app.parsing.tool_parsers import TOOL_CALL_PARSERS, call_ids_of
 from app.parsing.tool_parsers.base import (
     IdFactory,
+    JsonSpan,
     ToolCallStream,
     dumps,
     new_tool_call_id,
@@ -116,31 +117,29 @@ class RequiredCallStream(ToolCallStream):
     def __init__(self, new_id: IdFactory = new_tool_call_id) -> None:
         super().__init__(None, new_id)
         self.calls: list[ToolCall] = []
-        self.depth = 0
-        self.in_string = self.escaped = False
-        self.item: list[str] = []
+        self.opened = False  # the array's "[" was read
+        self.item: JsonSpan | None = None  # the object being read, from the buffer's start
 
     def feed(self, text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
-        deltas = []
-        for ch in text:
-            if self.depth >= 1 and not (self.depth == 1 and ch in ",]" and not self.in_string):
-                self.item.append(ch)
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif ch == "\\":
-                    self.escaped = True
-                elif ch == '"':
-                    self.in_string = False
-            elif ch == '"':
-                self.in_string = True
-            elif ch in "[{":
-                self.depth += 1
-            elif ch in "]}":
-                self.depth -= 1
-                if self.depth == 1 and ch == "}":  # an item of the array is complete
-                    deltas += self._emit("".join(self.item).strip())
-                    self.item = []
+        self.buffer += text
+        if not self.opened:
+            at = self.buffer.find("[")
+            if at < 0:
+                return "", []
+            self.buffer, self.opened = self.buffer[at + 1 :], True
+        deltas: list[DeltaToolCall] = []
+        while True:
+            if self.item is None:
+                at = self.buffer.find("{")
+                if at < 0:  # separators, or the array's end
+                    self.buffer = ""
+                    break
+                self.buffer, self.item = self.buffer[at:], JsonSpan()
+            end = self.item.end(self.buffer)
+            if end is None:
+                break
+            deltas += self._emit(self.buffer[:end])
+            self.buffer, self.item = self.buffer[end:], None
         return "", deltas
 
     def _emit(self, body: str) -> list[DeltaToolCall]:

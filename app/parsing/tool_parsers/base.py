@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from app.parsing.text import held_back
 from app.protocol.chat import DeltaFunctionCall, DeltaToolCall
 
 # A tool's name -> its parameters' JSON schema (an empty one when the tool declares none).
@@ -53,10 +54,26 @@ class ToolCallStream(abc.ABC):
         self.num_calls = 0
         self.tools = tools
         self.new_id = new_id
+        self.buffer = ""  # text fed and not yet answered for
 
     @abc.abstractmethod
     def feed(self, text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
         """The content and tool-call fragments that ``text`` (the next delta) completes."""
+
+    def text_until(self, marker: str, finished: bool, past_marker: bool = True) -> tuple[str, bool]:
+        """Take the buffer's text up to ``marker``: (the content it adds, whether the marker
+        came). Found, the buffer then starts past the marker (or at it: ``past_marker``
+        False) and the whitespace before it is dropped; not found, what may begin it is
+        held back. Text after the first call is no content (as the templates write
+        turns, nothing follows a model's calls but more calls)."""
+        at = self.buffer.find(marker)
+        if at < 0:
+            keep = 0 if finished else held_back(self.buffer, marker)
+            text, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep :]
+        else:
+            text = self.buffer[:at].rstrip()
+            self.buffer = self.buffer[at + len(marker) if past_marker else at :]
+        return (text if self.num_calls == 0 else ""), at >= 0
 
     def known(self, name: str) -> bool:
         return self.tools is None or name in self.tools

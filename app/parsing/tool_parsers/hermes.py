@@ -34,7 +34,6 @@ class HermesStream(ToolCallStream):
 
     def __init__(self, tools: ToolSchemas | None = None, new_id: IdFactory = new_tool_call_id) -> None:
         super().__init__(tools, new_id)
-        self.buffer = ""
         self.inside = False
         self.call: StreamedCall | None = None  # a call whose arguments are being sent
         self.closing = False  # a streamed call's object closed: skipping to </tool_call>
@@ -44,16 +43,10 @@ class HermesStream(ToolCallStream):
         content, deltas = "", []
         while True:
             if not self.inside:
-                at = self.buffer.find(OPEN)
-                if at < 0:
-                    keep = 0 if finished else held_back(self.buffer, OPEN)
-                    if self.num_calls == 0:
-                        content += self.buffer[: len(self.buffer) - keep]
-                    self.buffer = self.buffer[len(self.buffer) - keep :]
+                text, found = self.text_until(OPEN, finished)
+                content += text
+                if not found:
                     break
-                if self.num_calls == 0:
-                    content += self.buffer[:at].rstrip()
-                self.buffer = self.buffer[at + len(OPEN) :]
                 self.inside = True
             if self.call is None and not self.closing:
                 prefix = CALL_PREFIX.match(self.buffer)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 
-from app.parsing.text import held_back
 from app.parsing.tool_parsers.base import (
     CALL_PREFIX,
     IdFactory,
@@ -36,7 +35,6 @@ PYTHON_TAG = "<|python_tag|>"
 class Llama3JsonStream(ToolCallStream):
     def __init__(self, tools: ToolSchemas | None = None, new_id: IdFactory = new_tool_call_id) -> None:
         super().__init__(tools, new_id)
-        self.buffer = ""
         self.state = "start"  # start -> calls | text (-> calls at a python tag)
         self.span: JsonSpan | None = None
         self.call: StreamedCall | None = None  # a call whose arguments are being sent
@@ -54,16 +52,10 @@ class Llama3JsonStream(ToolCallStream):
                 else:
                     self.state = "text"
             if self.state == "text":
-                at = self.buffer.find(PYTHON_TAG)
-                if at < 0:
-                    keep = 0 if finished else held_back(self.buffer, PYTHON_TAG)
-                    if self.num_calls == 0:
-                        content += self.buffer[: len(self.buffer) - keep]
-                    self.buffer = self.buffer[len(self.buffer) - keep :]
+                text, found = self.text_until(PYTHON_TAG, finished, past_marker=False)
+                content += text
+                if not found:
                     break
-                if self.num_calls == 0:
-                    content += self.buffer[:at].rstrip()
-                self.buffer = self.buffer[at:]
                 self.state = "calls"
             # calls: objects, with separators and python tags between them
             if self.call is not None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 
-from app.parsing.text import held_back
 from app.parsing.tool_parsers.base import (
     CALL_PREFIX,
     IdFactory,
@@ -40,7 +39,6 @@ TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 class MistralStream(ToolCallStream):
     def __init__(self, tools: ToolSchemas | None = None, new_id: IdFactory = new_mistral_call_id) -> None:
         super().__init__(tools, new_id)
-        self.buffer = ""
         self.state = "text"  # text -> tag -> (array | name -> arguments) -> text
         self.span: JsonSpan | None = None
         self.call: StreamedCall | None = None  # an array item whose arguments are being sent
@@ -50,16 +48,10 @@ class MistralStream(ToolCallStream):
         content, deltas = "", []
         while True:
             if self.state == "text":
-                at = self.buffer.find(TOOL_CALLS)
-                if at < 0:
-                    keep = 0 if finished else held_back(self.buffer, TOOL_CALLS)
-                    if self.num_calls == 0:
-                        content += self.buffer[: len(self.buffer) - keep]
-                    self.buffer = self.buffer[len(self.buffer) - keep :]
+                text, found = self.text_until(TOOL_CALLS, finished)
+                content += text
+                if not found:
                     break
-                if self.num_calls == 0:
-                    content += self.buffer[:at].rstrip()
-                self.buffer = self.buffer[at + len(TOOL_CALLS) :]
                 self.state = "tag"
             if self.state == "tag":
                 rest = self.buffer.lstrip()

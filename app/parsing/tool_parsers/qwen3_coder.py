@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from app.parsing.text import held_back
 from app.parsing.tool_parsers.base import IdFactory, ToolCallStream, ToolSchemas, dumps, new_tool_call_id
 from app.protocol.chat import DeltaToolCall
 
@@ -61,7 +60,6 @@ def json_value(text: str, kind: str | None) -> Any:
 class Qwen3CoderStream(ToolCallStream):
     def __init__(self, tools: ToolSchemas | None = None, new_id: IdFactory = new_tool_call_id) -> None:
         super().__init__(tools, new_id)
-        self.buffer = ""
         self.state = "text"  # text -> block -> parameters -> closing -> text
         self.name = ""
         self.num_parameters = 0
@@ -71,16 +69,10 @@ class Qwen3CoderStream(ToolCallStream):
         content, deltas = "", []
         while True:
             if self.state == "text":
-                at = self.buffer.find(OPEN)
-                if at < 0:
-                    keep = 0 if finished else held_back(self.buffer, OPEN)
-                    if self.num_calls == 0:
-                        content += self.buffer[: len(self.buffer) - keep]
-                    self.buffer = self.buffer[len(self.buffer) - keep :]
+                text, found = self.text_until(OPEN, finished)
+                content += text
+                if not found:
                     break
-                if self.num_calls == 0:
-                    content += self.buffer[:at].rstrip()
-                self.buffer = self.buffer[at + len(OPEN) :]
                 self.state = "block"
             if self.state == "block":
                 rest = self.buffer.lstrip()
