@@ -224,12 +224,13 @@ def test_sleep_frees_the_kv_cache_and_wake_up_serves_the_same_output(server_fact
 
     for level in (1, 2):
         # The CPU KV cache is an anonymous mapping, resident only where requests wrote: sleeping
-        # unmaps all of it, and with it whatever part of it was resident.
+        # unmaps all of it, and with it whatever part of it was resident. The engine's other
+        # threads may map a little meanwhile (a stack, an allocator's pages): an eighth is allowed.
         awake = _status(pid, "VmSize")
         response = httpx.post(base + "/sleep", params={"level": level}, timeout=60)
         assert response.status_code == 200 and response.json()["level"] == level
         asleep = _status(pid, "VmSize")
-        assert awake - asleep >= kv_bytes, (level, awake, asleep, kv_bytes)
+        assert awake - asleep >= kv_bytes * 7 // 8, (level, awake, asleep, kv_bytes)
         memory = response.json()["memory"]
         assert memory["before"]["kv_cache_bytes"] == kv_bytes and memory["after"]["kv_cache_bytes"] == 0
         assert memory["after"]["weights_bytes"] == 0
