@@ -20,6 +20,8 @@ from app.errors import ErrorResponse
 from app.protocol.chat import ChatCompletionRequest, ChatCompletionResponse
 from app.protocol.common import ModelList
 from app.protocol.completions import CompletionRequest, CompletionResponse
+from app.protocol.messages import ErrorResponse as AnthropicErrorResponse
+from app.protocol.messages import Message, MessagesRequest
 from app.protocol.pooling import (
     ClassificationRequest,
     ClassificationResponse,
@@ -32,6 +34,7 @@ from app.protocol.pooling import (
     ScoreRequest,
     ScoreResponse,
 )
+from app.protocol.responses import ResponsesRequest
 from app.protocol.sampling import MAX_N
 from app.protocol.tokenize import (
     DetokenizeRequest,
@@ -57,7 +60,13 @@ _OPERATIONS: tuple[tuple[str, str, str, type | None, type, bool], ...] = (
      ClassificationResponse, False),
     ("post", "/rerank", "Order documents by relevance (Jina, Cohere; pooling models)", RerankRequest,
      RerankResponse, False),
+    # (the response's output items are an untagged union msgspec cannot describe: an object here)
+    ("post", "/v1/responses", "Answer a conversation (OpenAI's Responses API)", ResponsesRequest,
+     dict[str, Any], True),
+    ("post", "/v1/messages", "Answer a conversation (Anthropic's Messages API)", MessagesRequest, Message, True),
 )
+# The routes of another vendor's API answer errors in that vendor's shape.
+_ERROR_TYPES: dict[str, type] = {"/v1/messages": AnthropicErrorResponse}
 
 # Every error the routes can answer with, all in OpenAI's shape.
 _ERROR_STATUSES = {
@@ -135,14 +144,18 @@ def _describe_request(schema: dict[str, Any], implemented: frozenset[str], model
 
 def openapi_document(version: str, model_names: list[str] | None = None) -> dict[str, Any]:
     """``model_names``: the names requests may use (the schema's enum for ``model``)."""
-    types = [t for op in _OPERATIONS for t in op[3:5] if t is not None] + [ErrorResponse]
+    types = [t for op in _OPERATIONS for t in op[3:5] if t is not None] + [ErrorResponse, *_ERROR_TYPES.values()]
     schemas, components = msgspec.json.schema_components(types, ref_template=REF_TEMPLATE)
     ref_of = dict(zip(types, schemas))  # a generic response's name is its instantiation's
     for request_type in (CompletionRequest, ChatCompletionRequest):
         _describe_request(components[request_type.__name__], request_type.implemented, model_names or [])
-    error_ref = {"$ref": REF_TEMPLATE.format(name="ErrorResponse")}
+    for request_type in (ResponsesRequest, MessagesRequest):
+        properties = components[ref_of[request_type]["$ref"].rsplit("/", 1)[1]]["properties"]
+        if model_names:
+            properties["model"] = {"enum": model_names}
     paths: dict[str, Any] = {}
     for method, path, summary, request_type, response_type, streams in _OPERATIONS:
+        error_ref = ref_of[_ERROR_TYPES.get(path, ErrorResponse)]
         ok: dict[str, Any] = {"application/json": {"schema": ref_of[response_type]}}
         if streams:
             ok["text/event-stream"] = {"schema": {"type": "string"}}

@@ -20,6 +20,7 @@ loop never waits on the disk or on another process's write lock.
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
 import time
 from collections.abc import Callable
@@ -33,9 +34,13 @@ from app.frontend_config import DEFAULT_RESPONSES_STORE_MAX_COUNT as DEFAULT_MAX
 from core import envs
 
 T = TypeVar("T")
+logger = logging.getLogger("ringllm.responses")
 
 BUSY_TIMEOUT_S = 10.0  # how long a write waits for another process's
 
+# The rows' layout: a file written by another layout (an older ringllm) has its table dropped
+# and made again: stored responses are a convenience for continuing conversations, not records.
+SCHEMA_VERSION = 1
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -47,6 +52,26 @@ CREATE TABLE IF NOT EXISTS responses (
 );
 CREATE INDEX IF NOT EXISTS responses_created_at ON responses (created_at);
 """
+
+
+def _ensure_schema(conn: sqlite3.Connection, path: Path) -> None:
+    """The table in this layout; one of another layout is dropped first (in one transaction,
+    so that another API server opening the file at once sees either layout whole)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        has_table = conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'responses'").fetchone() is not None
+        if has_table and version != SCHEMA_VERSION:
+            logger.warning("%s: stored responses of another layout (version %d) dropped", path, version)
+            conn.execute("DROP TABLE responses")
+        for statement in _SCHEMA.split(";"):
+            if statement.strip():
+                conn.execute(statement)
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
 
 
 def default_store_path() -> Path:
@@ -87,7 +112,7 @@ class ResponsesStore:
             conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")  # durable across crashes of the process; WAL keeps it whole
-            conn.executescript(_SCHEMA)
+            _ensure_schema(conn, self.path)
             self._conn = conn
         return self._conn
 

@@ -1,7 +1,7 @@
 """schemathesis, as a library, drives a real server from its own /openapi.json: bodies
 that fit the schema (positive) and bodies that break it (negative) for the completion,
-chat, models, tokenize, detokenize and pooling routes. No answer may be a 5xx, every error must
-be in OpenAI's shape, and the server must stay healthy. A fixed seed (derandomize) and
+chat, models, tokenize, detokenize, pooling, Responses and Messages routes. No answer may be a
+5xx, every error must be in OpenAI's shape (Anthropic's on /v1/messages), and the server must stay healthy. A fixed seed (derandomize) and
 a bounded number of examples per route keep the run deterministic and short."""
 
 from __future__ import annotations
@@ -20,14 +20,17 @@ EXAMPLES = {GenerationMode.POSITIVE: 80, GenerationMode.NEGATIVE: 60}
 # The pooling routes answer a generative model with 400s: fuzzed all the same.
 ROUTES = {
     "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
-    "/v1/embeddings", "/pooling", "/score", "/rerank", "/classify",
+    "/v1/embeddings", "/pooling", "/score", "/rerank", "/classify", "/v1/responses", "/v1/messages",
 }
 
 
 def _check(case, response) -> None:  # type: ignore[no-untyped-def]
     label = f"{case.method} {case.path} {str(case.body)[:300]!r}"
     assert response.status_code < 500, f"{label}: {response.status_code} {response.text[:300]}"
-    if response.status_code >= 400:
+    if response.status_code >= 400 and case.path == "/v1/messages":  # Anthropic's API, Anthropic's shape
+        body = response.json()
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, label
+    elif response.status_code >= 400:
         body = response.json()
         assert set(body) == {"error"}, label
         error = body["error"]

@@ -5,6 +5,7 @@ continued through the other, and after a restart on the same ``--responses-store
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 from pathlib import Path
 
@@ -24,6 +25,30 @@ def _run(coroutine):
 
 async def _put(store: ResponsesStore, name: str) -> None:
     await store.put(name, b'{"id": "%s"}' % name.encode(), b"[1]", b"[]")
+
+
+def test_a_file_of_another_layout_is_made_again(tmp_path: Path) -> None:
+    """A store written by an older ringllm (its table lacked a column) is dropped and made
+    again, not a 500 on the first request that stores (the fuzz of /openapi.json found it)."""
+    path = tmp_path / "store.sqlite3"
+    with sqlite3.connect(path) as old:
+        old.execute("CREATE TABLE responses (seq INTEGER PRIMARY KEY, id TEXT, created_at REAL, response BLOB)")
+        old.execute("INSERT INTO responses (id, created_at, response) VALUES ('resp_old', 0, x'7b7d')")
+
+    async def scenario() -> None:
+        store = ResponsesStore(path)
+        try:
+            assert await store.get("resp_old") is None
+            await _put(store, "resp_new")
+        finally:
+            store.close()
+        again = ResponsesStore(path)  # this layout now: kept as it is
+        try:
+            assert await again.get("resp_new") is not None
+        finally:
+            again.close()
+
+    _run(scenario())
 
 
 def test_put_get_delete_and_the_count_bound(tmp_path: Path) -> None:
