@@ -75,6 +75,15 @@ class ToolCallStream(abc.ABC):
             self.buffer = self.buffer[at + len(marker) if past_marker else at :]
         return (text if self.num_calls == 0 else ""), at >= 0
 
+    def call_in(self, body: str, arguments_keys: tuple[str, ...] = ("arguments", "parameters")) -> tuple[str, str] | None:
+        """(name, arguments) of a JSON call object's text, or None when it is not valid JSON,
+        not a call, or calls a tool the request did not offer."""
+        try:
+            call = call_of(json.loads(body), arguments_keys)
+        except ValueError:
+            return None
+        return call if call is not None and self.known(call[0]) else None
+
     def known(self, name: str) -> bool:
         return self.tools is None or name in self.tools
 

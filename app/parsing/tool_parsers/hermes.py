@@ -11,16 +11,13 @@ closes (or at the end, for a block the output left open).
 
 from __future__ import annotations
 
-import json
-
-from app.parsing.text import held_back, partial_suffix
+from app.parsing.text import partial_suffix
 from app.parsing.tool_parsers.base import (
     CALL_PREFIX,
     IdFactory,
     StreamedCall,
     ToolCallStream,
     ToolSchemas,
-    call_of,
     new_tool_call_id,
 )
 from app.protocol.chat import DeltaToolCall
@@ -75,7 +72,7 @@ class HermesStream(ToolCallStream):
             body = self.buffer if end < 0 else self.buffer[:end]
             self.buffer = "" if end < 0 else self.buffer[end + len(CLOSE) :]
             self.inside = False
-            call = self._call(body)
+            call = self.call_in(body)
             if call is None:
                 if self.num_calls == 0:
                     content += OPEN + body + ("" if end < 0 else CLOSE)
@@ -84,10 +81,3 @@ class HermesStream(ToolCallStream):
             if end < 0:
                 break
         return content, deltas
-
-    def _call(self, body: str) -> tuple[str, str] | None:
-        try:
-            call = call_of(json.loads(body))
-        except ValueError:
-            return None
-        return call if call is not None and self.known(call[0]) else None

@@ -15,8 +15,6 @@ while no call was found.
 
 from __future__ import annotations
 
-import json
-
 from app.parsing.tool_parsers.base import (
     CALL_PREFIX,
     IdFactory,
@@ -24,7 +22,6 @@ from app.parsing.tool_parsers.base import (
     StreamedCall,
     ToolCallStream,
     ToolSchemas,
-    call_of,
     new_tool_call_id,
 )
 from app.protocol.chat import DeltaToolCall
@@ -91,7 +88,7 @@ class Llama3JsonStream(ToolCallStream):
             body = self.buffer if end is None else self.buffer[:end]
             self.buffer = "" if end is None else self.buffer[end:]
             self.span = None
-            call = self._call(body)
+            call = self.call_in(body, ("parameters", "arguments"))
             if call is None:
                 self.state = "text"
                 if self.num_calls == 0:
@@ -101,10 +98,3 @@ class Llama3JsonStream(ToolCallStream):
             if end is None:
                 break
         return content, deltas
-
-    def _call(self, body: str) -> tuple[str, str] | None:
-        try:
-            call = call_of(json.loads(body), ("parameters", "arguments"))
-        except ValueError:
-            return None
-        return call if call is not None and self.known(call[0]) else None

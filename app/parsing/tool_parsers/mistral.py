@@ -19,8 +19,6 @@ parser reads the output.
 
 from __future__ import annotations
 
-import json
-
 from app.parsing.tool_parsers.base import (
     CALL_PREFIX,
     IdFactory,
@@ -28,7 +26,6 @@ from app.parsing.tool_parsers.base import (
     StreamedCall,
     ToolCallStream,
     ToolSchemas,
-    call_of,
     new_mistral_call_id,
 )
 from app.protocol.chat import DeltaToolCall
@@ -143,11 +140,8 @@ class MistralStream(ToolCallStream):
             body = self.buffer if end is None else self.buffer[:end]
             self.buffer = "" if end is None else self.buffer[end:]
             self.span = None
-            try:
-                call = call_of(json.loads(body))
-            except ValueError:
-                call = None
-            if call is None or not self.known(call[0]):
+            call = self.call_in(body)
+            if call is None:
                 self.state = "text"
                 return True, self._not_a_call("[" + body)
             deltas.append(self.head(*call))
