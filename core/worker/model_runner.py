@@ -210,10 +210,10 @@ class ModelRunner:
         """Blocks for the KV cache: the override, else the memory budget.
 
         The budget is ``kv_cache_memory`` bytes when given. Otherwise, on CPU
-        it is ``default_cpu_kv_budget()`` (or one full-length request, if more)
-        capped at what ``max_num_seqs`` full-length requests could ever use; on a GPU it is what
-        ``gpu_memory_utilization`` leaves after the weights and the profiled
-        peak of the largest step (core/worker/gpu_memory.py). Data-parallel
+        it is ``default_cpu_kv_budget()`` (or one full-length request, if more);
+        on a GPU it is what ``gpu_memory_utilization`` leaves after the weights and
+        the profiled peak of the largest step (core/worker/gpu_memory.py); either is
+        capped at what ``max_num_seqs`` full-length requests could ever use. Data-parallel
         engines on one host take one share each (the budget, or the GPU's
         fraction, divided by their number).
         """
@@ -233,9 +233,10 @@ class ModelRunner:
             # GGUF file's, 32k and more) serves out of the box, one full-length request at a time.
             budget = max(default_cpu_kv_budget() // share, (self.max_blocks_per_req + 1) * per_block)
         num_blocks = max(budget, 0) // per_block
-        cap = self.config.max_num_seqs * self.max_blocks_per_req + 1
-        if self.config.kv_cache_memory is None and self.device.type == "cpu":
-            num_blocks = min(num_blocks, cap)
+        if self.config.kv_cache_memory is None:
+            # Past what max_num_seqs full-length requests can hold, blocks only keep evicted
+            # prefixes; a small model on a large GPU would otherwise get tens of millions.
+            num_blocks = min(num_blocks, self.config.max_num_seqs * self.max_blocks_per_req + 1)
         if num_blocks < self.max_blocks_per_req + 1:
             raise ValueError(
                 f"KV cache too small: {num_blocks} blocks of {self.block_size} tokens cannot hold "
@@ -283,7 +284,7 @@ class ModelRunner:
             return
         logits = self.model.compute_logits(hidden[logits_indices])
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
-        self.sampler(logits, sampling_metadata([params] * num_logits, logits.shape[-1]))
+        self.sampler(logits, sampling_metadata([params] * num_logits, logits.shape[-1], device=self.device))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         if self.encoder:

@@ -413,15 +413,16 @@ def sampling_metadata(
     num_prompt_tokens: Sequence[int] | None = None,
     eos_token_id: int | None = None,
     processed_logprobs: bool = False,
+    device: torch.device = torch.device("cpu"),
 ) -> SamplingMetadata:
-    """Metadata for rows given directly (tests, the profiling run): row i has
+    """Metadata for rows given directly (tests, the profiling run), on ``device``: row i has
     ``params[i]``, ``generators[i]`` and known tokens ``token_ids[i]``, of which the
     first ``num_prompt_tokens[i]`` are the prompt (default: no history)."""
     n = len(params)
     history = [list(t) for t in token_ids] if token_ids is not None else [[] for _ in range(n)]
     prompts = list(num_prompt_tokens) if num_prompt_tokens is not None else [len(t) for t in history]
     gens = list(generators) if generators is not None else [None] * n
-    batch = SamplingBatch(n, vocab_size, torch.device("cpu"), processed_logprobs)
+    batch = SamplingBatch(n, vocab_size, device, processed_logprobs)
     width = max((len(t) for t in history), default=0) or 1
     all_ids = np.zeros((n, width), np.int64)
     for row, (p, ids, num_prompt, gen) in enumerate(zip(params, history, prompts, gens)):

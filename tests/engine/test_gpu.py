@@ -73,18 +73,39 @@ def test_bfloat16_decodes_match_float32_closely(llama, reference):  # noqa: F811
     assert agree >= len(prompts) - 1
 
 
-def test_kv_cache_fills_the_memory_utilization_share(llama):  # noqa: F811
-    _, path = llama
+def test_kv_cache_fills_the_memory_utilization_share(tmp_path):
+    """A 1B-shaped model (dummy weights): the cache gets what 30% of the GPU leaves."""
+    from bench.gpu import write_model_dir
     from core.client import InprocClient
 
+    path = write_model_dir(tmp_path / "1b", "1b", max_model_len=2048, dtype="bfloat16")
     total = torch.cuda.mem_get_info()[1]
-    client = InprocClient(EngineArgs(model=path, device="cuda", dtype="float32", gpu_memory_utilization=0.3).resolve())
+    args = EngineArgs(
+        model=path, load_format="dummy", device="cuda", dtype="bfloat16", max_model_len=2048,
+        max_num_seqs=1024, gpu_memory_utilization=0.3,
+    )
+    client = InprocClient(args.resolve())
     try:
         runner = client.engine_core.model_executor.runner
         cache_bytes = sum(k.nbytes + v.nbytes for k, v in runner.kv_caches)
-        assert cache_bytes > 0.1 * total  # a tiny model: most of the 30% goes to the cache
+        num_blocks = runner.kv_caches[0][0].shape[0]
+        assert num_blocks < 1024 * runner.max_blocks_per_req  # the budget decided, not the cap
+        assert cache_bytes > 0.2 * total  # 30% less ~2.5 GB of weights, the context, activations
         assert torch.cuda.memory_reserved() < 0.3 * total + (256 << 20)
         assert runner.decode_graphs is not None and runner.decode_graphs.captured
+    finally:
+        client.shutdown()
+
+
+def test_a_small_model_gets_only_the_blocks_its_requests_can_use(llama):  # noqa: F811
+    """Tens of millions of blocks of a tiny model would only hold evicted prefixes."""
+    _, path = llama
+    from core.client import InprocClient
+
+    client = InprocClient(EngineArgs(model=path, device="cuda", dtype="float32", max_num_seqs=8).resolve())
+    try:
+        runner = client.engine_core.model_executor.runner
+        assert runner.kv_caches[0][0].shape[0] == 8 * runner.max_blocks_per_req + 1
     finally:
         client.shutdown()
 
