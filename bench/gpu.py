@@ -325,6 +325,8 @@ def measure(args: BenchArgs) -> dict:
         model_dir = write_model_dir(Path(tmp) / args.shape, args.shape, args.max_model_len, args.dtype)
         for mode, eager in (("cuda_graphs", False), ("eager", True)):
             results["modes"][mode] = run_mode(model_dir, args, eager)
+            # Each mode as it ends: a run cut short by a time limit keeps what it measured.
+            print(format_table({**results, "modes": {mode: results["modes"][mode]}}), file=sys.stderr, flush=True)
     return results
 
 

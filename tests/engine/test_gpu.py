@@ -118,8 +118,10 @@ def test_cuda_prompt_embeds_reach_the_engine_by_ipc(tiny_llama_dir: str):
     try:
         embeds = torch.randn(20, 64, generator=torch.Generator().manual_seed(0))
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        client.add_request(EngineCoreRequest(request_id="cpu", prompt_embeds=embeds, sampling_params=params))
-        client.add_request(EngineCoreRequest(request_id="gpu", prompt_embeds=embeds.cuda(), sampling_params=params))
+        client.add_request(EngineCoreRequest(request_id="cpu", prompt_token_ids=[], prompt_embeds=embeds, sampling_params=params))
+        client.add_request(EngineCoreRequest(
+            request_id="gpu", prompt_token_ids=[], prompt_embeds=embeds.cuda(), sampling_params=params
+        ))
         got = {"cpu": [], "gpu": []}
         done = set()
         while len(done) < 2:
