@@ -67,6 +67,7 @@ from core.transport import ChannelClosed, EngineInbox, EngineTransport, PeerDead
 from core.utilities import UTILITIES, Utility, UtilityArgs, UtilityCall
 from core.validation import ModelLimits, validate_request
 from core.worker.executor import UniProcExecutor
+from kernels.kv_format import storage_name
 from shm.serial import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger("ringllm.engine")
@@ -465,7 +466,7 @@ class EngineCoreProc(EngineCore):
             dtype=str(self.model_executor.runner.dtype).removeprefix("torch."),
             kv_cache_dtype=(
                 "none" if self.model_executor.runner.encoder
-                else str(self.model_executor.runner.kv_dtype).removeprefix("torch.")
+                else storage_name(self.model_executor.runner.kv_dtype)
             ),
             device=str(self.model_executor.runner.device),
         )

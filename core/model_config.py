@@ -15,6 +15,7 @@ engine process, and the frontend reads it too.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -205,13 +206,14 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             position_offset=offset, roberta=roberta, labels=labels,
         )
 
-    def kv_block_shape(self, block_size: int) -> tuple[int, int, int]:
-        """(block_size, kv_heads, head_dim): one KV-cache block of one layer, K or V."""
-        return block_size, self.num_kv_heads, self.head_dim
+    def kv_block_shape(self, block_size: int, row: int | None = None) -> tuple[int, int, int]:
+        """(block_size, kv_heads, row): one KV-cache block of one layer, K or V; a row is one head
+        as the cache stores it (head_dim values unless given: kernels/kv_format.py)."""
+        return block_size, self.num_kv_heads, self.head_dim if row is None else row
 
-    def kv_bytes_per_block(self, block_size: int, element_size: int) -> int:
+    def kv_bytes_per_block(self, block_size: int, element_size: int, row: int | None = None) -> int:
         """Bytes one KV-cache block takes over all layers (K and V)."""
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element_size
+        return 2 * self.num_layers * math.prod(self.kv_block_shape(block_size, row)) * element_size
 
 
 def _served_architecture(listed: list[str]) -> str:

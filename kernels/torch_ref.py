@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_format import from_storage, to_storage
 from kernels.metadata import AttentionMetadata
 
 
@@ -78,7 +79,8 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
     may_pad: bool = True,
 ) -> None:
-    """Scatter key/value [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D].
+    """Scatter key/value [T, Hkv, D] into caches [num_blocks, block_size, Hkv, row] (rows as
+    kernels/kv_format.py stores them).
 
     A negative slot marks a padding token and is skipped, as in the Triton
     kernel; ``may_pad=False`` says there is none, which saves the check.
@@ -89,8 +91,8 @@ def write_kv_cache(
     if may_pad and bool((slots < 0).any()):
         keep = slots >= 0
         key, value, slots = key[keep], value[keep], slots[keep]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, to_storage(key, k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, to_storage(value, v_cache.dtype))
 
 
 @dataclass
@@ -271,24 +273,26 @@ def attend_prefills(
 
 def _context(cache: torch.Tensor, block_ids: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
     """The first ``length`` cached tokens of one request as [length, Hkv, D], in ``dtype``
-    (a float16 cache serves float32 queries on a CPU).
+    (a float16 or q8_0 cache serves float32 queries on a CPU).
 
     ``index_select`` on the block ids: on a CPU it copies whole blocks much
     faster than advanced indexing with a 2-D index.
     """
-    return cache.index_select(0, block_ids).view(-1, *cache.shape[2:])[:length].to(dtype)
+    return from_storage(cache.index_select(0, block_ids).view(-1, *cache.shape[2:])[:length], dtype)
 
 
 def _decodes(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: CpuAttentionPlan, scale: float
 ) -> torch.Tensor:
     """One-token queries [B, Hq, D] over their padded contexts -> [B, Hq, D]."""
-    batch, num_kv_heads, head_dim = plan.num_decodes, k_cache.shape[2], k_cache.shape[3]
+    batch, num_kv_heads, head_dim = plan.num_decodes, k_cache.shape[2], query.shape[-1]
     length = plan.decode_len
     # [B, blocks * block_size, Hkv, D] -> [B, Hkv, S, D] (a view; the matmuls read it strided)
-    # (a float16 cache is read as float32: the queries' dtype on a CPU)
-    k = k_cache.index_select(0, plan.decode_blocks).to(query.dtype).view(batch, -1, num_kv_heads, head_dim)[:, :length]
-    v = v_cache.index_select(0, plan.decode_blocks).to(query.dtype).view(batch, -1, num_kv_heads, head_dim)[:, :length]
+    # (a float16 or q8_0 cache is read as float32: the queries' dtype on a CPU)
+    k = from_storage(k_cache.index_select(0, plan.decode_blocks), query.dtype)
+    v = from_storage(v_cache.index_select(0, plan.decode_blocks), query.dtype)
+    k = k.view(batch, -1, num_kv_heads, head_dim)[:, :length]
+    v = v.view(batch, -1, num_kv_heads, head_dim)[:, :length]
     q = query.view(batch, num_kv_heads, -1, head_dim)  # [B, Hkv, group, D]
     scores = torch.matmul(q, k.permute(0, 2, 3, 1))  # [B, Hkv, group, S]
     scores.mul_(scale)

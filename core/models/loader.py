@@ -77,12 +77,14 @@ def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.devi
     """What the KV cache holds. ``"auto"`` is float16 under float32 compute on a CPU, as
     llama.cpp's default cache: half the memory and half the bytes attention reads, the
     kernels widening each value as they read it; elsewhere it is the compute ``dtype``.
-    Tests that compare with transformers pin ``"float32"``. The GPU kernels read the
-    compute dtype only."""
+    Tests that compare with transformers pin ``"float32"``. ``"q8_0"`` is stored as bytes
+    (torch.uint8; kernels/kv_format.py). The GPU kernels read the compute dtype only."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
     if kv_cache_dtype == "auto":
         kv_dtype = torch.float16 if device.type == "cpu" and dtype == torch.float32 else dtype
+    elif kv_cache_dtype == "q8_0":
+        kv_dtype = torch.uint8  # bytes of 32-value blocks (kernels/kv_format.py)
     else:
         kv_dtype = _DTYPES[kv_cache_dtype]
     if device.type != "cpu" and kv_dtype != dtype:

@@ -42,6 +42,7 @@ from core.models.recipe import (
 from core.worker.input_buffers import InputBuffers
 from kernels import cpu
 from kernels.cpu.program import Op, Program
+from kernels.kv_format import KVFormat
 from kernels.linear import SMALL_WEIGHT_BYTES, CpuWeight, DenseRows
 from kernels.quant import QuantizedMatrix, QuantizedWeight
 from kernels.settings import settings
@@ -118,7 +119,7 @@ class CpuStepProgram:
         self.logits = np.zeros((buffers.max_num_reqs, cfg.vocab_size), np.float32)  # grown by run_queries
         self._logits_t: dict[int, torch.Tensor] = {}
         self.threads = threads or torch.get_num_threads()  # attention of large batches is shared among them
-        self.kv_half = int(kv_caches[0][0].dtype == torch.float16)  # the kernels' flag for a float16 cache
+        self.kv_format = int(KVFormat.of(kv_caches[0][0]))  # the kernels' code for the cache's storage
         # Per thread: a decode's scores for every head, or a chunk's scores for one head (padded keys).
         self.scratch_stride = max(self.heads * max_model_len, cpu.padded_keys(max_model_len))
         self.scratch = np.zeros(self.threads * self.scratch_stride, np.float32)
@@ -187,7 +188,7 @@ class CpuStepProgram:
 
         def attend(op: Attention, layer: _Layer) -> None:
             lib.paged_decode_attention(
-                qkv_p, width, rows_p, n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache, self.kv_half,
+                qkv_p, width, rows_p, n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache, self.kv_format,
                 self.block_size, tables_p, table_stride, rows_p, lens_p, op.window, op.scale, attn_p,
                 heads * head_dim, scratch_p, self.scratch_stride, self.threads,
             )
@@ -220,7 +221,7 @@ class CpuStepProgram:
         def attend(op: Attention, layer: _Layer) -> None:
             lib.paged_decode_attention(
                 qkv_p, width, p["row_ids"], n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache,
-                self.kv_half, self.block_size, p["tables"], table_stride, p["query_tables"], p["query_lens"],
+                self.kv_format, self.block_size, p["tables"], table_stride, p["query_tables"], p["query_lens"],
                 op.window, op.scale, attn_p, heads * head_dim, p["scratch"], self.scratch_stride, self.threads,
             )
 
@@ -252,7 +253,7 @@ class CpuStepProgram:
 
             def attend(op: Attention, layer: _Layer) -> None:
                 lib.paged_prefill_attention(
-                    qkv_p, width, n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache, self.kv_half,
+                    qkv_p, width, n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache, self.kv_format,
                     block_size, table_p, seq_len, op.window, op.scale, attn_p, out_stride, kv_p, p["scratch"],
                     threads,
                 )
@@ -262,7 +263,7 @@ class CpuStepProgram:
 
             def attend(op: Attention, layer: _Layer) -> None:
                 lib.paged_decode_attention(
-                    qkv_p, width, rows_p, n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache, self.kv_half,
+                    qkv_p, width, rows_p, n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache, self.kv_format,
                     block_size, p["tables"], self._table_stride, tables_p, lens_p, op.window, op.scale, attn_p,
                     out_stride, p["scratch"], self.scratch_stride, threads,
                 )
@@ -316,7 +317,7 @@ class CpuStepProgram:
 
             def run(n: int, views: object, attend: Callable[[Attention, _Layer], None], adapted: bool) -> None:
                 lib.rotary(qkv_p, n, width, heads + kv_heads, d, cos, sin, positions_p)
-                lib.write_kv(k_p, width, v_p, width, n, row, layer.k_cache, layer.v_cache, slots_p, self.kv_half)
+                lib.write_kv(k_p, width, v_p, width, n, row, layer.k_cache, layer.v_cache, slots_p, self.kv_format)
                 attend(op, layer)
             return run
 
@@ -536,10 +537,10 @@ class NativeStepProgram(CpuStepProgram):
         cos, sin = self._rotary[id(op.rotary)]
         program.add(Op.ROTARY, p[QKV], width, heads + kv_heads, head_dim, cos, sin, p["positions"])
         program.add(Op.WRITE_KV, p[QKV] + k_offset, width, p[QKV] + v_offset, width, kv_heads * head_dim,
-                    layer.k_cache, layer.v_cache, p["slots"], self.kv_half)
+                    layer.k_cache, layer.v_cache, p["slots"], self.kv_format)
         if kind.startswith("chunk") and self._chunk_kernel:
             program.add(Op.PREFILL_ATTENTION, p[QKV], width, heads, kv_heads, head_dim, layer.k_cache,
-                        layer.v_cache, self.kv_half, self.block_size, p["tables"], op.scale, p[ATTN],
+                        layer.v_cache, self.kv_format, self.block_size, p["tables"], op.scale, p[ATTN],
                         heads * head_dim, self._kv_scratch.ctypes.data, p["scratch"], op.window)
             return
         # decodes, or a chunk's queries one at a time (each over the context to its position)
@@ -547,6 +548,6 @@ class NativeStepProgram(CpuStepProgram):
             "decode": (p["row_ids"], p["seq_lens"]), "queries": (p["query_tables"], p["query_lens"]),
         }.get(kind, (p["chunk_tables"], p["chunk_lens"]))
         program.add(Op.DECODE_ATTENTION, p[QKV], width, p["row_ids"], heads, kv_heads, head_dim,
-                    layer.k_cache, layer.v_cache, self.kv_half, self.block_size, p["tables"],
+                    layer.k_cache, layer.v_cache, self.kv_format, self.block_size, p["tables"],
                     self._table_stride, tables, lens, op.scale, p[ATTN], heads * head_dim, p["scratch"],
                     self.scratch_stride, op.window)

@@ -63,6 +63,7 @@ from core.worker.sampling_batch import sampling_metadata
 from core.worker.sleep import release_freed_memory
 from core.worker.staging import DeviceInputs, Staged, Stager
 from core.worker.step_sampler import StepSampler
+from kernels.kv_format import row_width
 from kernels.linear import all_small
 from kernels.metadata import AttentionMetadata
 from kernels.settings import configure as kernels_configure
@@ -201,10 +202,13 @@ class ModelRunner:
             kernels_configure(few_rows_for_one=not self.products_are_small())
 
     def _kv_shape(self) -> tuple[int, int, int]:
-        return self.model_config.kv_block_shape(self.block_size)
+        return self.model_config.kv_block_shape(self.block_size, self._kv_row())
+
+    def _kv_row(self) -> int:
+        return row_width(self.kv_dtype, self.model_config.head_dim)
 
     def kv_bytes_per_block(self) -> int:
-        return self.model_config.kv_bytes_per_block(self.block_size, self.kv_dtype.itemsize)
+        return self.model_config.kv_bytes_per_block(self.block_size, self.kv_dtype.itemsize, self._kv_row())
 
     def determine_num_blocks(self) -> int:
         """Blocks for the KV cache: the override, else the memory budget.

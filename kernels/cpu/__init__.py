@@ -14,7 +14,7 @@ Without a compiler ``load()`` returns None, and with ``settings.cpu_kernels``
 off (``RINGLLM_CPU_KERNELS=0``) they are not used: the callers then use the
 torch implementations (kernels/torch_ref.py), which compute the same thing.
 
-Everything here takes float32 CPU tensors (KV caches: float32 or float16);
+Everything here takes float32 CPU tensors (KV caches: float32, float16 or q8_0);
 the wrappers check nothing beyond what the dispatcher in kernels/__init__.py
 guarantees (a wrong pointer would crash the process, not raise).
 """
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from kernels.cpu.library import NativeLibrary
+from kernels.kv_format import KVFormat, head_dim_of
 from kernels.settings import settings
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -73,21 +74,17 @@ MAX_HEAD_DIM = 1024
 
 def usable(*tensors: torch.Tensor, cache: torch.Tensor | None = None) -> bool:
     """True if the C kernels are enabled and built, every tensor is a float32 CPU tensor,
-    and ``cache`` (a KV cache, when given) a float32 or float16 one of heads of at most
-    MAX_HEAD_DIM."""
+    and ``cache`` (a KV cache, when given) a float32, float16 or q8_0 one (kernels/kv_format.py)
+    of heads of at most MAX_HEAD_DIM."""
     if not settings.cpu_kernels or (_lib is None and load() is None):
         return False
     for t in tensors:
         if t.dtype is not torch.float32 or t.is_cuda or not t.is_cpu:
             return False
     return cache is None or (
-        cache.dtype in (torch.float32, torch.float16) and cache.is_cpu and cache.shape[-1] <= MAX_HEAD_DIM
+        cache.dtype in (torch.float32, torch.float16, torch.uint8) and cache.is_cpu
+        and head_dim_of(cache) <= MAX_HEAD_DIM
     )
-
-
-def _half(cache: torch.Tensor) -> int:
-    """The kernels' ``kv_half`` flag: 1 for a float16 cache."""
-    return int(cache.dtype == torch.float16)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -131,7 +128,7 @@ def write_kv(
     tokens, kv_heads, head_dim = key.shape
     _lib.write_kv(
         key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), tokens, kv_heads * head_dim,
-        k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), _half(k_cache),
+        k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), KVFormat.of(k_cache),
     )
 
 
@@ -178,7 +175,7 @@ def paged_prefill_attention(
     scores = torch.empty(score_floats, dtype=torch.float32)
     _lib.paged_prefill_attention(
         query.data_ptr(), query.stride(0), n, heads, kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
-        _half(k_cache), k_cache.shape[1], table.data_ptr(), seq_len, window, scale, out.data_ptr(), out.stride(0),
+        KVFormat.of(k_cache), k_cache.shape[1], table.data_ptr(), seq_len, window, scale, out.data_ptr(), out.stride(0),
         kv_scratch.data_ptr(), scores.data_ptr(), threads,
     )
 
@@ -205,7 +202,7 @@ def paged_decode_attention(
     scratch = torch.empty(threads * heads * max_len, dtype=torch.float32)
     _lib.paged_decode_attention(
         query.data_ptr(), query.stride(0), rows.data_ptr(), rows.shape[0], heads, kv_heads, head_dim,
-        k_cache.data_ptr(), v_cache.data_ptr(), _half(k_cache), k_cache.shape[1], block_tables.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), KVFormat.of(k_cache), k_cache.shape[1], block_tables.data_ptr(),
         block_tables.stride(0),
         tables.data_ptr(), seq_lens.data_ptr(), window, scale, out.data_ptr(), out.stride(0), scratch.data_ptr(),
         heads * max_len, threads,

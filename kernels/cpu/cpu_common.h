@@ -11,6 +11,7 @@
 #ifndef RINGLLM_CPU_COMMON_H
 #define RINGLLM_CPU_COMMON_H
 
+#include <math.h>
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
@@ -84,6 +85,71 @@ static inline void floats_to_halves(const float *f, uint16_t *h, int64_t n) {
         _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(f + i), _MM_FROUND_TO_NEAREST_INT));
 #endif
     for (; i < n; i++) h[i] = float_to_half(f[i]);
+}
+
+/* ------------------------------------------------------------------ q8_0 KV rows */
+
+/* A KV cache's storage (kernels/kv_format.py): float32, float16, or q8_0: each run of 32 values of a
+ * head as llama.cpp's block_q8_0, a float16 scale and 32 int8 (34 bytes). */
+enum { KV_F32 = 0, KV_F16 = 1, KV_Q8_0 = 2 };
+#define Q8_0_VALUES 32
+#define Q8_0_BYTES 34
+
+/* n floats (a multiple of 32) -> q8_0 blocks at dst, as llama.cpp's reference quantizes: scale =
+ * max|x| / 127, each value times 1/scale rounded half away from zero (roundf). */
+static inline void floats_to_q8_0(const float *x, uint8_t *dst, int64_t n) {
+    for (int64_t b = 0; b < n; b += Q8_0_VALUES, x += Q8_0_VALUES, dst += Q8_0_BYTES) {
+        float amax = 0.0f;
+        for (int i = 0; i < Q8_0_VALUES; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+        float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        uint16_t scale = float_to_half(d);
+        memcpy(dst, &scale, sizeof scale);
+        int8_t *q = (int8_t *)(dst + 2);
+        for (int i = 0; i < Q8_0_VALUES; i++) q[i] = (int8_t)roundf(x[i] * id);
+    }
+}
+
+/* q8_0 blocks -> n floats: scale * q, one rounding. */
+static inline void q8_0_to_floats(const uint8_t *src, float *x, int64_t n) {
+    for (int64_t b = 0; b < n; b += Q8_0_VALUES, x += Q8_0_VALUES, src += Q8_0_BYTES) {
+        uint16_t scale;
+        memcpy(&scale, src, sizeof scale);
+        const float d = half_to_float(scale);
+        const int8_t *q = (const int8_t *)(src + 2);
+#pragma omp simd
+        for (int i = 0; i < Q8_0_VALUES; i++) x[i] = d * (float)q[i];
+    }
+}
+
+/* Value ``at`` (counted in values, not bytes) of a cache of any storage, as float32. */
+static inline float kv_value(const void *cache, int64_t kv_format, int64_t at) {
+    if (kv_format == KV_F32) return ((const float *)cache)[at];
+    if (kv_format == KV_F16) return half_to_float(((const uint16_t *)cache)[at]);
+    const uint8_t *block = (const uint8_t *)cache + at / Q8_0_VALUES * Q8_0_BYTES;
+    uint16_t scale;
+    memcpy(&scale, block, sizeof scale);
+    return half_to_float(scale) * (float)((const int8_t *)(block + 2))[at % Q8_0_VALUES];
+}
+
+/* n values from value ``at`` of a cache of any storage into ``buf`` as float32 (n and at multiples
+ * of 32 for q8_0); a float32 cache is returned in place. */
+static inline const float *kv_values(const void *cache, int64_t kv_format, int64_t at, int64_t n, float *buf) {
+    if (kv_format == KV_F32) return (const float *)cache + at;
+    if (kv_format == KV_F16)
+        halves_to_floats((const uint16_t *)cache + at, buf, n);
+    else
+        q8_0_to_floats((const uint8_t *)cache + at / Q8_0_VALUES * Q8_0_BYTES, buf, n);
+    return buf;
+}
+
+/* n float32 values to value ``at`` of a cache of any storage. */
+static inline void store_kv_values(const float *x, void *cache, int64_t kv_format, int64_t at, int64_t n) {
+    if (kv_format == KV_F32)
+        memcpy((float *)cache + at, x, n * sizeof(float));
+    else if (kv_format == KV_F16)
+        floats_to_halves(x, (uint16_t *)cache + at, n);
+    else
+        floats_to_q8_0(x, (uint8_t *)cache + at / Q8_0_VALUES * Q8_0_BYTES, n);
 }
 
 /* ------------------------------------------------------------------ teams */

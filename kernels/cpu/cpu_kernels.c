@@ -11,8 +11,8 @@
  * runs on the calling thread.
  *
  * All tensors are float32 and all indices int64 unless noted; "stride" means
- * elements between consecutive rows. The KV caches are float32 or float16
- * (``kv_half``): written rounded to half, read back as float32.
+ * elements between consecutive rows. The KV caches are float32, float16 or q8_0
+ * (``kv_format``, cpu_common.h): written rounded to half or quantized, read back as float32.
  *
  * Each kernel is written as a share (``*_share``: thread ``me`` of a team of
  * ``threads`` does its part; cpu_common.h): the step program
@@ -192,28 +192,23 @@ API void rotary(float *qkv, int64_t tokens, int64_t tok_stride, int64_t heads, i
 }
 
 /* Copy each token's key and value (contiguous rows of `row` floats, one per
- * token at the given strides) to its cache slot, rounded to half with
- * ``kv_half``; a negative slot is padding. */
+ * token at the given strides) to its cache slot, in the cache's ``kv_format``
+ * (rounded to half, or quantized to q8_0); a negative slot is padding. */
 void write_kv_share(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t tokens, int64_t row,
-                    void *k_cache, void *v_cache, const int64_t *slots, int64_t kv_half, int me, int threads) {
+                    void *k_cache, void *v_cache, const int64_t *slots, int64_t kv_format, int me, int threads) {
     int64_t begin, end;
     team_share(tokens, me, threads, &begin, &end);
     for (int64_t t = begin; t < end; t++) {
         int64_t slot = slots[t];
         if (slot < 0) continue;
-        if (kv_half) {
-            floats_to_halves(k + t * k_stride, (uint16_t *)k_cache + slot * row, row);
-            floats_to_halves(v + t * v_stride, (uint16_t *)v_cache + slot * row, row);
-        } else {
-            memcpy((float *)k_cache + slot * row, k + t * k_stride, row * sizeof(float));
-            memcpy((float *)v_cache + slot * row, v + t * v_stride, row * sizeof(float));
-        }
+        store_kv_values(k + t * k_stride, k_cache, kv_format, slot * row, row);
+        store_kv_values(v + t * v_stride, v_cache, kv_format, slot * row, row);
     }
 }
 
 API void write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t tokens, int64_t row,
-              void *k_cache, void *v_cache, const int64_t *slots, int64_t kv_half) {
-    write_kv_share(k, k_stride, v, v_stride, tokens, row, k_cache, v_cache, slots, kv_half, 0, 1);
+              void *k_cache, void *v_cache, const int64_t *slots, int64_t kv_format) {
+    write_kv_share(k, k_stride, v, v_stride, tokens, row, k_cache, v_cache, slots, kv_format, 0, 1);
 }
 
 /* out[r, i] = silu(gate[r, i]) * up[r, i], gate_up = [gate | up] rows of 2*n. */
@@ -387,13 +382,10 @@ static inline float vsum_lanes(vfloat v) {
 }
 
 /* Key or value ``t`` of block ``block`` for KV head ``kh``, as float32: in place, or
- * converted from half into ``buf``. */
-static inline const float *cache_row(const void *cache, int64_t kv_half, int64_t block, int64_t block_size,
+ * widened from half or q8_0 into ``buf``. */
+static inline const float *cache_row(const void *cache, int64_t kv_format, int64_t block, int64_t block_size,
                                      int64_t t, int64_t kv_row, int64_t offset, int64_t head_dim, float *buf) {
-    int64_t at = (block * block_size + t) * kv_row + offset;
-    if (!kv_half) return (const float *)cache + at;
-    halves_to_floats((const uint16_t *)cache + at, buf, head_dim);
-    return buf;
+    return kv_values(cache, kv_format, (block * block_size + t) * kv_row + offset, head_dim, buf);
 }
 
 /* One decode's attention for the ``group`` query heads of KV head ``kh`` (see
@@ -404,7 +396,7 @@ static inline const float *cache_row(const void *cache, int64_t kv_half, int64_t
  * group * len scores. Multiply-adds may fuse (as in the prefill kernel). */
 static inline __attribute__((always_inline)) void decode_group(
     const float *qd, float *od, const int32_t *table, int64_t len, int64_t window, int64_t kh, int64_t kv_heads,
-    int64_t group, const int64_t head_dim, const void *k_cache, const void *v_cache, int64_t kv_half,
+    int64_t group, const int64_t head_dim, const void *k_cache, const void *v_cache, int64_t kv_format,
     int64_t block_size, float scale, float *scratch) {
     int64_t kv_row = kv_heads * head_dim, offset = kh * head_dim;
     /* A sliding window keeps the last ``window`` keys: scores are indexed from the first of them. */
@@ -422,7 +414,7 @@ static inline __attribute__((always_inline)) void decode_group(
             for (; t + 4 <= n; t += 4) {
                 const float *k[4];
                 for (int x = 0; x < 4; x++)
-                    k[x] = cache_row(k_cache, kv_half, table[b], block_size, t + x, kv_row, offset, head_dim, buf[x]);
+                    k[x] = cache_row(k_cache, kv_format, table[b], block_size, t + x, kv_row, offset, head_dim, buf[x]);
                 for (int64_t g = 0; g < group; g++) {
                     const float *qg = q + g * head_dim;
                     vfloat a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
@@ -441,7 +433,7 @@ static inline __attribute__((always_inline)) void decode_group(
                 }
             }
         for (; t < n; t++) {
-            const float *k = cache_row(k_cache, kv_half, table[b], block_size, t, kv_row, offset, head_dim, buf[0]);
+            const float *k = cache_row(k_cache, kv_format, table[b], block_size, t, kv_row, offset, head_dim, buf[0]);
             for (int64_t g = 0; g < group; g++)
                 scratch[g * keys + j0 + t - first] = dot(q + g * head_dim, k, head_dim) * scale;
         }
@@ -457,7 +449,7 @@ static inline __attribute__((always_inline)) void decode_group(
                 int64_t n = len - j0 < block_size ? len - j0 : block_size;
                 for (int64_t t = j0 < first ? first - j0 : 0; t < n; t++) {
                     const float *v =
-                        cache_row(v_cache, kv_half, table[b], block_size, t, kv_row, offset, head_dim, buf[0]);
+                        cache_row(v_cache, kv_format, table[b], block_size, t, kv_row, offset, head_dim, buf[0]);
                     float w = p[j0 + t - first];
                     for (int64_t c = 0; c < vectors; c++) acc[c] += w * vload(v + c * VLANES);
                 }
@@ -470,7 +462,7 @@ static inline __attribute__((always_inline)) void decode_group(
     for (int64_t j0 = b0 * block_size, b = b0; j0 < len; j0 += block_size, b++) { /* any other head_dim */
         int64_t n = len - j0 < block_size ? len - j0 : block_size;
         for (int64_t t = j0 < first ? first - j0 : 0; t < n; t++) {
-            const float *v = cache_row(v_cache, kv_half, table[b], block_size, t, kv_row, offset, head_dim, buf[0]);
+            const float *v = cache_row(v_cache, kv_format, table[b], block_size, t, kv_row, offset, head_dim, buf[0]);
             for (int64_t g = 0; g < group; g++) {
                 float p = scratch[g * keys + j0 + t - first];
                 float *og = o + g * head_dim;
@@ -501,7 +493,7 @@ static inline __attribute__((always_inline)) void decode_group(
 __attribute__((optimize("fp-contract=fast"))) void decode_attention_share(
                             const float *q, int64_t q_stride, const int64_t *q_rows, int64_t num_decodes,
                             int64_t heads, int64_t kv_heads, int64_t head_dim, const void *k_cache,
-                            const void *v_cache, int64_t kv_half, int64_t block_size, const int32_t *block_tables,
+                            const void *v_cache, int64_t kv_format, int64_t block_size, const int32_t *block_tables,
                             int64_t table_stride, const int64_t *tables, const int64_t *seq_lens, int64_t window,
                             float scale, float *out, int64_t out_stride, float *scratch, int64_t scratch_stride,
                             int me, int threads) {
@@ -513,7 +505,7 @@ __attribute__((optimize("fp-contract=fast"))) void decode_attention_share(
         float *od = out + q_rows[d] * out_stride;
         const int32_t *table = block_tables + tables[d] * table_stride;
 #define DECODE(D) \
-    decode_group(qd, od, table, seq_lens[d], window, kh, kv_heads, group, D, k_cache, v_cache, kv_half, block_size, \
+    decode_group(qd, od, table, seq_lens[d], window, kh, kv_heads, group, D, k_cache, v_cache, kv_format, block_size, \
                  scale, scr)
         switch (head_dim) {
             case 8: DECODE(8); break;
@@ -529,7 +521,7 @@ __attribute__((optimize("fp-contract=fast"))) void decode_attention_share(
 
 API void paged_decode_attention(const float *q, int64_t q_stride, const int64_t *q_rows, int64_t num_decodes,
                             int64_t heads, int64_t kv_heads, int64_t head_dim, const void *k_cache,
-                            const void *v_cache, int64_t kv_half, int64_t block_size, const int32_t *block_tables,
+                            const void *v_cache, int64_t kv_format, int64_t block_size, const int32_t *block_tables,
                             int64_t table_stride, const int64_t *tables, const int64_t *seq_lens, int64_t window,
                             float scale, float *out, int64_t out_stride, float *scratch, int64_t scratch_stride,
                             int64_t threads) {
@@ -538,7 +530,7 @@ API void paged_decode_attention(const float *q, int64_t q_stride, const int64_t 
     int parallel = threads > 1 && num_decodes * kv_heads > 1 && keys * heads * head_dim >= PARALLEL_MIN_WORK;
     (void)parallel;
 #pragma omp parallel num_threads(threads) if (parallel)
-    decode_attention_share(q, q_stride, q_rows, num_decodes, heads, kv_heads, head_dim, k_cache, v_cache, kv_half,
+    decode_attention_share(q, q_stride, q_rows, num_decodes, heads, kv_heads, head_dim, k_cache, v_cache, kv_format,
                            block_size, block_tables, table_stride, tables, seq_lens, window, scale, out, out_stride,
                            scratch, scratch_stride, team_me(), team_size());
 }
@@ -608,7 +600,7 @@ static inline __attribute__((always_inline)) void prefill_query_head(
  */
 __attribute__((optimize("fp-contract=fast"))) void prefill_attention_share(
     const float *q, int64_t q_stride, int64_t n, int64_t heads, int64_t kv_heads, int64_t head_dim,
-    const void *k_cache, const void *v_cache, int64_t kv_half, int64_t block_size, const int32_t *table,
+    const void *k_cache, const void *v_cache, int64_t kv_format, int64_t block_size, const int32_t *table,
     int64_t seq_len, int64_t window, float scale, float *out, int64_t out_stride, float *kv_scratch,
     float *score_scratch, team_barrier *barrier, int me, int threads) {
     int64_t group = heads / kv_heads;
@@ -623,10 +615,8 @@ __attribute__((optimize("fp-contract=fast"))) void prefill_attention_share(
         for (int64_t t = 0; t < m; t++) {
             int64_t at = ((int64_t)table[b] * block_size + t) * kv_row;
             for (int64_t c = c0; c < c1; c++) {
-                kt[c * stride + j0 + t] = kv_half ? half_to_float(((const uint16_t *)k_cache)[at + c])
-                                                  : ((const float *)k_cache)[at + c];
-                vt[c * stride + j0 + t] = kv_half ? half_to_float(((const uint16_t *)v_cache)[at + c])
-                                                  : ((const float *)v_cache)[at + c];
+                kt[c * stride + j0 + t] = kv_value(k_cache, kv_format, at + c);
+                vt[c * stride + j0 + t] = kv_value(v_cache, kv_format, at + c);
             }
         }
     }
@@ -654,7 +644,7 @@ __attribute__((optimize("fp-contract=fast"))) void prefill_attention_share(
 }
 
 API void paged_prefill_attention(const float *q, int64_t q_stride, int64_t n, int64_t heads, int64_t kv_heads,
-                                 int64_t head_dim, const void *k_cache, const void *v_cache, int64_t kv_half,
+                                 int64_t head_dim, const void *k_cache, const void *v_cache, int64_t kv_format,
                                  int64_t block_size, const int32_t *table, int64_t seq_len, int64_t window,
                                  float scale, float *out, int64_t out_stride, float *kv_scratch, float *score_scratch,
                                  int64_t threads) {
@@ -662,7 +652,7 @@ API void paged_prefill_attention(const float *q, int64_t q_stride, int64_t n, in
     int parallel = threads > 1 && n > 1 && n * (seq_len - n / 2) * heads * head_dim >= PARALLEL_MIN_WORK;
     (void)parallel;
 #pragma omp parallel num_threads(threads) if (parallel)
-    prefill_attention_share(q, q_stride, n, heads, kv_heads, head_dim, k_cache, v_cache, kv_half, block_size, table,
+    prefill_attention_share(q, q_stride, n, heads, kv_heads, head_dim, k_cache, v_cache, kv_format, block_size, table,
                             seq_len, window, scale, out, out_stride, kv_scratch, score_scratch, &barrier, team_me(),
                             team_size());
 }

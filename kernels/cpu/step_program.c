@@ -29,11 +29,11 @@ enum {
     OP_HEAD_NORM,        /* x, stride, heads, head_dim, w, eps: in place */
     OP_LINEAR,           /* layer, x, out, out_stride, quantize, scratch, last_row_only */
     OP_ROTARY,           /* qkv, stride, heads, head_dim, cos, sin, positions */
-    OP_WRITE_KV,         /* k, k_stride, v, v_stride, row, k_cache, v_cache, slots, kv_half */
-    OP_DECODE_ATTENTION, /* q, q_stride, q_rows, heads, kv_heads, head_dim, k_cache, v_cache, kv_half,
+    OP_WRITE_KV,         /* k, k_stride, v, v_stride, row, k_cache, v_cache, slots, kv_format */
+    OP_DECODE_ATTENTION, /* q, q_stride, q_rows, heads, kv_heads, head_dim, k_cache, v_cache, kv_format,
                             block_size, block_tables, table_stride, tables, seq_lens, scale, out, out_stride,
                             scratch, scratch_stride, window */
-    OP_PREFILL_ATTENTION, /* q, q_stride, heads, kv_heads, head_dim, k_cache, v_cache, kv_half, block_size,
+    OP_PREFILL_ATTENTION, /* q, q_stride, heads, kv_heads, head_dim, k_cache, v_cache, kv_format, block_size,
                              table, scale, out, out_stride, kv_scratch, score_scratch, window */
     OP_SILU_MUL,          /* gate_up, n, out */
     OP_CHUNK_LENS,        /* lens: lens[i] = seq_len - rows + 1 + i, the context of each query of a chunk */
@@ -54,17 +54,17 @@ void add_rms_norm_share(const float *x, float *residual, const float *w, float *
 void rotary_share(float *qkv, int64_t tokens, int64_t tok_stride, int64_t heads, int64_t head_dim,
                   const float *cos_table, const float *sin_table, const int64_t *positions, int me, int threads);
 void write_kv_share(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t tokens, int64_t row,
-                    void *k_cache, void *v_cache, const int64_t *slots, int64_t kv_half, int me, int threads);
+                    void *k_cache, void *v_cache, const int64_t *slots, int64_t kv_format, int me, int threads);
 void silu_mul_share(const float *gate_up, int64_t rows, int64_t n, float *out, int me, int threads);
 void embed_share(const float *table, int64_t n, const int64_t *ids, int64_t rows, float *out, int me, int threads);
 void decode_attention_share(const float *q, int64_t q_stride, const int64_t *q_rows, int64_t num_decodes,
                             int64_t heads, int64_t kv_heads, int64_t head_dim, const void *k_cache,
-                            const void *v_cache, int64_t kv_half, int64_t block_size, const int32_t *block_tables,
+                            const void *v_cache, int64_t kv_format, int64_t block_size, const int32_t *block_tables,
                             int64_t table_stride, const int64_t *tables, const int64_t *seq_lens, int64_t window,
                             float scale, float *out, int64_t out_stride, float *scratch, int64_t scratch_stride,
                             int me, int threads);
 void prefill_attention_share(const float *q, int64_t q_stride, int64_t n, int64_t heads, int64_t kv_heads,
-                             int64_t head_dim, const void *k_cache, const void *v_cache, int64_t kv_half,
+                             int64_t head_dim, const void *k_cache, const void *v_cache, int64_t kv_format,
                              int64_t block_size, const int32_t *table, int64_t seq_len, int64_t window,
                              float scale, float *out, int64_t out_stride, float *kv_scratch, float *score_scratch,
                              team_barrier *barrier, int me, int threads);

@@ -81,16 +81,17 @@ def _forward_logits(runner, staged) -> torch.Tensor:
     return runner.model.compute_logits(hidden[step.logits_indices])
 
 
-# float16 caches (the CPU's default, auto) with one float and one block-format model.
+# float16 caches (the CPU's default, auto) with one float and one block-format model; q8_0
+# caches with the model whose heads are whole 32-value blocks.
 @pytest.mark.parametrize("model,kv_cache_dtype", [(m, "float32") for m in MODELS] + [
-    ("stories", "auto"), ("qwen2-q4_0", "float16"),
+    ("stories", "auto"), ("qwen2-q4_0", "float16"), ("qwen3", "q8_0"),
 ])
 def test_decode_logits_equal_the_forward_pass(
     model: str, kv_cache_dtype: str, stories_dir: str, llama, qwen_dirs
 ) -> None:
     engine = _engine(model, stories_dir, llama, qwen_dirs, kv_cache_dtype=kv_cache_dtype)
     runner = engine.model_executor.runner
-    expected = torch.float32 if kv_cache_dtype == "float32" else torch.float16
+    expected = {"float32": torch.float32, "q8_0": torch.uint8}.get(kv_cache_dtype, torch.float16)
     assert all(k.dtype == v.dtype == expected for k, v in runner.kv_caches)
     g = torch.Generator().manual_seed(0)
     for i, length in enumerate((3, 17, 40)):

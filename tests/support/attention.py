@@ -8,6 +8,7 @@ import torch
 from hypothesis import strategies as st
 
 from kernels import torch_ref
+from kernels.kv_format import from_storage, to_storage
 from kernels.metadata import AttentionMetadata
 
 
@@ -28,8 +29,8 @@ def run_case(
     cache_dtype=torch.float32,
 ) -> torch.Tensor:
     """Checks ``attention`` on one batch against dense float64 attention; returns its output.
-    With a float16 ``cache_dtype`` the dense reference takes the keys and values as the cache
-    holds them (rounded to float16)."""
+    With a float16 or q8_0 (uint8) ``cache_dtype`` the dense reference takes the keys and values
+    as the cache holds them (rounded to float16, or quantized: kernels/kv_format.py)."""
     gen = torch.Generator().manual_seed(seed)
     heads = kv_heads * group
     seq_lens = [c + q for q, c in zip(query_lens, context_lens)]
@@ -39,8 +40,9 @@ def run_case(
     tables = torch.zeros(len(seq_lens), max(blocks_needed), dtype=torch.int32)
     # Unwritten slots (and block 0, which pads the tables) hold a large finite
     # value: reading one would visibly skew the result.
-    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), 1e3, dtype=cache_dtype)
-    v_cache = torch.full_like(k_cache, 1e3)
+    unwritten = to_storage(torch.full((head_dim,), 1e3), cache_dtype)
+    k_cache = unwritten.expand(num_blocks, block_size, kv_heads, -1).clone()
+    v_cache = k_cache.clone()
     keys, values, slots = [], [], []
     for r, s in enumerate(seq_lens):
         ids = [order.pop() for _ in range(blocks_needed[r])]
@@ -68,7 +70,7 @@ def run_case(
     scale = head_dim**-0.5
     out = attention(query, k_cache, v_cache, meta, scale)
     for r in range(len(seq_lens)):
-        stored_keys, stored_values = (t.to(cache_dtype).float() for t in (keys[r], values[r]))
+        stored_keys, stored_values = (from_storage(to_storage(t, cache_dtype), torch.float32) for t in (keys[r], values[r]))
         expected = dense_attention(query[qsl[r] : qsl[r + 1]], stored_keys, stored_values, scale)
         torch.testing.assert_close(out[qsl[r] : qsl[r + 1]].double(), expected, atol=1e-5, rtol=1e-5)
     return out
