@@ -27,6 +27,7 @@ SUBCOMMANDS = {
     "embed": "bench.embed",
     "lora": "bench.lora",
     "membw": "bench.membw",
+    "kv-quality": "bench.kv_quality",
 }
 
 

@@ -51,7 +51,8 @@ def row_width(storage: torch.dtype, head_dim: int) -> int:
     if not is_quantized(storage):
         return head_dim
     if head_dim % Q8_0_VALUES:
-        raise ValueError(f"a q8_0 KV cache stores blocks of {Q8_0_VALUES} values: head_dim {head_dim} is not a multiple")
+        raise ValueError(f"a q8_0 KV cache stores blocks of {Q8_0_VALUES} values: head_dim {head_dim} is not "
+                         "a multiple")
     return head_dim // Q8_0_VALUES * Q8_0_BYTES
 
 

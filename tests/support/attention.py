@@ -70,7 +70,9 @@ def run_case(
     scale = head_dim**-0.5
     out = attention(query, k_cache, v_cache, meta, scale)
     for r in range(len(seq_lens)):
-        stored_keys, stored_values = (from_storage(to_storage(t, cache_dtype), torch.float32) for t in (keys[r], values[r]))
+        stored_keys, stored_values = (
+            from_storage(to_storage(t, cache_dtype), torch.float32) for t in (keys[r], values[r])
+        )
         expected = dense_attention(query[qsl[r] : qsl[r + 1]], stored_keys, stored_values, scale)
         torch.testing.assert_close(out[qsl[r] : qsl[r + 1]].double(), expected, atol=1e-5, rtol=1e-5)
     return out
