@@ -31,6 +31,10 @@ DECODER_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen2ForCausalLM": {"qwen2_biases": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
     "Gemma3ForCausalLM": {"qk_norm": True, "gemma3": True},
+    # Mixtures of experts (core/models/moe.py): the Llama family's attention, experts for the MLP.
+    "MixtralForCausalLM": {"moe": True},
+    "Qwen2MoeForCausalLM": {"qwen2_biases": True, "moe": True},
+    "Qwen3MoeForCausalLM": {"qk_norm": True, "moe": True},
     "LlamaModel": {"headless": True},
     "MistralModel": {"headless": True},
     "Qwen2Model": {"qwen2_biases": True, "headless": True},
@@ -48,6 +52,40 @@ ENCODER_ARCHITECTURES: dict[str, dict[str, bool]] = {
 }
 ARCHITECTURES = {**DECODER_ARCHITECTURES, **ENCODER_ARCHITECTURES}
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
+
+
+class MoEConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """A mixture of experts in place of the MLP of ``layers``: a router picks ``top_k`` of
+    ``num_experts`` gated MLPs of ``intermediate_size`` per token (softmax over all experts in
+    float32, the top k kept and, with ``normalize_top_k``, scaled to sum to one: how
+    transformers routes Mixtral, Qwen2-MoE and Qwen3-MoE); Qwen2-MoE adds a shared expert of
+    ``shared_intermediate_size`` to every token, scaled by sigmoid(its gate)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    normalize_top_k: bool
+    layers: tuple[int, ...]
+    shared_intermediate_size: int = 0
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], num_layers: int, mixtral: bool) -> MoEConfig:
+        """``mixtral``: every layer sparse, its experts of ``intermediate_size``, the top k renormalized."""
+        num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        top_k = int(cfg.get("num_experts_per_tok") or 0)
+        if num_experts < 1 or not 1 <= top_k <= num_experts:
+            raise ValueError(
+                f"a mixture of experts needs 1 <= num_experts_per_tok ({top_k}) <= its experts ({num_experts})"
+            )
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense = set(cfg.get("mlp_only_layers") or ())
+        return cls(
+            num_experts=num_experts, top_k=top_k,
+            intermediate_size=int(cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"]),
+            normalize_top_k=mixtral or bool(cfg.get("norm_topk_prob", False)),
+            layers=tuple(i for i in range(num_layers) if mixtral or (i + 1) % step == 0 and i not in dense),
+            shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        )
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -95,6 +133,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     local_rope_scaling: dict[str, Any] | None = None
     # Attention scales scores by query_pre_attn_scalar ** -0.5 (Gemma), else head_dim ** -0.5.
     query_pre_attn_scalar: float | None = None
+    # Mixtral, Qwen2-MoE, Qwen3-MoE: the layers whose MLP is a mixture of experts, and its shape.
+    moe: MoEConfig | None = None
 
     @property
     def window_of_every_layer(self) -> int | None:
@@ -176,6 +216,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             eos_token_ids=() if eos is None else ((eos,) if isinstance(eos, int) else tuple(int(i) for i in eos)),
             headless=switches.get("headless", False),
             matryoshka=_matryoshka(cfg),
+            moe=MoEConfig.from_hf(cfg, cfg["num_hidden_layers"], architecture == "MixtralForCausalLM")
+            if switches.get("moe") else None,
         )
 
     @classmethod

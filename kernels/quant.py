@@ -122,6 +122,20 @@ class QuantizedMatrix:
         """The whole matrix as float32 (for a device without these kernels, and for tests)."""
         return self.take_rows(np.arange(self.rows))
 
+    def split_rows(self, parts: int) -> list[QuantizedMatrix]:
+        """The matrix as ``parts`` matrices of equal rows (a stacked tensor's experts): views of
+        these tiles where a part is whole tiles, else each part packed again from the values."""
+        if self.rows % parts:
+            raise ValueError(f"{self.rows} rows do not split into {parts} equal parts")
+        rows = self.rows // parts
+        lib = cpu.load()
+        size = lib.packed_bytes(self.qtype, rows, self.k)
+        if size * parts == self.data.size:  # whole tiles: each part is a slice of the data
+            return [QuantizedMatrix.from_packed(self.qtype, self.data[i * size : (i + 1) * size], rows, self.k)
+                    for i in range(parts)]
+        values = self.dequantize()
+        return [QuantizedMatrix.from_floats(values[i * rows : (i + 1) * rows]) for i in range(parts)]
+
 
 class QuantizedWeight:
     """A dense layer's weight [out, in] as quantized row blocks (and a float32 bias)."""

@@ -23,6 +23,7 @@ from torch import nn
 import kernels
 from core.model_config import ModelConfig
 from core.models.layers import Embedding, Linear, Module, RMSNorm
+from core.models.moe import ExpertWeights, expert_part, stacked_experts
 from core.models.recipe import Recipe, ResidualNorm, TorchStep
 from kernels.metadata import AttentionMetadata
 from kernels.quant import QuantizedMatrix
@@ -180,9 +181,29 @@ class CausalDecoder(nn.Module, metaclass=ABCMeta):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         blocks: dict[str, dict[int, QuantizedMatrix]] = {}  # block-format weights, by parameter and shard
+        expert_parts: dict[str, set[tuple[int, int]]] = {}  # per-expert tensors copied, by parameter
+        expert_blocks: dict[str, dict[int, QuantizedMatrix]] = {}  # stacked experts in block formats
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue  # recomputed from the config
+            name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's published name
+            part = expert_part(name)
+            if part is not None:
+                self._load_expert(params, *part, tensor)
+                expert_parts.setdefault(part[0], set()).add(part[1:])
+                continue
+            stacked = stacked_experts(name)  # a GGUF file's experts: one tensor per projection
+            if stacked is not None:
+                target, part_index = stacked
+                if isinstance(tensor, QuantizedMatrix):
+                    expert_blocks.setdefault(target, {})[part_index] = tensor
+                else:
+                    for expert, matrix in enumerate(tensor):
+                        self._load_expert(params, f"{target}.{'down_proj' if part_index == 2 else 'gate_up_proj'}",
+                                          expert, part_index, matrix)
+                        expert_parts.setdefault(f"{target}.{'down_proj' if part_index == 2 else 'gate_up_proj'}",
+                                                set()).add((expert, part_index))
+                continue
             if name == "lm_head.weight" and self.head_is_embedding:
                 continue  # the embedding is the head
             if self.config.headless and not name.startswith("model."):
@@ -205,12 +226,48 @@ class CausalDecoder(nn.Module, metaclass=ABCMeta):
                     break
             else:
                 param = self._param(params, name)
+                if tensor.dim() == 1 and param.shape == (1, tensor.shape[0]):
+                    tensor = tensor[None]  # a one-output gate stored as a vector (Qwen2-MoE's shared expert's)
                 if param.shape != tensor.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
                 param.data.copy_(tensor)
                 loaded.add(name)
+        for target, parts in expert_parts.items():  # a stacked parameter is loaded when every expert is
+            experts, shards = params[target].shape[0], 1 if target.endswith(".down_proj") else 2
+            if len(parts) == experts * shards:
+                loaded.add(target)
         self._use_blocks(blocks)
+        self._use_expert_blocks(expert_blocks, loaded)
         return loaded
+
+    def _use_expert_blocks(self, expert_blocks: dict[str, dict[int, QuantizedMatrix]], loaded: set[str]) -> None:
+        """Serve the experts whose stacked weights came in block formats from those blocks."""
+        for target, parts in expert_blocks.items():
+            if sorted(parts) != [0, 1, 2]:
+                raise ValueError(f"{target}: some of its projections are in a block format and some are not")
+            experts = self.get_submodule(target)
+            assert isinstance(experts, ExpertWeights)
+            experts.set_quantized(parts[0], parts[1], parts[2], target)
+            loaded |= {f"{target}.gate_up_proj", f"{target}.down_proj"}
+
+    @staticmethod
+    def _load_expert(
+        params: dict[str, nn.Parameter], target: str, expert: int, part: int, tensor: torch.Tensor
+    ) -> None:
+        """One expert's gate (0), up (1) or down (2) projection into its stacked parameter."""
+        stacked = CausalDecoder._param(params, target).data
+        if expert >= stacked.shape[0]:
+            raise ValueError(f"{target}: expert {expert} of a layer of {stacked.shape[0]}")
+        if part == 2:
+            destination = stacked[expert]
+        else:  # gate_up rows: [gate | up]
+            half = stacked.shape[1] // 2
+            destination = stacked[expert, part * half : (part + 1) * half]
+        if tensor.shape != destination.shape:
+            raise ValueError(
+                f"{target}: expert {expert}'s tensor is {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
+            )
+        destination.copy_(tensor)
 
     @staticmethod
     def _fused_target(name: str) -> tuple[str, int]:
@@ -272,7 +329,8 @@ class CausalDecoder(nn.Module, metaclass=ABCMeta):
         if ".qkv_proj." in target:
             q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
             return [q, kv, kv]
-        return [cfg.intermediate_size, cfg.intermediate_size]
+        half = self.get_submodule(target.rsplit(".", 1)[0]).out_features // 2  # a shared expert's own size
+        return [half, half]
 
     def _shard_len(self, target: str, shard: int) -> int:
         return self._shard_sizes(target)[shard]

@@ -205,6 +205,11 @@ class GGUFCheckpoint:
                                                                "post_feedforward")]
             names += [f"{layer}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
             names += [f"{layer}.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+            if config.moe is not None:  # the router, the stacked experts, Qwen2-MoE's shared expert
+                names += [f"{layer}.mlp.{p}" for p in (
+                    "gate", "experts.gate_proj", "experts.up_proj", "experts.down_proj", "shared_expert.gate_proj",
+                    "shared_expert.up_proj", "shared_expert.down_proj", "shared_expert_gate",
+                )]
         mapping = {}
         for hf in names:
             for suffix in (".weight", ".bias"):
@@ -239,11 +244,13 @@ class GGUFCheckpoint:
             if tensor.name not in names:
                 raise GGUFError(f"{self.path}: tensor {tensor.name} has no place in a {self.architecture} model")
             hf, shape = names[tensor.name], tuple(reversed(tensor.shape))  # GGUF lists the fastest axis first
-            tiled = tensor.ggml_type in _BLOCK_TYPES or (len(shape) == 2 and tensor.ggml_type in (0, 1))
+            tiled = tensor.ggml_type in _BLOCK_TYPES or (len(shape) in (2, 3) and tensor.ggml_type in (0, 1))
             if tiled:
-                order = _interleaved_order(shape[0], self._heads(config, hf)) if self._permuted(hf) else None
-                specs.append(PackSpec(tensor.name, QuantType(tensor.ggml_type), shape[0], int(np.prod(shape[1:])),
-                                      self.tensor_bytes(tensor).reshape(shape[0], -1), order))
+                # Stacked experts [experts, rows, k] are one matrix of experts x rows rows.
+                rows, k = int(np.prod(shape[:-1])), shape[-1]
+                order = _interleaved_order(rows, self._heads(config, hf)) if self._permuted(hf) else None
+                specs.append(PackSpec(tensor.name, QuantType(tensor.ggml_type), rows, k,
+                                      self.tensor_bytes(tensor).reshape(rows, -1), order))
         packed: dict[str, Any] = {}
         if specs and dense is None:
             stat = os.stat(self.path)
@@ -261,7 +268,7 @@ class GGUFCheckpoint:
             if tensor.name in tiles and dense is not None:  # a device without these kernels: the values
                 spec = tiles[tensor.name]
                 matrix = QuantizedMatrix(spec.qtype, spec.blocks, spec.rows, spec.k, spec.order)
-                value = torch.from_numpy(matrix.dequantize()).to(dense)
+                value = torch.from_numpy(matrix.dequantize()).reshape(shape).to(dense)
             elif len(shape) == 2 and dense is None:  # BF16: widened to the F32 tiles
                 order = _interleaved_order(shape[0], self._heads(config, hf)) if self._permuted(hf) else None
                 value = QuantizedMatrix.from_floats(_float_tensor(tensor.ggml_type, data).reshape(shape).numpy(), order)

@@ -28,8 +28,10 @@ from core.models.gguf_header import GGUFHeader
 # GGUF architecture -> the Hugging Face architecture it is served as.
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# A ``llama`` file with experts (llama.expert_count) is Mixtral.
+MIXTRAL = "MixtralForCausalLM"
 
 # tokenizer.ggml.pre -> how text is split before byte-level BPE (the splits of the vocabularies'
 # own tokenizer.json files: Llama 3's, and Qwen2's, which takes digits one at a time).
@@ -79,12 +81,17 @@ def hf_config(header: GGUFHeader, has_output: bool) -> dict[str, Any]:
     kv_heads = _field(header, f"{arch}.attention.head_count_kv", heads)
     if not isinstance(kv_heads, int):  # a per-layer array: all equal in the families served
         kv_heads = int(kv_heads[0])
+    experts = int(_field(header, f"{arch}.expert_count", 0) or 0)
+    mixtral = arch == "llama" and experts > 0
+    dense_ffn = _field(header, f"{arch}.feed_forward_length")
+    if dense_ffn is None and not experts:
+        need("feed_forward_length")
     config: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[arch]],
+        "architectures": [MIXTRAL if mixtral else ARCHITECTURES[arch]],
         "model_type": arch,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
+        "intermediate_size": int(dense_ffn if dense_ffn is not None else need("expert_feed_forward_length")),
         "num_hidden_layers": int(need("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv_heads),
@@ -100,11 +107,31 @@ def hf_config(header: GGUFHeader, has_output: bool) -> dict[str, Any]:
         config["rope_scaling"] = scaling
     if arch == "gemma3":
         config.update(_gemma3_fields(header, config))
+    if experts:
+        config.update(_expert_fields(header, arch, experts, mixtral))
     for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         value = _field(header, f"tokenizer.ggml.{key}")
         if value is not None:
             config[name] = int(value)
     return config
+
+
+def _expert_fields(header: GGUFHeader, arch: str, experts: int, mixtral: bool) -> dict[str, Any]:
+    """A mixture of experts' config.json keys, as transformers names them per family; the top
+    k renormalized as llama.cpp does it (qwen3moe and Mixtral: yes; qwen2moe: no)."""
+    used = int(_field(header, f"{arch}.expert_used_count", 0) or 0)
+    if not 1 <= used <= experts:
+        raise MetadataError(f"{arch}.expert_used_count {used} is not between 1 and {arch}.expert_count {experts}")
+    fields: dict[str, Any] = {"num_experts_per_tok": used}
+    if mixtral:
+        return {**fields, "num_local_experts": experts}
+    shared = _field(header, f"{arch}.expert_shared_feed_forward_length")
+    return {
+        **fields, "num_experts": experts, "norm_topk_prob": arch == "qwen3moe",
+        "moe_intermediate_size": int(_field(header, f"{arch}.expert_feed_forward_length") or 0)
+        or int(_field(header, f"{arch}.feed_forward_length")),
+        **({"shared_expert_intermediate_size": int(shared)} if shared else {}),
+    }
 
 
 def _gemma3_fields(header: GGUFHeader, config: dict[str, Any]) -> dict[str, Any]:

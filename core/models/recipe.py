@@ -22,6 +22,8 @@ the decoder. The buffers are the ones every executor keeps per step:
 - ``PROJ``: a block's output (attention's or the MLP's projection), added
   to the residual stream by the next ``ResidualNorm``;
 - ``GATE_UP``: the fused gate/up rows; ``ACT``: the gated activation.
+
+A mixture of experts (``MixtureOfExperts``) is one operation from ``NORMED`` to ``PROJ``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from kernels.metadata import AttentionMetadata
 if TYPE_CHECKING:
     from core.model_config import ModelConfig
     from core.models.layers import Embedding
+    from core.models.moe import MoEWeights
 
 HIDDEN, NORMED, QKV, ATTN, PROJ, GATE_UP, ACT = "hidden", "normed", "qkv", "attn", "proj", "gate_up", "act"
 BUFFERS = (HIDDEN, NORMED, QKV, ATTN, PROJ, GATE_UP, ACT)
@@ -157,7 +160,19 @@ class GatedActivation:
             s.act = torch.nn.functional.gelu(gate_up[:, :size]) * gate_up[:, size:]
 
 
-LayerOp = ResidualNorm | Norm | Product | HeadNorms | Attention | GatedActivation
+@dataclass(frozen=True, slots=True)
+class MixtureOfExperts:
+    """``PROJ`` = the mixture of experts over ``NORMED`` (core/models/moe.py): each token's
+    top-k experts' gated MLPs weighted by the router, plus the shared expert where there is one.
+    Only the forward pass runs it: the step programs have no expert kernel yet."""
+
+    moe: MoEWeights
+
+    def run(self, s: TorchStep) -> None:
+        s.proj = self.moe(s.normed)
+
+
+LayerOp = ResidualNorm | Norm | Product | HeadNorms | Attention | GatedActivation | MixtureOfExperts
 
 
 @dataclass(frozen=True)

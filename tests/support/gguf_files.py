@@ -15,6 +15,7 @@ transformers' GGUF loader, the oracle, reads back.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -27,7 +28,34 @@ from safetensors.numpy import load_file
 from core.models.default_model import DEFAULT_MODEL_DIR
 
 ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-         "Gemma3ForCausalLM": "gemma3"}
+         "Gemma3ForCausalLM": "gemma3", "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe",
+         "Qwen3MoeForCausalLM": "qwen3moe"}
+_EXPERT = re.compile(
+    r"^(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$"
+)
+_PROJECTION = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Experts as llama.cpp's converter writes them: one [experts, rows, k] tensor per projection
+    (``mlp.experts.gate_proj``, gguf's ``ffn_gate_exps``), from either checkpoint layout."""
+    out: dict[str, np.ndarray] = {}
+    parts: dict[str, dict[int, np.ndarray]] = {}
+    for name, value in tensors.items():
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        match = _EXPERT.match(name)
+        if match is not None:
+            prefix, expert, projection = match.groups()
+            parts.setdefault(f"{prefix}.mlp.experts.{_PROJECTION.get(projection, projection)}", {})[int(expert)] = value
+        elif name.endswith(".mlp.experts.gate_up_proj"):  # transformers 5's stacked [gate | up]
+            gate, up = np.split(value, 2, axis=1)
+            out[name.replace("gate_up_proj", "gate_proj")], out[name.replace("gate_up_proj", "up_proj")] = gate, up
+        else:
+            out[name] = value
+    for name, experts in parts.items():
+        out[name] = np.stack([experts[e] for e in range(len(experts))])
+    return {(f"{name}.weight" if ".mlp.experts." in name and not name.endswith(".weight") else name): value
+            for name, value in out.items()}
 QUANTIZABLE = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
                "q5_0": gguf.GGMLQuantizationType.Q5_0}
 
@@ -57,10 +85,11 @@ def _vocabulary(hf_dir: Path) -> tuple[list[bytes], list[float], list[int]]:
 
 
 def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "q8_0",
-               block_overrides: dict[str, np.ndarray] | None = None) -> Path:
+               block_overrides: dict[str, np.ndarray] | None = None, expert_used_count: int | None = None) -> Path:
     """``hf_dir`` as a GGUF file at ``out``: matrices in ``qtype`` (q8_0, q4_0, q5_0, f32) where
     their rows allow; ``block_overrides``: GGUF tensor name -> raw block data to store instead
-    (its type given by ``block_type_of``)."""
+    (its type given by ``block_type_of``); ``expert_used_count``: a mixture of experts' k, in
+    place of the config's (to write a bad file)."""
     hf_dir, out = Path(hf_dir), Path(out)
     config = json.loads((hf_dir / "config.json").read_text())
     arch = ARCHS[config["architectures"][0]]
@@ -87,6 +116,14 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "q8_0",
         writer.add_rope_freq_base_swa(config["rope_parameters"]["sliding_attention"]["rope_theta"])
     writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == "q8_0" else gguf.LlamaFileType.ALL_F32)
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts:  # a mixture of experts, under llama.cpp's keys
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(expert_used_count or config["num_experts_per_tok"])
+        if config.get("moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
     tokens, scores, types = _vocabulary(hf_dir)
     writer.add_tokenizer_model("llama")
@@ -97,7 +134,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "q8_0",
 
     names = gguf.get_tensor_name_map(arch_enum, layers)
     overrides = block_overrides or {}
-    for hf_name, value in load_file(hf_dir / "model.safetensors").items():
+    for hf_name, value in _stack_experts(load_file(hf_dir / "model.safetensors")).items():
         if hf_name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -112,7 +149,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "q8_0",
             writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=block_type)
             continue
         block_type = QUANTIZABLE.get(qtype)
-        if value.ndim == 2 and block_type is not None and value.shape[1] % gguf.GGML_QUANT_SIZES[block_type][0] == 0:
+        if value.ndim >= 2 and block_type is not None and value.shape[-1] % gguf.GGML_QUANT_SIZES[block_type][0] == 0:
             writer.add_tensor(name, gguf.quants.quantize(value, block_type), raw_dtype=block_type)
         else:
             writer.add_tensor(name, value)

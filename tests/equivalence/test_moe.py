@@ -1,0 +1,206 @@
+"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) against transformers (the oracle), float32.
+
+Tiny random configs, their weights written both ways: experts stacked under transformers 5's own
+parameter names, and apart as published checkpoints name them (each expert's projections;
+Mixtral's ``block_sparse_moe.experts.N.w1/w3/w2``). Routing differs by family: Mixtral and
+Qwen3-MoE (``norm_topk_prob``) renormalize the top k, this Qwen2-MoE does not and adds its shared
+expert under a sigmoid gate; Qwen2-MoE's config also keeps one layer dense (``mlp_only_layers``).
+Through the engine: chunked prefill mixed with decodes and prefix-cache hits.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from app.llm import LLM
+from core.config import EngineArgs
+from core.models.default_model import DEFAULT_MODEL_DIR
+from core.models.loader import load_model
+from core.models.random_model import MODEL_CONFIG, write_tokenizer
+from core.protocol import SamplingParams
+from tests.support.engines import hf_greedy
+from tests.support.paged import PagedHarness, single_prefill
+
+MAX_NEW = 12
+COMMON = dict(
+    vocab_size=MODEL_CONFIG["vocab_size"] + 3, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+)
+
+
+def moe_config(family: str, **overrides) -> transformers.PretrainedConfig:
+    if family == "mixtral":
+        fields = dict(intermediate_size=64, num_local_experts=6, num_experts_per_tok=2)
+    elif family == "qwen2_moe":
+        fields = dict(
+            intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8,
+            num_experts_per_tok=3, norm_topk_prob=False, mlp_only_layers=[1],
+        )
+    else:
+        fields = dict(
+            intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+            head_dim=32,
+        )
+    config_class = {"mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
+                    "qwen3_moe": transformers.Qwen3MoeConfig}[family]
+    return config_class(**{**COMMON, **fields, **overrides})
+
+
+CLASSES = {
+    "mixtral": transformers.MixtralForCausalLM, "qwen2_moe": transformers.Qwen2MoeForCausalLM,
+    "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+}
+
+
+def _write_layout(hf: torch.nn.Module, path, family: str, layout: str) -> None:
+    """The model's weights as one safetensors file: experts stacked under transformers 5's own
+    parameter names, or apart under the published checkpoints' names."""
+    out = {}
+    names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    for name, tensor in hf.state_dict().items():
+        tensor = tensor.detach().clone().contiguous()
+        stacked = re.match(r"(.*)\.mlp\.experts\.(gate_up_proj|down_proj)$", name)
+        if stacked is None or layout == "stacked":
+            published = family == "mixtral" and layout == "per-expert"
+            out[name.replace(".mlp.", ".block_sparse_moe.") if published else name] = tensor
+            continue
+        prefix = stacked.group(1) + (".block_sparse_moe" if family == "mixtral" else ".mlp")
+        for e, expert in enumerate(tensor):
+            if stacked.group(2) == "down_proj":
+                out[f"{prefix}.experts.{e}.{names[2]}.weight"] = expert.clone()
+            else:
+                gate, up = expert.chunk(2)
+                out[f"{prefix}.experts.{e}.{names[0]}.weight"] = gate.clone()
+                out[f"{prefix}.experts.{e}.{names[1]}.weight"] = up.clone()
+    for file in path.glob("*.safetensors"):
+        file.unlink()
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module", params=[(f, layout) for f in CLASSES for layout in ("stacked", "per-expert")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def moe(request, tmp_path_factory):
+    family, layout = request.param
+    torch.manual_seed(4321)
+    hf = CLASSES[family](moe_config(family)).eval().float()
+    with torch.no_grad():  # routers sharp enough that the top k are clear choices
+        for name, p in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(20)
+    path = tmp_path_factory.mktemp(f"{family}-{layout}")
+    hf.save_pretrained(path)  # config.json (the weights transformers writes are replaced)
+    _write_layout(hf, path, family, layout)
+    write_tokenizer(path)
+    return family, hf, str(path)
+
+
+def _prompts(vocab: int, lengths=(3, 17, 40, 9, 30)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_logits_and_paged_greedy_match_transformers(moe) -> None:
+    _, hf, path = moe
+    ours = load_model(EngineArgs(model=path).resolve(), "cpu", torch.float32)
+    ids = _prompts(hf.config.vocab_size, (29,))[0]
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(single_prefill(ours, ids), expected, atol=1e-4, rtol=1e-4)
+    prompts = _prompts(hf.config.vocab_size)
+    harness = PagedHarness(ours)
+    assert harness.generate(prompts, MAX_NEW) == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+
+
+def test_engine_greedy_with_chunks_and_prefix_hits_matches_transformers(moe) -> None:
+    _, hf, path = moe
+    g = torch.Generator().manual_seed(9)
+    prefix = torch.randint(3, hf.config.vocab_size, (24,), generator=g).tolist()
+    prompts = [prefix + torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist() for n in (1, 15, 30)]
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    try:
+        params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+        first = llm.generate(prompts[:1], params)[0]
+        rest = llm.generate(prompts[1:], params)
+        assert all(r.num_cached_tokens >= 24 for r in rest)
+        assert [first.token_ids, *(r.token_ids for r in rest)] == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def moe_ggufs(tmp_path_factory) -> dict[str, tuple[transformers.PreTrainedModel, object]]:
+    """GGUF files made from per-expert checkpoints as llama.cpp's converter lays them out (stacked
+    experts, llama.cpp's keys), with stories260K's vocabulary: each family in F32, and the Qwen
+    MoEs in Q8_0 too."""
+    from tests.support.gguf_files import write_gguf
+
+    files = {}
+    for family in CLASSES:
+        torch.manual_seed(99)
+        # llama.cpp's qwen2moe has experts in every layer: no dense ones in a file
+        config = moe_config(family, vocab_size=512, bos_token_id=1, eos_token_id=2, mlp_only_layers=[])
+        hf = CLASSES[family](config).eval().float()
+        path = tmp_path_factory.mktemp(f"{family}-gguf")
+        hf.save_pretrained(path)
+        _write_layout(hf, path, family, "per-expert")
+        for tokenizer_file in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(DEFAULT_MODEL_DIR / tokenizer_file, path / tokenizer_file)
+        for qtype in ("f32", "q8_0") if family != "mixtral" else ("f32",):
+            files[f"{family}-{qtype}"] = (hf, write_gguf(path, path / f"{family}-{qtype}.gguf", qtype=qtype))
+    return files
+
+
+@pytest.mark.parametrize("name", ["mixtral-f32", "qwen2_moe-f32", "qwen3_moe-f32", "qwen2_moe-q8_0", "qwen3_moe-q8_0"])
+def test_gguf_experts_equal_transformers(name, moe_ggufs, monkeypatch) -> None:
+    """F32 files against the checkpoint they were made from; Q8_0 files against the same
+    checkpoint with every matrix the file quantized replaced by the values it holds (the gguf
+    package's own Q8_0 round trip), our products on float activations. Each expert's rows are a
+    view of the file's stacked tensor, multiplied by the block kernels. (transformers' own GGUF
+    reader cannot be the oracle here: it ignores a qwen2moe file's expert sizes.)"""
+    from kernels.settings import settings
+
+    monkeypatch.setattr(settings, "quantize_activations", False)
+    hf, path = moe_ggufs[name]
+    ours = load_model(EngineArgs(model=str(path)).resolve(), "cpu")
+    moe_layers = [layer.mlp for layer in ours.model.layers if hasattr(layer.mlp, "experts")]
+    # every expert served from the file's stacked tensors, in the kernels' tiles (F32 files too)
+    qtypes = {part.qtype.name for m in moe_layers for gate_up, down in m.experts.quantized for part in
+              (*gate_up.parts, *down.parts)}
+    assert moe_layers and qtypes == {"Q8_0" if name.endswith("q8_0") else "F32"}
+    if name.endswith("q8_0"):
+        hf = _as_q8_0_holds_it(hf)
+    ids = _prompts(hf.config.vocab_size, (29,))[0]
+    with torch.no_grad():
+        expected = hf.eval()(torch.tensor([ids])).logits[0]
+    got = single_prefill(ours, ids)
+    assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+def _as_q8_0_holds_it(hf: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """A copy of ``hf`` whose matrices write_gguf quantizes hold what Q8_0 keeps of them."""
+    import copy
+
+    from gguf import GGMLQuantizationType, quants
+
+    oracle = copy.deepcopy(hf)
+    with torch.no_grad():
+        for p in oracle.parameters():
+            if p.dim() >= 2 and p.shape[-1] % 32 == 0:
+                blocks = quants.quantize(p.numpy(), GGMLQuantizationType.Q8_0)
+                p.copy_(torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType.Q8_0)).reshape(p.shape))
+    return oracle
+
+
+def test_a_file_that_uses_more_experts_than_it_has_is_refused(moe_ggufs, tmp_path) -> None:
+    from tests.support.gguf_files import write_gguf
+
+    _, path = moe_ggufs["qwen3_moe-f32"]
+    bad = write_gguf(path.parent, tmp_path / "bad.gguf", qtype="f32", expert_used_count=9)
+    with pytest.raises(ValueError, match="expert_used_count 9 is not between 1 and qwen3moe.expert_count 8"):
+        EngineArgs(model=str(bad)).resolve()
