@@ -5,7 +5,9 @@ parameter names, and apart as published checkpoints name them (each expert's pro
 Mixtral's ``block_sparse_moe.experts.N.w1/w3/w2``). Routing differs by family: Mixtral and
 Qwen3-MoE (``norm_topk_prob``) renormalize the top k, this Qwen2-MoE does not and adds its shared
 expert under a sigmoid gate; Qwen2-MoE's config also keeps one layer dense (``mlp_only_layers``).
-Through the engine: chunked prefill mixed with decodes and prefix-cache hits.
+Through the engine: chunked prefill mixed with decodes, prefix-cache hits, n-gram speculation and
+preemption; LoRA adapters on the attention projections against peft. From GGUF files (the stacked
+expert tensors llama.cpp writes), against the same weights.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import transformers
 from safetensors.torch import save_file
 
 from app.llm import LLM
-from core.config import EngineArgs
+from core.config import EngineArgs, SpeculativeConfig
 from core.models.default_model import DEFAULT_MODEL_DIR
 from core.models.loader import load_model
 from core.models.random_model import MODEL_CONFIG, write_tokenizer
@@ -117,18 +119,31 @@ def test_logits_and_paged_greedy_match_transformers(moe) -> None:
     assert harness.generate(prompts, MAX_NEW) == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
 
 
-def test_engine_greedy_with_chunks_and_prefix_hits_matches_transformers(moe) -> None:
+@pytest.mark.parametrize("engine_args", [
+    dict(max_num_batched_tokens=16),  # chunks mixed with decodes, prefix hits
+    dict(speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)),
+    dict(max_num_batched_tokens=64, num_gpu_blocks_override=17, max_model_len=64),  # preemption
+], ids=["chunked-prefix-hits", "ngram-speculation", "preempting"])
+def test_engine_greedy_matches_transformers(moe, engine_args) -> None:
     _, hf, path = moe
     g = torch.Generator().manual_seed(9)
     prefix = torch.randint(3, hf.config.vocab_size, (24,), generator=g).tolist()
-    prompts = [prefix + torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist() for n in (1, 15, 30)]
-    llm = LLM(path, dtype="float32", device="cpu", block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    prompts = [prefix + [5, 6, 7, 8] * 3, prefix + torch.randint(3, hf.config.vocab_size, (15,), generator=g).tolist(),
+               prefix[:20] + torch.randint(3, hf.config.vocab_size, (9,), generator=g).tolist()]
+    engine = dict(dtype="float32", kv_cache_dtype="float32", device="cpu", block_size=4, max_num_seqs=4)
+    llm = LLM(path, **{**engine, **engine_args})
     try:
         params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
         first = llm.generate(prompts[:1], params)[0]
-        rest = llm.generate(prompts[1:], params)
-        assert all(r.num_cached_tokens >= 24 for r in rest)
+        rest = llm.generate(prompts[1:], params)  # their first 20-24 tokens from the first one's blocks
         assert [first.token_ids, *(r.token_ids for r in rest)] == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+        scheduler = llm.engine.engine_core.scheduler
+        if "speculative_config" in engine_args:
+            assert scheduler.spec_stats.num_drafts > 0  # drafts verified (the rejected ones rolled back)
+        elif "num_gpu_blocks_override" in engine_args:
+            assert scheduler.num_preemptions > 0
+        else:
+            assert all(r.num_cached_tokens >= 20 for r in rest)
     finally:
         llm.shutdown()
 
@@ -204,3 +219,31 @@ def test_a_file_that_uses_more_experts_than_it_has_is_refused(moe_ggufs, tmp_pat
     bad = write_gguf(path.parent, tmp_path / "bad.gguf", qtype="f32", expert_used_count=9)
     with pytest.raises(ValueError, match="expert_used_count 9 is not between 1 and qwen3moe.expert_count 8"):
         EngineArgs(model=str(bad)).resolve()
+
+
+def test_lora_on_the_attention_projections_equals_peft(tmp_path) -> None:
+    """An adapter on q, k, v and o of a Qwen3-MoE (a batch mixing the base and the adapter, prompts
+    in chunks), against peft."""
+    from core.protocol import LoRARequest
+    from tests.support.lora_adapters import make_adapter, peft_greedy, peft_model
+
+    torch.manual_seed(4321)
+    hf = CLASSES["qwen3_moe"](moe_config("qwen3_moe")).eval().float()
+    base = tmp_path / "base"
+    hf.save_pretrained(base)
+    _write_layout(hf, base, "qwen3_moe", "stacked")
+    write_tokenizer(base)
+    adapter = make_adapter(str(base), tmp_path / "attention", seed=1, targets=["q_proj", "k_proj", "v_proj", "o_proj"])
+    prompts = _prompts(hf.config.vocab_size, (5, 21))
+    adapted = peft_model(str(base), adapter)
+    expected = [peft_greedy(adapted, p, MAX_NEW) for p in prompts]
+    assert expected != [hf_greedy(hf, p, MAX_NEW) for p in prompts]  # the adapter changes the tokens
+    llm = LLM(str(base), dtype="float32", kv_cache_dtype="float32", device="cpu", block_size=4, enable_lora=True,
+              max_num_batched_tokens=16)
+    try:
+        params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+        request = LoRARequest("attention", 1, adapter)
+        results = llm.generate(prompts + prompts, params, lora_request=[request, request, None, None])
+        assert [r.token_ids for r in results] == expected + [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    finally:
+        llm.shutdown()
