@@ -22,7 +22,7 @@ from core.models.loader import load_model
 from core.models.random_model import write_tokenizer
 from core.protocol import SamplingParams
 from tests.support.engines import hf_greedy, tiny_config
-from tests.support.paged import PagedHarness, single_prefill
+from tests.support.paged import assert_matches_transformers
 
 FAMILIES = {"mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 MAX_NEW = 12
@@ -64,13 +64,8 @@ def _shared_prefix_prompts(vocab: int) -> list[list[int]]:
 def test_logits_and_paged_greedy_match_transformers(family) -> None:
     _, hf, path = family
     ours = load_model(EngineArgs(model=path).resolve(), "cpu", torch.float32)
-    ids = _prompts(hf.config.vocab_size, (29,))[0]
-    with torch.no_grad():
-        expected = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(single_prefill(ours, ids), expected, atol=1e-4, rtol=1e-4)
-    prompts = _prompts(hf.config.vocab_size)
-    harness = PagedHarness(ours)
-    assert harness.generate(prompts, MAX_NEW) == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    vocab = hf.config.vocab_size
+    harness = assert_matches_transformers(hf, ours, _prompts(vocab, (29,))[0], _prompts(vocab), MAX_NEW)
     assert harness.mixed_steps > 0
 
 

@@ -27,7 +27,7 @@ from core.models.loader import load_model
 from core.models.random_model import MODEL_CONFIG, write_tokenizer
 from core.protocol import SamplingParams
 from tests.support.engines import hf_greedy
-from tests.support.paged import PagedHarness, single_prefill
+from tests.support.paged import assert_matches_transformers, single_prefill
 
 MAX_NEW = 12
 COMMON = dict(
@@ -110,13 +110,8 @@ def _prompts(vocab: int, lengths=(3, 17, 40, 9, 30)) -> list[list[int]]:
 def test_logits_and_paged_greedy_match_transformers(moe) -> None:
     _, hf, path = moe
     ours = load_model(EngineArgs(model=path).resolve(), "cpu", torch.float32)
-    ids = _prompts(hf.config.vocab_size, (29,))[0]
-    with torch.no_grad():
-        expected = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(single_prefill(ours, ids), expected, atol=1e-4, rtol=1e-4)
-    prompts = _prompts(hf.config.vocab_size)
-    harness = PagedHarness(ours)
-    assert harness.generate(prompts, MAX_NEW) == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    vocab = hf.config.vocab_size
+    assert_matches_transformers(hf, ours, _prompts(vocab, (29,))[0], _prompts(vocab), MAX_NEW)
 
 
 @pytest.mark.parametrize("engine_args", [

@@ -110,3 +110,19 @@ def single_prefill(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         hidden = model(torch.tensor(ids, device=dev), torch.arange(n, device=dev), harness.kv_caches, meta)
         return model.compute_logits(hidden).cpu()
+
+
+def assert_matches_transformers(
+    hf: torch.nn.Module, ours: torch.nn.Module, long_prompt: list[int], prompts: list[list[int]], max_new: int
+) -> PagedHarness:
+    """``ours`` against transformers' ``hf`` on the same weights (float32): one prefill's logits
+    within 1e-4, then every prompt's greedy tokens through the paged harness (returned, for
+    what else a test asks of it)."""
+    from tests.support.engines import hf_greedy
+
+    with torch.no_grad():
+        expected = hf(torch.tensor([long_prompt])).logits[0]
+    torch.testing.assert_close(single_prefill(ours, long_prompt), expected, atol=1e-4, rtol=1e-4)
+    harness = PagedHarness(ours)
+    assert harness.generate(prompts, max_new) == [hf_greedy(hf, p, max_new) for p in prompts]
+    return harness
