@@ -9,11 +9,9 @@ and values back from the cache. Reported against float32's run:
   the top-1 token of a position differs (``top1_agree``: the share of positions that agree);
 - ``--continue`` greedy tokens after the prompt: how many agree before the first difference.
 
-Each run also times, without logprobs and with the prefix cache off, the prompt alone (``ttft_s``)
-and the prompt with its continuation: their difference per extra token is ``tpot_ms``. These are
-single timings of one process after another: for ratios, run it more than once.
-
 The model's weights are read as the file holds them; only the cache differs between the runs.
+Speed is not measured here (a prompt's prefill swamps a few decode steps' difference): use
+``bench compare`` with ``--server-args "--kv-cache-dtype q8_0"``.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from typing import Any
 
 HELP = "logit deviation of float16 and q8_0 KV caches from float32 (quality, not speed)"
@@ -59,25 +56,13 @@ def _run(model: str, kv_cache_dtype: str, prompt: list[int] | str, args: argpars
             prompt = (ids * (args.prompt_len // max(len(ids), 1) + 1))[: args.prompt_len]
         params = SamplingParams(max_tokens=args.continue_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
         (result,) = llm.generate([prompt], params)
-        # Speed, without the logprobs: the prompt alone (one token out), then the prompt and the
-        # continuation; the difference over the extra tokens is the time per output token.
-        timings = []
-        for tokens in (1, args.continue_tokens):
-            start = time.perf_counter()
-            llm.generate([prompt], SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
-            timings.append(time.perf_counter() - start)
         entries = result.prompt_logprobs
         # Column 0 is the prompt token's own log-probability; column 1 the position's top-1.
         logprobs = torch.tensor([row[0] for row in entries.logprobs])
         top1 = [row[1] if len(row) > 1 else row[0] for row in entries.token_ids]
-        return {"prompt": prompt, "logprobs": logprobs, "top1": top1, "tokens": list(result.token_ids),
-                "ttft_s": timings[0], "tpot_ms": (timings[1] - timings[0]) / max(args.continue_tokens - 1, 1) * 1e3}
+        return {"prompt": prompt, "logprobs": logprobs, "top1": top1, "tokens": list(result.token_ids)}
     finally:
         llm.shutdown()
-
-
-def speed(run: dict[str, Any]) -> dict[str, float]:
-    return {"ttft_s": run["ttft_s"], "tpot_ms": run["tpot_ms"]}
 
 
 def compare(reference: dict[str, Any], other: dict[str, Any]) -> dict[str, float]:
@@ -95,15 +80,13 @@ def compare(reference: dict[str, Any], other: dict[str, Any]) -> dict[str, float
         "top1_agree": agree,
         "greedy_tokens_equal_before_first_difference": same,
         "greedy_tokens": len(reference["tokens"]),
-        **speed(other),
     }
 
 
 def run(args: argparse.Namespace) -> int:
     runs = {"float32": _run(args.model, "float32", PASSAGE, args)}
     prompt = runs["float32"]["prompt"]
-    results: dict[str, Any] = {"model": args.model, "prompt_tokens": len(prompt), "chunk": args.chunk,
-                               "float32": speed(runs["float32"])}
+    results: dict[str, Any] = {"model": args.model, "prompt_tokens": len(prompt), "chunk": args.chunk}
     for dtype in [d for d in args.kv_dtypes.split(",") if d and d != "float32"]:
         runs[dtype] = _run(args.model, dtype, prompt, args)
         results[dtype] = compare(runs["float32"], runs[dtype])

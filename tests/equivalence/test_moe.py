@@ -33,6 +33,7 @@ MAX_NEW = 12
 COMMON = dict(
     vocab_size=MODEL_CONFIG["vocab_size"] + 3, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=2,
 )
 
 
@@ -89,17 +90,21 @@ def _write_layout(hf: torch.nn.Module, path, family: str, layout: str) -> None:
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def moe(request, tmp_path_factory):
     family, layout = request.param
+    return family, *_checkpoint(tmp_path_factory.mktemp(f"{family}-{layout}"), family, layout)
+
+
+def _checkpoint(path, family: str, layout: str) -> tuple[transformers.PreTrainedModel, str]:
+    """A seeded tiny model of ``family`` saved at ``path`` with its experts in ``layout``."""
     torch.manual_seed(4321)
     hf = CLASSES[family](moe_config(family)).eval().float()
     with torch.no_grad():  # routers sharp enough that the top k are clear choices
         for name, p in hf.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 p.mul_(20)
-    path = tmp_path_factory.mktemp(f"{family}-{layout}")
     hf.save_pretrained(path)  # config.json (the weights transformers writes are replaced)
     _write_layout(hf, path, family, layout)
     write_tokenizer(path)
-    return family, hf, str(path)
+    return hf, str(path)
 
 
 def _prompts(vocab: int, lengths=(3, 17, 40, 9, 30)) -> list[list[int]]:
@@ -154,7 +159,7 @@ def moe_ggufs(tmp_path_factory) -> dict[str, tuple[transformers.PreTrainedModel,
     for family in CLASSES:
         torch.manual_seed(99)
         # llama.cpp's qwen2moe has experts in every layer: no dense ones in a file
-        config = moe_config(family, vocab_size=512, bos_token_id=1, eos_token_id=2, mlp_only_layers=[])
+        config = moe_config(family, vocab_size=512, mlp_only_layers=[])
         hf = CLASSES[family](config).eval().float()
         path = tmp_path_factory.mktemp(f"{family}-gguf")
         hf.save_pretrained(path)
@@ -222,18 +227,13 @@ def test_lora_on_the_attention_projections_equals_peft(tmp_path) -> None:
     from core.protocol import LoRARequest
     from tests.support.lora_adapters import make_adapter, peft_greedy, peft_model
 
-    torch.manual_seed(4321)
-    hf = CLASSES["qwen3_moe"](moe_config("qwen3_moe")).eval().float()
-    base = tmp_path / "base"
-    hf.save_pretrained(base)
-    _write_layout(hf, base, "qwen3_moe", "stacked")
-    write_tokenizer(base)
-    adapter = make_adapter(str(base), tmp_path / "attention", seed=1, targets=["q_proj", "k_proj", "v_proj", "o_proj"])
+    hf, base = _checkpoint(tmp_path / "base", "qwen3_moe", "stacked")
+    adapter = make_adapter(base, tmp_path / "attention", seed=1, targets=["q_proj", "k_proj", "v_proj", "o_proj"])
     prompts = _prompts(hf.config.vocab_size, (5, 21))
-    adapted = peft_model(str(base), adapter)
+    adapted = peft_model(base, adapter)
     expected = [peft_greedy(adapted, p, MAX_NEW) for p in prompts]
     assert expected != [hf_greedy(hf, p, MAX_NEW) for p in prompts]  # the adapter changes the tokens
-    llm = LLM(str(base), dtype="float32", kv_cache_dtype="float32", device="cpu", block_size=4, enable_lora=True,
+    llm = LLM(base, dtype="float32", kv_cache_dtype="float32", device="cpu", block_size=4, enable_lora=True,
               max_num_batched_tokens=16)
     try:
         params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -242,3 +242,33 @@ def test_lora_on_the_attention_projections_equals_peft(tmp_path) -> None:
         assert [r.token_ids for r in results] == expected + [hf_greedy(hf, p, MAX_NEW) for p in prompts]
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("family", list(CLASSES))
+def test_structured_outputs_hold_with_experts(family, tmp_path) -> None:
+    """A JSON schema enforced on a mixture of experts: every output parses and validates (the
+    grammar masks each step's logits, whatever computed them)."""
+    import json
+
+    import jsonschema
+
+    from app.tokenizer import load_tokenizer
+    from core.protocol import StructuredOutputsParams
+
+    hf, path = _checkpoint(tmp_path, family, "stacked")
+    # (names from a list: free strings would meet this test vocabulary's raw control bytes, which
+    # its byte table and xgrammar's read differently)
+    schema = {"type": "object", "properties": {"name": {"enum": ["ada", "bo", "cyd"]},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    guided = StructuredOutputsParams(json=json.dumps(schema), disable_any_whitespace=True)
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, max_num_seqs=4)
+    try:
+        params = SamplingParams(max_tokens=64, temperature=0.8, seed=3, structured_outputs=guided)
+        results = llm.generate(_prompts(hf.config.vocab_size, (5, 12, 20)), params)
+    finally:
+        llm.shutdown()
+    tokenizer = load_tokenizer(path)
+    for result in results:  # each stopped at the end-of-sequence token, which this test vocabulary spells
+        assert result.finish_reason == "stop" and result.token_ids[-1] == hf.config.eos_token_id, family
+        jsonschema.validate(json.loads(tokenizer.decode(result.token_ids[:-1])), schema)
