@@ -19,6 +19,12 @@ from core.structured.request import GrammarKey
 
 # json_object: any JSON object.
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# xgrammar (0.2.8) writes the characters of a length-bounded string (minLength, maxLength) as the
+# first class below, which lets raw control characters through (a JSON parser then rejects the
+# output); its unbounded strings use the second, as JSON requires. Schemas are compiled through
+# their grammar's text with the class narrowed.
+_LOOSE_STRING_CHARACTER = r"[^\"\\\r\n]"
+_JSON_STRING_CHARACTER = r"[^\0-\x1f\"\\\r\n]"
 
 
 def tokenizer_info(tokenizer_dir: str, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
@@ -53,6 +59,15 @@ def tokenizer_info(tokenizer_dir: str, vocab_size: int, stop_token_ids: list[int
     )
 
 
+def _json_schema_grammar(schema: str, whitespace: dict[str, Any]) -> xgr.Grammar:
+    """The schema's grammar, its strings' characters all valid JSON (see _LOOSE_STRING_CHARACTER)."""
+    grammar = xgr.Grammar.from_json_schema(schema, **whitespace)
+    text = str(grammar)
+    if _LOOSE_STRING_CHARACTER not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHARACTER, _JSON_STRING_CHARACTER))
+
+
 def _choice_grammar(choices: list[str]) -> str:
     """EBNF for "exactly one of these strings" (JSON string escapes are EBNF's too)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -77,7 +92,7 @@ class XgrammarBackend:
             whitespace = {"any_whitespace": key.any_whitespace}
             if key.any_whitespace:
                 whitespace["max_whitespace_cnt"] = key.max_whitespace
-            return c.compile_json_schema(spec if kind == "json" else _JSON_OBJECT_SCHEMA, **whitespace)
+            return c.compile_grammar(_json_schema_grammar(spec if kind == "json" else _JSON_OBJECT_SCHEMA, whitespace))
         if kind == "regex":
             return c.compile_regex(spec)
         if kind == "choice":
