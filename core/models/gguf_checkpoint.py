@@ -225,6 +225,28 @@ class GGUFCheckpoint:
         for name in self.tensors:
             if name not in names:
                 raise GGUFError(f"{self.path}: tensor {name} has no place in a {self.architecture} model")
+        if config.moe is not None:
+            self._check_experts(config)
+
+    def _check_experts(self, config: ModelConfig) -> None:
+        """GGUFError naming the first expert tensor that is missing or of the wrong shape (the
+        router and the stacked projections of every sparse layer), before anything is loaded."""
+        moe = config.moe
+        assert moe is not None
+        hidden, rows, experts = config.hidden_size, moe.intermediate_size, moe.num_experts
+        expected = {  # GGUF lists the fastest axis first
+            "ffn_gate_inp": (hidden, experts), "ffn_gate_exps": (hidden, rows, experts),
+            "ffn_up_exps": (hidden, rows, experts), "ffn_down_exps": (rows, hidden, experts),
+        }
+        for layer in moe.layers:
+            for tensor, shape in expected.items():
+                name = f"blk.{layer}.{tensor}.weight"
+                info = self.tensors.get(name)
+                if info is None:
+                    raise GGUFError(f"{self.path}: tensor {name} is missing (layer {layer} has {experts} experts)")
+                if tuple(info.shape) != shape:
+                    raise GGUFError(f"{self.path}: tensor {name} is {list(info.shape)}, expected {list(shape)} "
+                                    f"({experts} experts of {rows} x {hidden})")
 
     def weights(self, config: ModelConfig, dense: torch.dtype | None = None,
                 progress: Callable[[int], None] | None = None) -> Iterator[tuple[str, Any]]:

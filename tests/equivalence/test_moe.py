@@ -212,13 +212,18 @@ def _as_q8_0_holds_it(hf: transformers.PreTrainedModel) -> transformers.PreTrain
     return oracle
 
 
-def test_a_file_that_uses_more_experts_than_it_has_is_refused(moe_ggufs, tmp_path) -> None:
+@pytest.mark.parametrize("bad,message", [
+    (dict(expert_used_count=9), "expert_used_count 9 is not between 1 and qwen3moe.expert_count 8"),
+    (dict(expert_count=6), r"tensor blk.0.ffn_gate_inp.weight is \[64, 8\], expected \[64, 6\]"),
+    (dict(leave_out=("blk.1.ffn_up_exps.weight",)), "tensor blk.1.ffn_up_exps.weight is missing"),
+], ids=["more-used-than-there-are", "wrong-shape", "missing"])
+def test_bad_expert_files_are_refused_before_loading(bad, message, moe_ggufs, tmp_path) -> None:
+    """At configuration, naming the key or the tensor (the CLI exits with status 2 on these)."""
     from tests.support.gguf_files import write_gguf
 
     _, path = moe_ggufs["qwen3_moe-f32"]
-    bad = write_gguf(path.parent, tmp_path / "bad.gguf", qtype="f32", expert_used_count=9)
-    with pytest.raises(ValueError, match="expert_used_count 9 is not between 1 and qwen3moe.expert_count 8"):
-        EngineArgs(model=str(bad)).resolve()
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model=str(write_gguf(path.parent, tmp_path / "bad.gguf", qtype="f32", **bad))).resolve()
 
 
 def test_lora_on_the_attention_projections_equals_peft(tmp_path) -> None:

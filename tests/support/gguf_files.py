@@ -85,11 +85,13 @@ def _vocabulary(hf_dir: Path) -> tuple[list[bytes], list[float], list[int]]:
 
 
 def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "q8_0",
-               block_overrides: dict[str, np.ndarray] | None = None, expert_used_count: int | None = None) -> Path:
+               block_overrides: dict[str, np.ndarray] | None = None, expert_used_count: int | None = None,
+               expert_count: int | None = None, leave_out: tuple[str, ...] = ()) -> Path:
     """``hf_dir`` as a GGUF file at ``out``: matrices in ``qtype`` (q8_0, q4_0, q5_0, f32) where
     their rows allow; ``block_overrides``: GGUF tensor name -> raw block data to store instead
-    (its type given by ``block_type_of``); ``expert_used_count``: a mixture of experts' k, in
-    place of the config's (to write a bad file)."""
+    (its type given by ``block_type_of``); ``expert_used_count``, ``expert_count``: a mixture of
+    experts' k and size in place of the config's, and ``leave_out``: GGUF tensor names not
+    written (to write bad files)."""
     hf_dir, out = Path(hf_dir), Path(out)
     config = json.loads((hf_dir / "config.json").read_text())
     arch = ARCHS[config["architectures"][0]]
@@ -118,7 +120,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "q8_0",
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == "q8_0" else gguf.LlamaFileType.ALL_F32)
     experts = config.get("num_experts") or config.get("num_local_experts")
     if experts:  # a mixture of experts, under llama.cpp's keys
-        writer.add_expert_count(experts)
+        writer.add_expert_count(expert_count or experts)
         writer.add_expert_used_count(expert_used_count or config["num_experts_per_tok"])
         if config.get("moe_intermediate_size"):
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
@@ -139,6 +141,8 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "q8_0",
             continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name
+        if name in leave_out:
+            continue
         value = value.astype(np.float32)
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             value = _permute(value, heads if "q_proj" in hf_name else kv_heads)
