@@ -23,7 +23,7 @@ from torch import nn
 import kernels
 from core.model_config import ModelConfig
 from core.models.layers import Embedding, Linear, Module, RMSNorm
-from core.models.moe import ExpertWeights, expert_part, stacked_experts
+from core.models.moe import ExpertWeights, expert_parameter, expert_part, stacked_experts
 from core.models.recipe import Recipe, ResidualNorm, TorchStep
 from kernels.metadata import AttentionMetadata
 from kernels.quant import QuantizedMatrix
@@ -45,15 +45,6 @@ class AttentionWeights(Module):
             self.k_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-
-
-class GatedMLPWeights(Module):
-    """A layer's MLP weights: fused gate/up, and down."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
 
 class DecoderModel(nn.Module):
@@ -187,22 +178,19 @@ class CausalDecoder(nn.Module, metaclass=ABCMeta):
             if "rotary_emb.inv_freq" in name:
                 continue  # recomputed from the config
             name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's published name
-            part = expert_part(name)
-            if part is not None:
-                self._load_expert(params, *part, tensor)
-                expert_parts.setdefault(part[0], set()).add(part[1:])
-                continue
             stacked = stacked_experts(name)  # a GGUF file's experts: one tensor per projection
-            if stacked is not None:
-                target, part_index = stacked
-                if isinstance(tensor, QuantizedMatrix):
-                    expert_blocks.setdefault(target, {})[part_index] = tensor
-                else:
-                    for expert, matrix in enumerate(tensor):
-                        self._load_expert(params, f"{target}.{'down_proj' if part_index == 2 else 'gate_up_proj'}",
-                                          expert, part_index, matrix)
-                        expert_parts.setdefault(f"{target}.{'down_proj' if part_index == 2 else 'gate_up_proj'}",
-                                                set()).add((expert, part_index))
+            if stacked is not None and isinstance(tensor, QuantizedMatrix):
+                expert_blocks.setdefault(stacked[0], {})[stacked[1]] = tensor
+                continue
+            part = expert_part(name)
+            if part is not None or stacked is not None:  # experts in floats: into the stacked parameters
+                slices = [(*part, tensor)] if part is not None else [
+                    (expert_parameter(stacked[0], stacked[1]), expert, stacked[1], matrix)
+                    for expert, matrix in enumerate(tensor)
+                ]
+                for target, expert, part_index, matrix in slices:
+                    self._load_expert(params, target, expert, part_index, matrix)
+                    expert_parts.setdefault(target, set()).add((expert, part_index))
                 continue
             if name == "lm_head.weight" and self.head_is_embedding:
                 continue  # the embedding is the head

@@ -13,8 +13,8 @@ global ones (the whole context, the model's rope base and scaling), as
 from __future__ import annotations
 
 from core.model_config import ModelConfig
-from core.models.decoder import AttentionWeights, CausalDecoder, GatedMLPWeights
-from core.models.layers import Module, RMSNorm, RotaryEmbedding
+from core.models.decoder import AttentionWeights, CausalDecoder
+from core.models.layers import GatedMLPWeights, Module, RMSNorm, RotaryEmbedding
 from core.models.recipe import (
     ACT, ATTN, GATE_UP, NORMED, PROJ, QKV, Attention, GatedActivation, HeadNorms, LayerOp, Norm, Product,
     ResidualNorm,
@@ -30,7 +30,7 @@ class Gemma3Layer(Module):
         self.self_attn = AttentionWeights(cfg)
         self.post_attention_layernorm = RMSNorm(size, eps)
         self.pre_feedforward_layernorm = RMSNorm(size, eps)
-        self.mlp = GatedMLPWeights(cfg)
+        self.mlp = GatedMLPWeights(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
         self.post_feedforward_layernorm = RMSNorm(size, eps)
 
     def ops(self) -> tuple[LayerOp, ...]:

@@ -69,6 +69,25 @@ class Linear(nn.Linear):
     __call__ = forward
 
 
+def gated_activation(kind: str, gate_up: torch.Tensor) -> torch.Tensor:
+    """``act(gate) * up`` of [gate | up] rows (``kind``: silu, gelu_pytorch_tanh or gelu)."""
+    if kind == "silu":
+        return kernels.silu_mul(gate_up)
+    if kind == "gelu_pytorch_tanh":
+        return kernels.gelu_tanh_mul(gate_up)
+    size = gate_up.shape[1] // 2
+    return F.gelu(gate_up[:, :size]) * gate_up[:, size:]
+
+
+class GatedMLPWeights(Module):
+    """A gated MLP's weights: fused gate/up, and down (a layer's MLP, Qwen2-MoE's shared expert)."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+
+
 class Embedding(nn.Embedding):
     """Token embeddings: a float table, or one kept in a GGUF block format (its rows expanded
     as they are looked up)."""

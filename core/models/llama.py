@@ -10,8 +10,8 @@ window (every layer attends to the last ``sliding_window`` positions).
 from __future__ import annotations
 
 from core.model_config import ModelConfig
-from core.models.decoder import AttentionWeights, CausalDecoder, GatedMLPWeights
-from core.models.layers import Module, RMSNorm, RotaryEmbedding
+from core.models.decoder import AttentionWeights, CausalDecoder
+from core.models.layers import GatedMLPWeights, Module, RMSNorm, RotaryEmbedding
 from core.models.moe import MoEWeights
 from core.models.recipe import (
     ACT, ATTN, GATE_UP, NORMED, PROJ, QKV, Attention, GatedActivation, HeadNorms, LayerOp, MixtureOfExperts, Product,
@@ -27,7 +27,9 @@ class LlamaLayer(Module):
         self.self_attn = AttentionWeights(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         experts = cfg.moe is not None and index in cfg.moe.layers
-        self.mlp: GatedMLPWeights | MoEWeights = MoEWeights(cfg) if experts else GatedMLPWeights(cfg)
+        self.mlp: GatedMLPWeights | MoEWeights = (
+            MoEWeights(cfg) if experts else GatedMLPWeights(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        )
 
     def ops(self) -> tuple[LayerOp, ...]:
         cfg, attn, mlp = self.config, self.self_attn, self.mlp

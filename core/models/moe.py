@@ -21,16 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
 from core.model_config import ModelConfig
-from core.models.layers import Linear, Module
+from core.models.layers import GatedMLPWeights, Linear, Module, gated_activation
 from kernels.quant import QuantizedMatrix, QuantizedWeight
 
 # A published checkpoint's per-expert tensor: (layer prefix, expert, projection).
 _EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
 _PART = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1, "w2": 2, "down_proj": 2}  # gate, up, down
-
-
+# A GGUF file's stacked projection of every expert, as gguf's tables name ffn_{gate,up,down}_exps.
 _STACKED_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -47,7 +45,12 @@ def expert_part(name: str) -> tuple[str, int, int] | None:
     if match is None:
         return None
     prefix, expert, part = match.groups()
-    return f"{prefix}.{'down_proj' if _PART[part] == 2 else 'gate_up_proj'}", int(expert), _PART[part]
+    return expert_parameter(prefix, _PART[part]), int(expert), _PART[part]
+
+
+def expert_parameter(experts: str, part: int) -> str:
+    """The stacked parameter of module ``experts`` holding projection ``part`` (0 gate, 1 up, 2 down)."""
+    return f"{experts}.{'down_proj' if part == 2 else 'gate_up_proj'}"
 
 
 class ExpertWeights(Module):
@@ -85,15 +88,6 @@ class ExpertWeights(Module):
         return F.linear(x, self.down_proj[expert])
 
 
-class SharedExpert(Module):
-    """Qwen2-MoE's expert that every token goes through: a gated MLP of its own size."""
-
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = Linear(intermediate, hidden, bias=False)
-
-
 class MoEWeights(Module):
     """A layer's router (``gate``), experts, and the shared expert where the family has one."""
 
@@ -106,7 +100,8 @@ class MoEWeights(Module):
         self.gate = Linear(cfg.hidden_size, moe.num_experts, bias=False)
         self.experts = ExpertWeights(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
         if moe.shared_intermediate_size:
-            self.shared_expert: SharedExpert | None = SharedExpert(cfg.hidden_size, moe.shared_intermediate_size)
+            # Qwen2-MoE's expert that every token goes through: a gated MLP of its own size
+            self.shared_expert: GatedMLPWeights | None = GatedMLPWeights(cfg.hidden_size, moe.shared_intermediate_size)
             self.shared_expert_gate: Linear | None = Linear(cfg.hidden_size, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
@@ -136,18 +131,9 @@ class MoEWeights(Module):
             picked = slots[start : start + count]
             start += count
             gate_up = self.experts.gate_up(expert, x[rows])
-            y = self.experts.down(expert, _gated(self.activation, gate_up))
+            y = self.experts.down(expert, gated_activation(self.activation, gate_up))
             out.index_add_(0, rows, y * weights[rows, picked, None])
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            shared = self.shared_expert.down_proj(_gated(self.activation, self.shared_expert.gate_up_proj(x)))
+            shared = self.shared_expert.down_proj(gated_activation(self.activation, self.shared_expert.gate_up_proj(x)))
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out
-
-
-def _gated(activation: str, gate_up: torch.Tensor) -> torch.Tensor:
-    if activation == "silu":
-        return kernels.silu_mul(gate_up.contiguous())
-    if activation == "gelu_pytorch_tanh":
-        return kernels.gelu_tanh_mul(gate_up.contiguous())
-    size = gate_up.shape[-1] // 2
-    return F.gelu(gate_up[:, :size]) * gate_up[:, size:]

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import kernels
-from core.models.layers import Linear, RMSNorm, RotaryEmbedding
+from core.models.layers import Linear, RMSNorm, RotaryEmbedding, gated_activation
 from kernels.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -150,14 +150,7 @@ class GatedActivation:
     kind: str  # one of ACTIVATIONS
 
     def run(self, s: TorchStep) -> None:
-        gate_up = s.gate_up
-        if self.kind == "silu":
-            s.act = kernels.silu_mul(gate_up)
-        elif self.kind == "gelu_pytorch_tanh":
-            s.act = kernels.gelu_tanh_mul(gate_up)
-        else:
-            size = gate_up.shape[1] // 2
-            s.act = torch.nn.functional.gelu(gate_up[:, :size]) * gate_up[:, size:]
+        s.act = gated_activation(self.kind, s.gate_up)
 
 
 @dataclass(frozen=True, slots=True)
