@@ -37,6 +37,8 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 # The projections an adapter may target, by their Hugging Face names.
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.weight)?$")
+# A tensor of an expert or a router (published checkpoints' names, Mixtral's too).
+_EXPERT_TENSOR = re.compile(r"(?:^|\.)layers\.\d+\.(?:mlp|block_sparse_moe)\.(?:experts|gate|shared_expert)\b")
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
@@ -149,6 +151,11 @@ def _check_tensors(
     halves: dict[tuple[int, str], dict[str, str]] = {}
     for name, shape in shapes.items():
         match = _TENSOR.search(name)
+        if match is None and _EXPERT_TENSOR.search(name):
+            raise LoRAAdapterError(
+                f"LoRA adapter {path!r}: tensor {name!r} adapts an expert; adapters on a mixture of experts' "
+                f"experts or router are not supported (its attention projections may be adapted)"
+            )
         if match is None:
             raise LoRAAdapterError(
                 f"LoRA adapter {path!r}: tensor {name!r} is not a LoRA A or B matrix of a decoder layer's "
@@ -163,6 +170,11 @@ def _check_tensors(
         mismatch = f"LoRA adapter {path!r} does not fit this model (it was trained on {base or 'another model'}): "
         if layer >= cfg.num_layers:
             raise LoRAAdapterError(mismatch + f"it adapts layer {layer}, the model has {cfg.num_layers}")
+        if parent == "mlp" and cfg.moe is not None and layer in cfg.moe.layers:
+            raise LoRAAdapterError(
+                f"LoRA adapter {path!r}: it adapts layer {layer}'s {module}, but that layer's MLP is a mixture of "
+                f"experts; adapters on experts are not supported (its attention projections may be adapted)"
+            )
         features_in, features_out = module_shape(cfg, module)
         expected = (rank, features_in) if half == "A" else (features_out, rank)
         if shape != expected:

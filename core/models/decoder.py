@@ -23,7 +23,7 @@ from torch import nn
 import kernels
 from core.model_config import ModelConfig
 from core.models.layers import Embedding, Linear, Module, RMSNorm
-from core.models.moe import ExpertWeights, expert_parameter, expert_part, stacked_experts
+from core.models.moe import ExpertWeights, MoEWeights, expert_parameter, expert_part, stacked_experts
 from core.models.recipe import Recipe, ResidualNorm, TorchStep
 from kernels.metadata import AttentionMetadata
 from kernels.quant import QuantizedMatrix
@@ -127,7 +127,7 @@ class CausalDecoder(nn.Module, metaclass=ABCMeta):
         """Call once the weights are in place (and again if they are replaced):
         the dense layers make their CPU fast-path views of the weights."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, MoEWeights)):
                 module.prepare()
 
     def forward(

@@ -14,8 +14,8 @@ from core.models.decoder import AttentionWeights, CausalDecoder
 from core.models.layers import GatedMLPWeights, Module, RMSNorm, RotaryEmbedding
 from core.models.moe import MoEWeights
 from core.models.recipe import (
-    ACT, ATTN, GATE_UP, NORMED, PROJ, QKV, Attention, GatedActivation, HeadNorms, LayerOp, MixtureOfExperts, Product,
-    ResidualNorm,
+    ACT, ATTN, GATE_UP, NORMED, PROJ, QKV, ROUTER, Attention, GatedActivation, HeadNorms, LayerOp, MixtureOfExperts,
+    Product, ResidualNorm,
 )
 
 
@@ -36,7 +36,7 @@ class LlamaLayer(Module):
         shape = dict(heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
         head_norms = () if attn.q_norm is None else (HeadNorms(attn.q_norm, attn.k_norm, **shape),)
         if isinstance(mlp, MoEWeights):
-            feed_forward: tuple[LayerOp, ...] = (MixtureOfExperts(mlp),)
+            feed_forward: tuple[LayerOp, ...] = (Product("router", mlp.gate, NORMED, ROUTER), MixtureOfExperts(mlp))
         else:
             feed_forward = (
                 Product("gate_up", mlp.gate_up_proj, NORMED, GATE_UP),

@@ -28,6 +28,7 @@ from core.config import KV_CACHE_DTYPES, EngineConfig
 from core.model_config import ModelConfig
 from core.models.gguf_checkpoint import GGUFCheckpoint
 from core.models.layers import Linear
+from core.models.moe import ExpertWeights, MoEWeights
 from core.models.registry import model_class
 from kernels.quant import BLOCKS, QuantizedMatrix, QuantType
 
@@ -154,11 +155,13 @@ def load_model(
 
 
 def quantize_model(model: nn.Module, qtype: QuantType) -> None:
-    """Every dense layer and the embedding in ``qtype`` blocks, by the gguf package's own
+    """Every dense layer, expert and the embedding in ``qtype`` blocks, by the gguf package's own
     quantizer (the same bytes as its reference code, which llama.cpp's follows, gives); the
     float weights are dropped. Matrices whose rows do not hold whole blocks stay float32, as
     llama.cpp's converter leaves them, in the same tiled layout (so that every product of
-    the model runs in kernels/quant.py, and a step is one program: core/worker/cpu_program.py)."""
+    the model runs in kernels/quant.py, and a step is one program: core/worker/cpu_program.py);
+    so do experts' routers, as llama-quantize leaves them (a rounded router could send a
+    token to other experts)."""
     import gguf
 
     block = BLOCKS[qtype][0]
@@ -173,9 +176,14 @@ def quantize_model(model: nn.Module, qtype: QuantType) -> None:
     embedding = model.get_input_embeddings()
     tied = model.lm_head.weight is embedding.weight
     embedding.set_quantized(blocks(embedding.weight))
+    routers = {id(module.gate) for module in model.modules() if isinstance(module, MoEWeights)}
     for module in model.modules():
-        if isinstance(module, Linear) and module.quantized is None and not (tied and module is model.lm_head):
+        if isinstance(module, Linear) and id(module) in routers:
+            module.set_quantized([QuantizedMatrix.from_floats(module.weight.detach().float().numpy())])
+        elif isinstance(module, Linear) and module.quantized is None and not (tied and module is model.lm_head):
             module.set_quantized([blocks(module.weight)])
+        elif isinstance(module, ExpertWeights) and module.quantized is None:
+            module.convert(blocks)
     model.tie_weights()
 
 

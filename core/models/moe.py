@@ -4,7 +4,8 @@ The router scores every expert for every token; each token goes through its top-
 gated MLPs and sums their outputs, weighted by the router (core/model_config.py's ``MoEConfig``
 says how the weights are normalized). Tokens are grouped by expert, so each chosen expert's
 weights are read once per step and multiplied with all of its tokens at once, and experts no
-token chose are not read at all.
+token chose are not read at all. On a CPU with the C kernels, that whole step after the router
+is one call (kernels/moe.py), the one the C step program runs too; elsewhere torch runs it.
 
 The experts' weights are held as transformers 5 holds them: ``gate_up_proj`` [experts, 2 x
 intermediate, hidden] ([gate | up] rows) and ``down_proj`` [experts, hidden, intermediate];
@@ -16,6 +17,7 @@ published checkpoints that name each expert's projections (``experts.N.gate_proj
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +25,11 @@ from torch import nn
 
 from core.model_config import ModelConfig
 from core.models.layers import GatedMLPWeights, Linear, Module, gated_activation
+from kernels import cpu
+from kernels.linear import CpuWeight
+from kernels.moe import ExpertKernel
 from kernels.quant import QuantizedMatrix, QuantizedWeight
+from kernels.settings import settings
 
 # A published checkpoint's per-expert tensor: (layer prefix, expert, projection).
 _EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
@@ -74,6 +80,20 @@ class ExpertWeights(Module):
                                  f"{self.num_experts} experts of {expert_rows}x{k}")
         gates, ups, downs = (m.split_rows(self.num_experts) for m in (gate, up, down))
         self.quantized = [(QuantizedWeight([g, u]), QuantizedWeight([d])) for g, u, d in zip(gates, ups, downs)]
+        self._drop_floats()
+
+    def convert(self, to_matrix: Callable[[torch.Tensor], QuantizedMatrix]) -> None:
+        """Float experts in the kernels' tiles: each projection [rows, k] through ``to_matrix``
+        (kept float32: ``QuantizedMatrix.from_floats``; or quantized, ``--quantization``)."""
+        inter = self.gate_up_proj.shape[1] // 2
+        self.quantized = [
+            (QuantizedWeight([to_matrix(gate_up[:inter]), to_matrix(gate_up[inter:])]),
+             QuantizedWeight([to_matrix(down)]))
+            for gate_up, down in zip(self.gate_up_proj.detach(), self.down_proj.detach())
+        ]
+        self._drop_floats()
+
+    def _drop_floats(self) -> None:
         self.gate_up_proj = nn.Parameter(torch.empty(0), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(0), requires_grad=False)
 
@@ -105,19 +125,50 @@ class MoEWeights(Module):
             self.shared_expert_gate: Linear | None = Linear(cfg.hidden_size, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
+        self.kernel: ExpertKernel | None = None  # the C kernel's view of the experts (prepare)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] in x's dtype, experts [T, k]): softmax over the router's float32
-        logits, its top k, renormalized where the family does."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
+    def prepare(self) -> None:
+        """Once the weights are loaded: on a CPU with the C kernels, the experts as the expert
+        kernel reads them (float32 experts moved into its tiles; GGUF files' are already)."""
+        self.kernel = None
+        experts = self.experts
+        if not ExpertKernel.takes(self.activation):
+            return
+        if experts.quantized is None:
+            weight = experts.gate_up_proj
+            if not weight.numel() or not (CpuWeight.usable(weight) and cpu.usable(weight)):
+                return  # no weights (asleep), or not float32 on a CPU with the C kernels
+            experts.convert(lambda weight: QuantizedMatrix.from_floats(weight.numpy()))
+        self.kernel = ExpertKernel(experts.quantized, self.top_k, self.normalize, self.activation)
+
+    def route(self, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in the logits' dtype, experts [T, k]): softmax over the router's
+        logits in float32, its top k, renormalized where the family does."""
+        probs = torch.softmax(router.float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), experts
+        return weights.to(router.dtype), experts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> the mixture's output [T, hidden]."""
-        weights, experts = self.route(x)
+    def forward(self, x: torch.Tensor, router: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden] -> the mixture's output [T, hidden] (``router``: the router's logits
+        of x, where already computed)."""
+        if router is None:
+            router = self.gate(x)
+        if self.kernel is not None and cpu.usable(x, router):
+            out = torch.empty_like(x)
+            self.kernel(x.contiguous().numpy(), router.contiguous().numpy(), out.numpy(),
+                        settings.quantize_activations, torch.get_num_threads())
+        else:
+            out = self._experts_torch(x, router)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            shared = self.shared_expert.down_proj(gated_activation(self.activation, self.shared_expert.gate_up_proj(x)))
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out
+
+    def _experts_torch(self, x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+        """The experts' mixture, grouped by expert in torch (GPUs, and CPUs without the C kernels)."""
+        weights, experts = self.route(router)
         out = torch.zeros_like(x)
         chosen = experts.flatten()
         order = torch.argsort(chosen, stable=True)  # the (token, slot) pairs grouped by expert
@@ -133,7 +184,4 @@ class MoEWeights(Module):
             gate_up = self.experts.gate_up(expert, x[rows])
             y = self.experts.down(expert, gated_activation(self.activation, gate_up))
             out.index_add_(0, rows, y * weights[rows, picked, None])
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            shared = self.shared_expert.down_proj(gated_activation(self.activation, self.shared_expert.gate_up_proj(x)))
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out

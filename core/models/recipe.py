@@ -21,9 +21,11 @@ the decoder. The buffers are the ones every executor keeps per step:
 - ``QKV``: the fused q/k/v rows; ``ATTN``: attention's output;
 - ``PROJ``: a block's output (attention's or the MLP's projection), added
   to the residual stream by the next ``ResidualNorm``;
-- ``GATE_UP``: the fused gate/up rows; ``ACT``: the gated activation.
+- ``GATE_UP``: the fused gate/up rows; ``ACT``: the gated activation;
+- ``ROUTER``: a mixture of experts' router logits.
 
-A mixture of experts (``MixtureOfExperts``) is one operation from ``NORMED`` to ``PROJ``.
+A mixture of experts is its router (a ``Product`` from ``NORMED`` to ``ROUTER``) and one
+``MixtureOfExperts`` operation from ``NORMED`` and ``ROUTER`` to ``PROJ``.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ if TYPE_CHECKING:
     from core.models.moe import MoEWeights
 
 HIDDEN, NORMED, QKV, ATTN, PROJ, GATE_UP, ACT = "hidden", "normed", "qkv", "attn", "proj", "gate_up", "act"
-BUFFERS = (HIDDEN, NORMED, QKV, ATTN, PROJ, GATE_UP, ACT)
+ROUTER = "router"
+BUFFERS = (HIDDEN, NORMED, QKV, ATTN, PROJ, GATE_UP, ACT, ROUTER)
 # The gated activations: act(gate) * up.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 
@@ -155,14 +158,14 @@ class GatedActivation:
 
 @dataclass(frozen=True, slots=True)
 class MixtureOfExperts:
-    """``PROJ`` = the mixture of experts over ``NORMED`` (core/models/moe.py): each token's
-    top-k experts' gated MLPs weighted by the router, plus the shared expert where there is one.
-    Only the forward pass runs it: the step programs have no expert kernel yet."""
+    """``PROJ`` = the mixture of experts over ``NORMED`` routed by ``ROUTER`` (core/models/moe.py):
+    each token's top-k experts' gated MLPs weighted by the router, plus the shared expert where
+    there is one (which only the forward pass runs)."""
 
     moe: MoEWeights
 
     def run(self, s: TorchStep) -> None:
-        s.proj = self.moe(s.normed)
+        s.proj = self.moe(s.normed, s.router)
 
 
 LayerOp = ResidualNorm | Norm | Product | HeadNorms | Attention | GatedActivation | MixtureOfExperts

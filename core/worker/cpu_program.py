@@ -23,9 +23,10 @@ each layer's operations in the order its forward pass runs them), and the
 program runs those operations, so it names no family and no attribute of
 the model's modules: a new family's layers run here as they are. It takes
 float32 models with the C kernels available and the gated activations the
-kernels have (silu, tanh GELU); ``CpuStepProgram.build`` returns None
-otherwise, and the runner keeps calling the model, as it does for every
-other step.
+kernels have (silu, tanh GELU), and mixtures of experts whose experts the
+expert kernel runs (kernels/moe.py: a layer's experts are one operation);
+``CpuStepProgram.build`` returns None otherwise (Qwen2-MoE's shared expert
+too), and the runner keeps calling the model, as it does for every other step.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ import numpy as np
 import torch
 
 from core.models.recipe import (
-    ACT, ATTN, GATE_UP, HIDDEN, NORMED, PROJ, QKV, Attention, GatedActivation, HeadNorms, LayerOp, MixtureOfExperts,
-    Norm, Product, Recipe, ResidualNorm,
+    ACT, ATTN, GATE_UP, HIDDEN, NORMED, PROJ, QKV, ROUTER, Attention, GatedActivation, HeadNorms, LayerOp,
+    MixtureOfExperts, Norm, Product, Recipe, ResidualNorm,
 )
 from core.worker.input_buffers import InputBuffers
 from kernels import cpu
@@ -79,8 +80,9 @@ class CpuStepProgram:
         if describe is None or not kv_caches:
             return None
         recipe: Recipe = describe()
-        if any(isinstance(op, MixtureOfExperts) for ops in recipe.layers for op in ops):
-            return None  # no expert kernel in the programs yet: the forward pass runs every step
+        if any(isinstance(op, MixtureOfExperts) and (op.moe.kernel is None or op.moe.shared_expert is not None)
+               for ops in recipe.layers for op in ops):
+            return None  # experts the C kernel does not run, or a shared expert: the forward pass runs them
         activations = {op.kind for ops in recipe.layers for op in ops if isinstance(op, GatedActivation)}
         if (
             not cpu.usable(cache=kv_caches[0][0]) or not activations <= set(_KERNEL_ACTIVATIONS)
@@ -101,6 +103,8 @@ class CpuStepProgram:
         self.hidden_size = cfg.hidden_size
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.intermediate = cfg.intermediate_size
+        self.num_experts = cfg.moe.num_experts if cfg.moe is not None else 0
+        self.experts = [op.moe.kernel for ops in recipe.layers for op in ops if isinstance(op, MixtureOfExperts)]
         self.eps = cfg.rms_norm_eps
         self.block_size = kv_caches[0][0].shape[1]
         self.embedding = recipe.embedding.table()  # float or block-format rows, looked up by id
@@ -146,6 +150,7 @@ class CpuStepProgram:
         self.proj = np.zeros((rows, self.hidden_size), np.float32)  # attention / MLP output
         self.gate_up = np.zeros((rows, 2 * self.intermediate), np.float32)
         self.act = np.zeros((rows, self.intermediate), np.float32)
+        self.router = np.zeros((rows, self.num_experts), np.float32)  # router logits (mixtures of experts)
         self.head_norms = np.zeros((rows, self.heads, self.head_dim), np.float32)  # q/k norm outputs
         self.row_ids = np.arange(rows, dtype=np.int64)  # decode d is row d and block-table row d
         self.chunk_tables = np.zeros(rows, np.int64)  # every query of a chunk reads block-table row 0
@@ -154,7 +159,7 @@ class CpuStepProgram:
         self.query_lens = np.zeros(rows, np.int64)  # and the context it sees
         # The buffers never move between growths: their addresses, and those of the staged inputs, are fixed.
         self._ptr = {name: getattr(self, name).ctypes.data for name in (
-            "hidden", "normed", "qkv", "attn", "proj", "gate_up", "act", "scratch", "row_ids", "seq_lens",
+            "hidden", "normed", "qkv", "attn", "proj", "gate_up", "act", "router", "scratch", "row_ids", "seq_lens",
             "head_norms", "chunk_tables", "chunk_lens", "query_tables", "query_lens")}
         b = self.buffers
         self._ptr.update(
@@ -169,7 +174,7 @@ class CpuStepProgram:
         views = self._views.get(n)
         if views is None:
             views = self._views[n] = {
-                name: getattr(self, name)[:n] for name in (HIDDEN, NORMED, QKV, ATTN, PROJ, GATE_UP, ACT)
+                name: getattr(self, name)[:n] for name in (HIDDEN, NORMED, QKV, ATTN, PROJ, GATE_UP, ACT, ROUTER)
             }
         return views
 
@@ -347,6 +352,10 @@ class CpuStepProgram:
                 elif kind is Norm:  # a block's output normed in place
                     w = op.norm.weight.data_ptr()
                     steps.append(lambda n, *_, w=w: lib.rms_norm(proj_p, n, size, 1, 0, w, proj_p, size, eps))
+                elif kind is MixtureOfExperts:  # the router's logits in ROUTER: the experts' mixture
+                    steps.append(lambda n, views, *_, experts=op.moe.kernel: experts(
+                        views[NORMED], views[ROUTER], views[PROJ], settings.quantize_activations, self.threads))
+                    pending = True
                 else:
                     raise TypeError(f"the CPU step program has no kernel for {kind.__name__}")
         steps.append(residual_norm(self.final_norm, pending=True))
@@ -401,8 +410,10 @@ class NativeStepProgram(CpuStepProgram):
         dense = [weight for weight in weights if isinstance(weight, CpuWeight)]
         # The most rows of a step the dense kernel takes (0: no float32 products).
         self._dense_rows = min((weight.few_rows for weight in dense), default=0)
+        experts = [op.moe.experts for ops in recipe.layers for op in ops if isinstance(op, MixtureOfExperts)]
         small = all(weight.nbytes <= SMALL_WEIGHT_BYTES for weight in self._tiled) and all(
-            weight.weight_t.nbytes <= SMALL_WEIGHT_BYTES for weight in dense)
+            weight.weight_t.nbytes <= SMALL_WEIGHT_BYTES for weight in dense) and all(
+            sum(g.nbytes + d.nbytes for g, d in layer.quantized) <= SMALL_WEIGHT_BYTES for layer in experts)
         # A small model's step is over before a second thread would be awake: one thread.
         super().__init__(recipe, kv_caches, buffers, max_model_len, threads=1 if small else None)
         # LoRA adapters run here where each adapted product has the C kernel's descriptor.
@@ -422,6 +433,8 @@ class NativeStepProgram(CpuStepProgram):
         self._programs.clear()  # the buffers moved
         need = max((self.lib.linear_scratch_bytes(weight.desc_address, rows) for weight in self._tiled), default=0)
         self._scratch = np.zeros(need, np.uint8)
+        need = max((experts.scratch_bytes(rows, self.threads) for experts in self.experts), default=0)
+        self._moe_scratch = np.zeros(need, np.uint8)
 
     def run(self, n: int) -> torch.Tensor:
         if not self._in_program(n):
@@ -516,6 +529,10 @@ class NativeStepProgram(CpuStepProgram):
                     program.add(gated, p[GATE_UP], inter, p[ACT])
                 elif kind_of is Norm:  # a block's output normed in place
                     program.add(Op.RMS_NORM, p[PROJ], op.norm.weight.data_ptr(), p[PROJ], size, eps)
+                elif kind_of is MixtureOfExperts:  # the router's logits in ROUTER: the experts' mixture
+                    program.add(Op.MOE, op.moe.kernel.desc_address, p[NORMED], p[ROUTER], p[PROJ],
+                                int(settings.quantize_activations), self._moe_scratch.ctypes.data)
+                    pending = True
                 else:
                     raise TypeError(f"the C step program has no operation for {kind_of.__name__}")
         self._emit_residual_norm(program, self.final_norm, pending=True)

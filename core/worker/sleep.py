@@ -73,10 +73,18 @@ def block_weights(model: nn.Module) -> list[Any]:
     (a head tied to its embedding shares the embedding's matrix)."""
     held: dict[int, Any] = {}
     for module in model.modules():
-        weight = getattr(module, "quantized", None)
-        for matrix in getattr(weight, "parts", [weight] if weight is not None else []):
+        for matrix in _matrices(getattr(module, "quantized", None)):
             held[id(matrix)] = matrix
     return list(held.values())
+
+
+def _matrices(weight: Any) -> list[Any]:
+    """A layer's block-format matrices: a weight's parts, or (experts) those of each weight listed."""
+    if weight is None:
+        return []
+    if isinstance(weight, (list, tuple)):
+        return [matrix for item in weight for matrix in _matrices(item)]
+    return list(getattr(weight, "parts", [weight]))
 
 
 def weight_bytes(model: nn.Module) -> int:

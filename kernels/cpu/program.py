@@ -37,6 +37,7 @@ class Op(enum.IntEnum):
     SCALE = 14
     DENSE = 15
     LORA = 16
+    MOE = 17
 
 
 def _word(value: int | float) -> int:

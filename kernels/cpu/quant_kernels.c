@@ -659,7 +659,7 @@ API int64_t activation_row_bytes(int64_t type, int64_t k) {
 }
 
 /* Thread me of ``threads``' share of quantizing ``rows`` activation rows of ``k`` values. */
-static void quantize_share(int64_t type, const float *x, int64_t rows, int64_t k, void *out, int me, int threads) {
+void quantize_share(int64_t type, const float *x, int64_t rows, int64_t k, void *out, int me, int threads) {
     int64_t row_bytes = activation_row_bytes(type, k), begin, end;
     team_share(rows, me, threads, &begin, &end);
     for (int64_t r = begin; r < end; r++) {
@@ -1280,6 +1280,38 @@ void linear_share(const int64_t *layer, const float *x, int64_t n, float *out, i
             matmul_f32_share(part->type, w, part->rows, k, x, n, out + column, out_stride, bias,
                              (float *)(scratch + linear_scratch_bytes(layer, n) - k * (int64_t)sizeof(float)), me,
                              threads);
+        column += part->rows;
+    }
+}
+
+/* What rows the parts of ``layer`` read: bit 0 the 32-value activation format, bit 1 the K
+ * format (quantize_share of TYPE_Q8_0, TYPE_Q4_K), bit 2 float32. */
+int64_t layer_inputs(const int64_t *layer) {
+    const layer_part *parts = (const layer_part *)(layer + 2);
+    int64_t inputs = 0;
+    for (int64_t p = 0; p < layer[0]; p++)
+        inputs |= float_format(parts[p].type) ? 4 : (int64_t)1 << k_format(parts[p].type);
+    return inputs;
+}
+
+/* One thread's whole product out[i * out_stride + column] = layer(row i), i < n: ``x`` the rows
+ * as float32, ``xq`` as each activation format layer_inputs names (already quantized).
+ * ``quantize`` 0: each weight row expanded to float32 instead (``row``: k floats). */
+void layer_rows_local(const int64_t *layer, const float *x, uint8_t *const xq[2], int64_t n, float *out,
+                      int64_t out_stride, int64_t quantize, float *row) {
+    const layer_part *parts = (const layer_part *)(layer + 2);
+    int64_t k = layer[1], column = 0;
+    for (int64_t p = 0; p < layer[0]; p++) {
+        const layer_part *part = &parts[p];
+        const void *w = (const void *)(intptr_t)part->data;
+        const float *bias = part->bias ? (const float *)(intptr_t)part->bias : NULL;
+        if (float_format(part->type))
+            matmul_share(part->type, w, part->rows, k, x, n, out + column, out_stride, bias, 0, 1, NULL);
+        else if (quantize)
+            matmul_share(part->type, w, part->rows, k, xq[k_format(part->type)], n, out + column, out_stride, bias,
+                         0, 1, NULL);
+        else
+            matmul_f32_share(part->type, w, part->rows, k, x, n, out + column, out_stride, bias, row, 0, 1);
         column += part->rows;
     }
 }

@@ -42,6 +42,7 @@ enum {
     OP_DENSE,             /* w, n, k, bias, x, out, out_stride, last_row_only: a float32 product of at most
                              DENSE_FEW_ROWS rows (cpu_kernels.c), x rows of k back to back */
     OP_LORA,              /* desc, x, k, out, out_stride: a product's LoRA deltas (kernels/lora.py's desc) */
+    OP_MOE,               /* desc, x, router, out, quantize, scratch: a layer's experts (moe_kernels.c) */
 };
 
 /* The kernels' shares (cpu_kernels.c, quant_kernels.c). */
@@ -76,6 +77,8 @@ void gelu_tanh_mul_share(const float *gate_up, int64_t rows, int64_t n, float *o
 void scale_share(float *x, int64_t rows, int64_t n, float factor, int me, int threads);
 void packed_rows_share(int64_t type, const void *w, int64_t k, const int64_t *ids, int64_t n, float *out, int me,
                        int threads);
+void moe_share(const int64_t *desc, const float *x, const float *router, int64_t n, float *out, int64_t quantize,
+               uint8_t *scratch, team_barrier *barrier, int me, int threads);
 void linear_share(const int64_t *layer, const float *x, int64_t n, float *out, int64_t out_stride, int64_t quantize,
                   uint8_t *scratch, team_barrier *barrier, int me, int threads);
 
@@ -155,6 +158,9 @@ static void run_op(const int64_t *op, int64_t rows, int64_t seq_len, team_barrie
             break;
         case OP_SCALE:
             scale_share(F(1), rows, op[2], as_float(op[3]), me, threads);
+            break;
+        case OP_MOE:
+            moe_share(I(1), F(2), F(3), rows, F(4), op[5], (uint8_t *)P(6), barrier, me, threads);
             break;
         case OP_CHUNK_LENS:
             if (me == 0)

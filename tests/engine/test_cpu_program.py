@@ -5,8 +5,9 @@ steps and on steps that are one request's prefill chunk; it runs the same
 kernels in the same order, so the logits must be identical to the bit: for a
 batch of decodes at different positions, and for chunks with and without a
 cached prefix, attended by the chunk kernel (head sizes 8 and 16) or a query
-at a time (Qwen3's 32), with float or block-format (quantized) weights, and for Gemma 3's
-recipe (windowed and global layers, GeGLU, norms after each block). (That the
+at a time (Qwen3's 32), with float or block-format (quantized) weights, for Gemma 3's
+recipe (windowed and global layers, GeGLU, norms after each block), and for mixtures of
+experts (the router a product, the experts one kernel operation). (That the
 model's forward matches transformers is tests/equivalence/test_engine_equivalence.py.)
 """
 
@@ -26,8 +27,9 @@ pytestmark = pytest.mark.skipif(cpu.load() is None, reason="no C compiler to bui
 
 @pytest.fixture(scope="module")
 def qwen_dirs(tmp_path_factory) -> dict[str, str]:
-    """Tiny seeded Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms) and Gemma 3 (sliding
-    windows, GeGLU, norms after each block, a scaled embedding) checkpoints."""
+    """Tiny seeded Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms), Gemma 3 (sliding
+    windows, GeGLU, norms after each block, a scaled embedding), Qwen3-MoE and Mixtral
+    (their experts one operation of the program) checkpoints."""
     import transformers
 
     from core.models.random_model import write_tokenizer
@@ -36,7 +38,8 @@ def qwen_dirs(tmp_path_factory) -> dict[str, str]:
     dirs = {}
     for arch, cls in (
         ("qwen2", transformers.Qwen2ForCausalLM), ("qwen3", transformers.Qwen3ForCausalLM),
-        ("gemma3", transformers.Gemma3ForCausalLM),
+        ("gemma3", transformers.Gemma3ForCausalLM), ("qwen3_moe", transformers.Qwen3MoeForCausalLM),
+        ("mixtral", transformers.MixtralForCausalLM),
     ):
         torch.manual_seed(5)
         path = tmp_path_factory.mktemp(arch)
@@ -47,7 +50,8 @@ def qwen_dirs(tmp_path_factory) -> dict[str, str]:
 
 
 # Block formats too: their products (kernels/quant.py) are the layers' own in both paths.
-MODELS = ["stories", "llama", "qwen2", "qwen3", "gemma3", "stories-q8_0", "qwen2-q4_0", "gemma3-q8_0"]
+MODELS = ["stories", "llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral", "stories-q8_0", "qwen2-q4_0",
+          "gemma3-q8_0", "qwen3_moe-q8_0"]
 
 
 def _engine(model: str, stories_dir: str, llama, qwen_dirs, **config) -> EngineCore:

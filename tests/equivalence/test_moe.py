@@ -119,6 +119,19 @@ def test_logits_and_paged_greedy_match_transformers(moe) -> None:
     assert_matches_transformers(hf, ours, _prompts(vocab, (29,))[0], _prompts(vocab), MAX_NEW)
 
 
+@pytest.mark.parametrize("family", list(CLASSES))
+def test_torch_experts_match_transformers(family, tmp_path, monkeypatch) -> None:
+    """Without the C kernels (a GPU's path), the experts grouped by expert in torch."""
+    from kernels.settings import settings
+
+    monkeypatch.setattr(settings, "cpu_kernels", False)
+    hf, path = _checkpoint(tmp_path, family, "stacked")
+    ours = load_model(EngineArgs(model=path).resolve(), "cpu", torch.float32)
+    assert all(layer.mlp.kernel is None for layer in ours.model.layers if hasattr(layer.mlp, "experts"))
+    vocab = hf.config.vocab_size
+    assert_matches_transformers(hf, ours, _prompts(vocab, (29,))[0], _prompts(vocab, (3, 17)), MAX_NEW)
+
+
 @pytest.mark.parametrize("engine_args", [
     dict(max_num_batched_tokens=16),  # chunks mixed with decodes, prefix hits
     dict(speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)),
@@ -146,6 +159,39 @@ def test_engine_greedy_matches_transformers(moe, engine_args) -> None:
             assert all(r.num_cached_tokens >= 20 for r in rest)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow
+def test_two_data_parallel_engines_give_transformers_greedy_tokens(tmp_path, server_factory) -> None:
+    """A real server with two engines (``-dp 2``), each running the experts as one operation of its
+    step program, and the openai client: every request's tokens are transformers' greedy ones, and
+    both engines served some (their ``engine`` label in /metrics)."""
+    import asyncio
+
+    import httpx
+    import openai
+
+    from tests.support.metrics import parse_metrics, value
+
+    hf, path = _checkpoint(tmp_path / "model", "qwen3_moe", "stacked")
+    server = server_factory(["--model", path, "-dp", "2", "--dtype", "float32", "--kv-cache-dtype", "float32"])
+    prompts = _prompts(hf.config.vocab_size, (5, 9, 12, 17, 21, 30, 8, 14))
+
+    async def greedy() -> list[list[int]]:
+        client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        try:
+            done = await asyncio.gather(*(client.completions.create(
+                model=path, prompt=p, max_tokens=MAX_NEW, temperature=0, logprobs=1,
+                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+            ) for p in prompts))
+        finally:
+            await client.close()
+        return [[int(t.removeprefix("token_id:")) for t in c.choices[0].logprobs.tokens] for c in done]
+
+    assert asyncio.run(greedy()) == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    samples = parse_metrics(httpx.get(server.base_url + "/metrics", timeout=10).text)
+    for engine in ("0", "1"):
+        assert value(samples, "vllm:request_success_total", engine=engine, finished_reason="length", model_name=path)
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +293,28 @@ def test_lora_on_the_attention_projections_equals_peft(tmp_path) -> None:
         assert [r.token_ids for r in results] == expected + [hf_greedy(hf, p, MAX_NEW) for p in prompts]
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("tensor,message", [
+    ("layers.0.mlp.experts.3.gate_proj", "adapts an expert; adapters on a mixture of experts' experts"),
+    ("layers.2.mlp.down_proj", "layer 2's down_proj, but that layer's MLP is a mixture of experts"),
+], ids=["an-expert", "a-sparse-layers-mlp"])
+def test_adapters_on_experts_are_refused_with_the_reason(tensor, message, tmp_path) -> None:
+    """At start (--lora-modules: exit 2), and by the frontend and the engine on a load."""
+    import json
+
+    from core.config import LoRAModule
+
+    _, base = _checkpoint(tmp_path / "base", "qwen3_moe", "stacked")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["gate_proj", "down_proj"]}))
+    prefix = f"base_model.model.model.{tensor}"
+    save_file({f"{prefix}.lora_A.weight": torch.zeros(4, 64), f"{prefix}.lora_B.weight": torch.zeros(64, 4)},
+              str(adapter / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineArgs(model=base, enable_lora=True, lora_modules=[LoRAModule(name="a", path=str(adapter))]).resolve()
 
 
 @pytest.mark.parametrize("family", list(CLASSES))

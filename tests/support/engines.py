@@ -22,6 +22,13 @@ def tiny_config(arch: str) -> transformers.PretrainedConfig:
         return transformers.Qwen2Config(**common, rope_theta=10000.0)
     if arch == "qwen3":
         return transformers.Qwen3Config(**{**common, "tie_word_embeddings": True}, head_dim=32)
+    # Mixtures of experts: 8 experts of 32, 2 a token, renormalized (Qwen3-MoE); Mixtral's 4 of 48.
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                           norm_topk_prob=True, head_dim=32)
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**{**common, "intermediate_size": 48}, num_local_experts=4,
+                                          num_experts_per_tok=2)
     # The windowed families: windows far shorter than the prompts, so they matter.
     if arch == "mistral":
         return transformers.MistralConfig(**common, sliding_window=8)

@@ -1,0 +1,126 @@
+"""The experts kernel (kernels/moe.py, kernels/cpu/moe_kernels.c) against transformers' own sparse
+MoE blocks (Qwen3-MoE's softmax, top k, renormalized; Mixtral's), their expert weights set to what
+our blocks hold (the gguf package dequantizes them: the oracle for the formats)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+from kernels import cpu
+from kernels.moe import ExpertKernel
+from kernels.quant import QuantizedMatrix, QuantizedWeight, QuantType
+from tests.support.quant_blocks import random_blocks
+
+pytestmark = pytest.mark.skipif(cpu.load() is None, reason="no C compiler to build kernels/cpu with")
+
+HIDDEN, INTER, EXPERTS, TOKENS = 256, 256, 8, 13
+
+
+def _block(family: str, top_k: int = 2, normalize: bool = True) -> torch.nn.Module:
+    torch.manual_seed(3)
+    if family == "mixtral":
+        config = transformers.MixtralConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=EXPERTS,
+                                            num_experts_per_tok=top_k)
+        block = MixtralSparseMoeBlock(config)
+    else:
+        config = transformers.Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=EXPERTS,
+                                             num_experts_per_tok=top_k, norm_topk_prob=normalize)
+        block = Qwen3MoeSparseMoeBlock(config)
+    with torch.no_grad():
+        block.gate.weight.normal_(0, 0.5)
+    return block.eval()
+
+
+def _experts(block: torch.nn.Module, gate_up_type: QuantType, down_type: QuantType) -> list:
+    """Random blocks of each format for every expert, loaded into ``block`` as the gguf package
+    dequantizes them, and as the kernel's weights."""
+    experts = []
+    with torch.no_grad():
+        for e in range(EXPERTS):
+            gate_up = random_blocks(gate_up_type, 2 * INTER, HIDDEN, seed=2 * e)
+            down = random_blocks(down_type, HIDDEN, INTER, seed=2 * e + 1)
+            for parameter, blocks, qtype in ((block.experts.gate_up_proj, gate_up, gate_up_type),
+                                             (block.experts.down_proj, down, down_type)):
+                values = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(qtype)).astype(np.float32)
+                parameter[e] = torch.from_numpy(values.reshape(parameter.shape[1:]))
+            gate, up = gate_up[:INTER], gate_up[INTER:]
+            experts.append((
+                QuantizedWeight([QuantizedMatrix(gate_up_type, np.ascontiguousarray(part), INTER, HIDDEN)
+                                 for part in (gate, up)]),
+                QuantizedWeight([QuantizedMatrix(down_type, down, HIDDEN, INTER)]),
+            ))
+    return experts
+
+
+def _run(kernel: ExpertKernel, x: torch.Tensor, router: torch.Tensor, quantize: bool, threads: int = 2) -> torch.Tensor:
+    out = np.empty(tuple(x.shape), np.float32)
+    kernel(x.numpy(), router.numpy(), out, quantize, threads)
+    return torch.from_numpy(out)
+
+
+FORMATS = [(QuantType.F32, QuantType.F32), (QuantType.Q8_0, QuantType.Q8_0), (QuantType.Q4_K, QuantType.Q6_K),
+           (QuantType.Q5_K, QuantType.Q4_K)]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_moe-unnormalized"])
+@pytest.mark.parametrize("formats", FORMATS, ids=lambda f: f"{f[0].name}-{f[1].name}")
+def test_experts_equal_transformers(family: str, formats) -> None:
+    """Float32 activations (the weights' exact values): as close as float32 sums get; int8
+    activations per block, as llama.cpp multiplies: within a few hundredths of the output's scale."""
+    normalize = not family.endswith("-unnormalized")
+    block = _block(family.removesuffix("-unnormalized"), top_k=2 if normalize else 3, normalize=normalize)
+    kernel = ExpertKernel(_experts(block, *formats), block.gate.top_k, normalize, "silu")
+    x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        expected = block(x[None])[0]
+        router = block.gate(x)[0].contiguous()
+    scale = expected.abs().max()
+    assert (_run(kernel, x, router, quantize=False) - expected).abs().max() <= 2e-5 * scale
+    if formats[0] != QuantType.F32:
+        assert (_run(kernel, x, router, quantize=True) - expected).abs().max() <= 3e-2 * scale
+
+
+def test_bits_do_not_depend_on_threads_or_blocks() -> None:
+    """Each expert is run whole by one thread and each token's outputs summed in expert order: the
+    same bits on 1, 2 or 3 threads, and with the tokens taken in blocks of 1, 4 or all at once
+    (a long prefill chunk's blocks)."""
+    block = _block("qwen3_moe", top_k=3)
+    experts = _experts(block, QuantType.Q4_K, QuantType.Q6_K)
+    x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        router = block.gate(x)[0].contiguous()
+    reference = _run(ExpertKernel(experts, 3, True, "silu"), x, router, quantize=True, threads=1)
+    for block_rows in (0, 1, 4):
+        kernel = ExpertKernel(experts, 3, True, "silu", block_rows=block_rows)
+        for threads in (1, 2, 3):
+            assert torch.equal(_run(kernel, x, router, quantize=True, threads=threads), reference)
+
+
+def test_experts_nobody_chose_are_not_multiplied() -> None:
+    """Experts 2..7 hold NaN and the router never picks them: the output stays finite."""
+    block = _block("mixtral")
+    experts = _experts(block, QuantType.Q8_0, QuantType.Q8_0)
+    poisoned = np.full((2 * INTER, HIDDEN), np.nan, np.float32)
+    nan_expert = (QuantizedWeight([QuantizedMatrix.from_floats(poisoned)]),
+                  QuantizedWeight([QuantizedMatrix.from_floats(poisoned[:HIDDEN, :INTER])]))
+    kernel = ExpertKernel(experts[:2] + [nan_expert] * (EXPERTS - 2), 2, True, "silu")
+    x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(10))
+    router = torch.full((TOKENS, EXPERTS), -30.0)
+    router[:, :2] = torch.randn(TOKENS, 2)
+    out = _run(kernel, x, router, quantize=True)
+    assert torch.isfinite(out).all() and out.abs().max() > 0
+
+
+def test_mismatched_experts_are_refused() -> None:
+    block = _block("mixtral")
+    experts = _experts(block, QuantType.Q8_0, QuantType.Q8_0)
+    with pytest.raises(ValueError, match="experts of different shapes"):
+        ExpertKernel(experts[:-1] + [(experts[0][1], experts[0][0])], 2, True, "silu")
+    with pytest.raises(ValueError, match="9 experts per token of 8"):
+        ExpertKernel(experts, 9, True, "silu")
