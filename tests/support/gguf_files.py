@@ -187,6 +187,31 @@ def gemma3_checkpoint(path: Path) -> Path:
     return path
 
 
+def moe_checkpoint(path: Path, family: str) -> Path:
+    """A small seeded Qwen3-MoE or Mixtral (8 experts, 2 a token, routers sharp enough that a
+    token's top two are clear choices) with stories260K's vocabulary and tokenizer, for
+    llama.cpp's converter."""
+    common = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                  tie_word_embeddings=False)
+    if family == "mixtral":
+        config = transformers.MixtralConfig(**common, intermediate_size=96, num_local_experts=8, num_experts_per_tok=2)
+        model = transformers.MixtralForCausalLM(config)
+    else:
+        config = transformers.Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                             num_experts_per_tok=2, norm_topk_prob=True, head_dim=32)
+        model = transformers.Qwen3MoeForCausalLM(config)
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.08) * torch.randn(p.shape, generator=gen))
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(20)
+    model.eval().save_pretrained(path)
+    shutil.copy(DEFAULT_MODEL_DIR / "tokenizer.model", path / "tokenizer.model")
+    return path
+
+
 def qwen_dir(path: Path, arch: str, hidden: int, intermediate: int, heads: int, kv_heads: int, seed: int,
              head_dim: int | None = None) -> Path:
     """A small seeded Qwen checkpoint with stories260K's tokenizer (a llama vocabulary of 512)."""
