@@ -94,18 +94,23 @@ def process_tree_rss_mb(pid: int) -> float:
 
 
 def weight_bytes_per_token(model: str) -> int | None:
-    """The bytes of weights a decode step reads, for a GGUF file: every matrix but the
-    embedding, which is looked up by row (unless the head is tied to it, reading it whole)."""
+    """The bytes of weights one stream's decode step reads, for a GGUF file: every matrix but
+    the embedding, which is looked up by row (unless the head is tied to it, reading it whole),
+    and of a mixture of experts' stacked expert tensors the share a token's k experts are."""
     if not model.endswith(".gguf"):
         return None
     from core.models.gguf_checkpoint import tensor_bytes
     from core.models.gguf_header import GGUFHeader
 
     with GGUFHeader(model) as header:
-        matrices = {name: tensor_bytes(t) for name, t in header.tensors.items() if len(t.shape) == 2}
+        arch = header.get("general.architecture")
+        used, experts = header.get(f"{arch}.expert_used_count"), header.get(f"{arch}.expert_count")
+        share = used / experts if used and experts else 1.0
+        matrices = {name: tensor_bytes(t) * (share if len(t.shape) == 3 else 1.0)
+                    for name, t in header.tensors.items() if len(t.shape) in (2, 3)}
         if "output.weight" in matrices:
             matrices.pop("token_embd.weight", None)
-        return sum(matrices.values())
+        return int(sum(matrices.values()))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

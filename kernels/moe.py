@@ -23,10 +23,13 @@ ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 
 class ExpertKernel:
     """A layer's experts: ``experts[e]`` = (gate/up weight [2 x intermediate, hidden], its
-    rows [gate | up]; down weight [hidden, intermediate])."""
+    rows [gate | up]; down weight [hidden, intermediate]); ``shared``: Qwen2-MoE's shared expert
+    (gate/up, down, and its gate [1, hidden]), which every token goes through, weighted by the
+    sigmoid of its gate."""
 
     def __init__(self, experts: Sequence[tuple[QuantizedWeight, QuantizedWeight]], top_k: int, normalize: bool,
-                 activation: str, block_rows: int = 0) -> None:
+                 activation: str, shared: tuple[QuantizedWeight, QuantizedWeight, QuantizedWeight] | None = None,
+                 block_rows: int = 0) -> None:
         gate_up, down = experts[0]
         self.num_experts, self.top_k = len(experts), top_k
         self.hidden, self.intermediate = gate_up.in_features, down.in_features
@@ -35,12 +38,20 @@ class ExpertKernel:
             raise ValueError(f"experts of different shapes: {sorted(shapes)}")
         if not 0 < top_k <= len(experts):
             raise ValueError(f"{top_k} experts per token of {len(experts)}")
-        self._experts = list(experts)  # what the description points into, kept alive
+        shared_size = 0
+        if shared is not None:
+            gate_up, down, gate = shared
+            shared_size = down.in_features
+            if (gate_up.out_features, gate_up.in_features, down.out_features, gate.out_features, gate.in_features) != (
+                    2 * shared_size, self.hidden, self.hidden, 1, self.hidden):
+                raise ValueError("the shared expert's weights do not fit the experts' hidden size")
+        self._experts = (list(experts), shared)  # what the description points into, kept alive
         # block_rows: tokens routed and run at a time (0: as many as 16 MiB of expert outputs hold)
         header = [len(experts), top_k, int(normalize), ACTIVATIONS[activation], self.hidden, self.intermediate,
-                  block_rows]
+                  block_rows, shared_size]
+        tail = [] if shared is None else [w.desc_address for w in shared]
         self._desc = np.array(
-            header + [g.desc_address for g, _ in experts] + [d.desc_address for _, d in experts], np.int64
+            header + [g.desc_address for g, _ in experts] + [d.desc_address for _, d in experts] + tail, np.int64
         )
         self.desc_address = self._desc.ctypes.data
 

@@ -128,8 +128,9 @@ class MoEWeights(Module):
         self.kernel: ExpertKernel | None = None  # the C kernel's view of the experts (prepare)
 
     def prepare(self) -> None:
-        """Once the weights are loaded: on a CPU with the C kernels, the experts as the expert
-        kernel reads them (float32 experts moved into its tiles; GGUF files' are already)."""
+        """Once the weights are loaded: on a CPU with the C kernels, the experts (and the shared
+        expert) as the expert kernel reads them, float32 ones moved into its tiles (a GGUF
+        file's are there already)."""
         self.kernel = None
         experts = self.experts
         if not ExpertKernel.takes(self.activation):
@@ -139,7 +140,17 @@ class MoEWeights(Module):
             if not weight.numel() or not (CpuWeight.usable(weight) and cpu.usable(weight)):
                 return  # no weights (asleep), or not float32 on a CPU with the C kernels
             experts.convert(lambda weight: QuantizedMatrix.from_floats(weight.numpy()))
-        self.kernel = ExpertKernel(experts.quantized, self.top_k, self.normalize, self.activation)
+        shared = None
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            layers = (self.shared_expert.gate_up_proj, self.shared_expert.down_proj, self.shared_expert_gate)
+            if any(layer.quantized is None and not CpuWeight.usable(layer.weight) for layer in layers):
+                return
+            for layer in layers:
+                if layer.quantized is None:  # float32: into the kernels' tiles, the float weight dropped
+                    layer.set_quantized([QuantizedMatrix.from_floats(layer.weight.detach().numpy())])
+                    layer.prepare()
+            shared = tuple(layer.quantized for layer in layers)
+        self.kernel = ExpertKernel(experts.quantized, self.top_k, self.normalize, self.activation, shared)
 
     def route(self, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in the logits' dtype, experts [T, k]): softmax over the router's
@@ -155,12 +166,12 @@ class MoEWeights(Module):
         of x, where already computed)."""
         if router is None:
             router = self.gate(x)
-        if self.kernel is not None and cpu.usable(x, router):
+        if self.kernel is not None and cpu.usable(x, router):  # the shared expert too
             out = torch.empty_like(x)
             self.kernel(x.contiguous().numpy(), router.contiguous().numpy(), out.numpy(),
                         settings.quantize_activations, torch.get_num_threads())
-        else:
-            out = self._experts_torch(x, router)
+            return out
+        out = self._experts_torch(x, router)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             shared = self.shared_expert.down_proj(gated_activation(self.activation, self.shared_expert.gate_up_proj(x)))
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared

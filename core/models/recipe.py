@@ -160,7 +160,7 @@ class GatedActivation:
 class MixtureOfExperts:
     """``PROJ`` = the mixture of experts over ``NORMED`` routed by ``ROUTER`` (core/models/moe.py):
     each token's top-k experts' gated MLPs weighted by the router, plus the shared expert where
-    there is one (which only the forward pass runs)."""
+    there is one (on a CPU one C operation: kernels/moe.py)."""
 
     moe: MoEWeights
 

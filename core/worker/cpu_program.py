@@ -24,9 +24,9 @@ program runs those operations, so it names no family and no attribute of
 the model's modules: a new family's layers run here as they are. It takes
 float32 models with the C kernels available and the gated activations the
 kernels have (silu, tanh GELU), and mixtures of experts whose experts the
-expert kernel runs (kernels/moe.py: a layer's experts are one operation);
-``CpuStepProgram.build`` returns None otherwise (Qwen2-MoE's shared expert
-too), and the runner keeps calling the model, as it does for every other step.
+expert kernel runs (kernels/moe.py: a layer's experts, a shared one included,
+are one operation); ``CpuStepProgram.build`` returns None otherwise, and the
+runner keeps calling the model, as it does for every other step.
 """
 
 from __future__ import annotations
@@ -80,9 +80,8 @@ class CpuStepProgram:
         if describe is None or not kv_caches:
             return None
         recipe: Recipe = describe()
-        if any(isinstance(op, MixtureOfExperts) and (op.moe.kernel is None or op.moe.shared_expert is not None)
-               for ops in recipe.layers for op in ops):
-            return None  # experts the C kernel does not run, or a shared expert: the forward pass runs them
+        if any(isinstance(op, MixtureOfExperts) and op.moe.kernel is None for ops in recipe.layers for op in ops):
+            return None  # experts the C kernel does not run (not float32 on a CPU): the forward pass runs them
         activations = {op.kind for ops in recipe.layers for op in ops if isinstance(op, GatedActivation)}
         if (
             not cpu.usable(cache=kv_caches[0][0]) or not activations <= set(_KERNEL_ACTIVATIONS)

@@ -7,7 +7,9 @@
  * team's threads take whole experts from a shared cursor (a thread slowed by another process
  * leaves its next expert to the others), each with buffers of its own; then each token's
  * weighted expert outputs are summed in ascending expert order, so the bits do not depend
- * on which thread ran which expert, nor on how many threads there are.
+ * on which thread ran which expert, nor on how many threads there are. A shared expert
+ * (Qwen2-MoE's) is one more expert that every token goes through, weighted by the sigmoid of
+ * its own gate's product and added last.
  *
  * A layer's experts are described by int64 words (kernels/moe.py writes them): the header
  * below, then each expert's gate/up layer and each expert's down layer as quant_kernels.c's
@@ -24,8 +26,12 @@
 #include "cpu_common.h"
 
 /* The header: expert count, experts per token, renormalize (0/1), activation (below), hidden
- * and intermediate sizes, tokens per block (0: as many as MOE_PAIR_BYTES of outputs hold). */
-enum { MOE_EXPERTS, MOE_TOP_K, MOE_NORMALIZE, MOE_ACTIVATION, MOE_HIDDEN, MOE_INTER, MOE_BLOCK, MOE_HEADER };
+ * and intermediate sizes, tokens per block (0: as many as MOE_PAIR_BYTES of outputs hold), the
+ * shared expert's intermediate size (0: none). After the header: the experts' gate/up layers,
+ * their down layers, then the shared expert's gate/up, down and gate (one row) layers. */
+enum {
+    MOE_EXPERTS, MOE_TOP_K, MOE_NORMALIZE, MOE_ACTIVATION, MOE_HIDDEN, MOE_INTER, MOE_BLOCK, MOE_SHARED, MOE_HEADER
+};
 enum { MOE_SILU, MOE_GELU_TANH };
 
 #define MOE_PAIR_BYTES (16 << 20)
@@ -46,10 +52,32 @@ static const int64_t FORMAT_TYPE[2] = {TYPE_Q8_0, TYPE_Q4_K};
 
 static int64_t aligned(int64_t bytes) { return (bytes + MOE_ALIGN - 1) / MOE_ALIGN * MOE_ALIGN; }
 
+/* Experts a token goes through: its top k, and the shared one where there is one. */
+static int64_t per_token(const int64_t *desc) { return desc[MOE_TOP_K] + (desc[MOE_SHARED] > 0); }
+
+/* Expert e's layers (e = MOE_EXPERTS: the shared expert) and intermediate size. */
+static const int64_t *gate_up_of(const int64_t *desc, int64_t e) {
+    int64_t experts = desc[MOE_EXPERTS];
+    return (const int64_t *)(intptr_t)desc[MOE_HEADER + (e < experts ? e : 2 * experts)];
+}
+
+static const int64_t *down_of(const int64_t *desc, int64_t e) {
+    int64_t experts = desc[MOE_EXPERTS];
+    return (const int64_t *)(intptr_t)desc[MOE_HEADER + (e < experts ? experts + e : 2 * experts + 1)];
+}
+
+static const int64_t *shared_gate(const int64_t *desc) {
+    return (const int64_t *)(intptr_t)desc[MOE_HEADER + 2 * desc[MOE_EXPERTS] + 2];
+}
+
+static int64_t inter_of(const int64_t *desc, int64_t e) {
+    return e < desc[MOE_EXPERTS] ? desc[MOE_INTER] : desc[MOE_SHARED];
+}
+
 /* Tokens per block for a step of n tokens. */
 static int64_t block_rows(const int64_t *desc, int64_t n) {
     int64_t most = desc[MOE_BLOCK] ? desc[MOE_BLOCK]
-                                   : MOE_PAIR_BYTES / (desc[MOE_TOP_K] * desc[MOE_HIDDEN] * (int64_t)sizeof(float));
+                                   : MOE_PAIR_BYTES / (per_token(desc) * desc[MOE_HIDDEN] * (int64_t)sizeof(float));
     if (most < 1) most = 1;
     return n < most ? n : most;
 }
@@ -63,12 +91,13 @@ static int64_t format_bytes(int64_t k) {
  * one region per thread (``thread_bytes`` each). */
 typedef struct {
     int64_t xq, expert, weight, position, order, start, fill, active, cursor, outputs, threads_at, thread_bytes;
-    int64_t gathered, gathered_q, gate_up, act, act_q, row;
+    int64_t gathered, gathered_q, gate_up, act, act_q, row, gate;
 } moe_layout;
 
 static moe_layout layout(const int64_t *desc, int64_t rows) {
-    int64_t experts = desc[MOE_EXPERTS], pairs = rows * desc[MOE_TOP_K];
-    int64_t hidden = desc[MOE_HIDDEN], inter = desc[MOE_INTER], at = 0;
+    int64_t experts = desc[MOE_EXPERTS] + (desc[MOE_SHARED] > 0), pairs = rows * per_token(desc);
+    int64_t hidden = desc[MOE_HIDDEN], at = 0;
+    int64_t inter = desc[MOE_INTER] > desc[MOE_SHARED] ? desc[MOE_INTER] : desc[MOE_SHARED];
     moe_layout l;
 #define PLACE(field, bytes) (l.field = at, at += aligned(bytes))
     PLACE(xq, rows * format_bytes(hidden));
@@ -89,6 +118,7 @@ static moe_layout layout(const int64_t *desc, int64_t rows) {
     PLACE(act, rows * inter * (int64_t)sizeof(float));
     PLACE(act_q, rows * format_bytes(inter));
     PLACE(row, (hidden > inter ? hidden : inter) * (int64_t)sizeof(float));
+    PLACE(gate, rows * (int64_t)sizeof(float));
 #undef PLACE
     l.thread_bytes = at;
     return l;
@@ -125,28 +155,33 @@ static void route(const float *logits, int64_t experts, int64_t top_k, int norma
 }
 
 /* One thread runs expert e's gated MLP over its ``count`` tokens (pairs order[0..count) of the
- * block), writing each token's output times its weight to ``outputs`` (rows in pair order). */
+ * block), writing each token's output times its weight to ``outputs`` (rows in pair order). The
+ * shared expert (e = MOE_EXPERTS) first writes its pairs' weights: the sigmoid of its gate. */
 static void run_expert(const int64_t *desc, int64_t e, const int64_t *order, int64_t count, const float *x,
-                       uint8_t *const xq[2], const float *weight, float *outputs, int64_t quantize, uint8_t *mine,
+                       uint8_t *const xq[2], float *weight, float *outputs, int64_t quantize, uint8_t *mine,
                        const moe_layout *l) {
-    int64_t experts = desc[MOE_EXPERTS], top_k = desc[MOE_TOP_K];
-    int64_t hidden = desc[MOE_HIDDEN], inter = desc[MOE_INTER];
-    const int64_t *gate_up = (const int64_t *)(intptr_t)desc[MOE_HEADER + e];
-    const int64_t *down = (const int64_t *)(intptr_t)desc[MOE_HEADER + experts + e];
-    int64_t inputs = quantize ? layer_inputs(gate_up) : 4;
+    int64_t hidden = desc[MOE_HIDDEN], inter = inter_of(desc, e), tokens = per_token(desc);
+    const int64_t *gate_up = gate_up_of(desc, e), *down = down_of(desc, e);
+    const int shared = e == desc[MOE_EXPERTS];
+    int64_t inputs = quantize ? layer_inputs(gate_up) | (shared ? layer_inputs(shared_gate(desc)) : 0) : 4;
     float *gathered = (float *)(mine + l->gathered), *gu = (float *)(mine + l->gate_up);
     float *act = (float *)(mine + l->act), *row = (float *)(mine + l->row);
     uint8_t *gathered_q[2] = {mine + l->gathered_q,
                               mine + l->gathered_q + count * activation_row_bytes(TYPE_Q8_0, hidden)};
     uint8_t *act_q[2] = {mine + l->act_q, mine + l->act_q + count * activation_row_bytes(TYPE_Q8_0, inter)};
     for (int64_t j = 0; j < count; j++) { /* the expert's tokens' rows, in every form its products read */
-        int64_t token = order[j] / top_k;
+        int64_t token = order[j] / tokens;
         if (inputs & 4) memcpy(gathered + j * hidden, x + token * hidden, (size_t)hidden * sizeof(float));
         for (int f = 0; f < 2; f++)
             if (inputs >> f & 1) {
                 int64_t bytes = activation_row_bytes(FORMAT_TYPE[f], hidden);
                 memcpy(gathered_q[f] + j * bytes, xq[f] + token * bytes, (size_t)bytes);
             }
+    }
+    if (shared) {
+        float *gate = (float *)(mine + l->gate);
+        layer_rows_local(shared_gate(desc), gathered, gathered_q, count, gate, 1, quantize, row);
+        for (int64_t j = 0; j < count; j++) weight[order[j]] = 1.0f / (1.0f + expf(-gate[j]));
     }
     layer_rows_local(gate_up, gathered, gathered_q, count, gu, 2 * inter, quantize, row);
     if (desc[MOE_ACTIVATION] == MOE_GELU_TANH)
@@ -169,6 +204,7 @@ static void run_expert(const int64_t *desc, int64_t e, const int64_t *order, int
 void moe_share(const int64_t *desc, const float *x, const float *router, int64_t n, float *out, int64_t quantize,
                uint8_t *scratch, team_barrier *barrier, int me, int threads) {
     int64_t experts = desc[MOE_EXPERTS], top_k = desc[MOE_TOP_K], hidden = desc[MOE_HIDDEN];
+    int64_t tokens = per_token(desc), shared = desc[MOE_SHARED] > 0, groups = experts + shared;
     int64_t rows = block_rows(desc, n);
     moe_layout l = layout(desc, rows);
     int64_t *chosen = (int64_t *)(scratch + l.expert), *position = (int64_t *)(scratch + l.position);
@@ -177,26 +213,29 @@ void moe_share(const int64_t *desc, const float *x, const float *router, int64_t
     int64_t *cursor = (int64_t *)(scratch + l.cursor);
     float *weight = (float *)(scratch + l.weight), *outputs = (float *)(scratch + l.outputs);
     uint8_t *mine = scratch + l.threads_at + me * l.thread_bytes;
-    int64_t inputs = 0; /* the formats any expert's gate/up reads */
-    for (int64_t e = 0; e < experts && quantize; e++)
-        inputs |= layer_inputs((const int64_t *)(intptr_t)desc[MOE_HEADER + e]);
+    int64_t inputs = 0; /* the formats the experts' first products read */
+    for (int64_t e = 0; e < groups && quantize; e++) inputs |= layer_inputs(gate_up_of(desc, e));
+    if (shared && quantize) inputs |= layer_inputs(shared_gate(desc));
     for (int64_t b0 = 0; b0 < n; b0 += rows) {
         int64_t nb = n - b0 < rows ? n - b0 : rows, first, last;
         const float *xb = x + b0 * hidden;
         uint8_t *xq[2] = {scratch + l.xq, scratch + l.xq + nb * activation_row_bytes(TYPE_Q8_0, hidden)};
         team_share(nb, me, threads, &first, &last);
-        for (int64_t t = first; t < last; t++)
-            route(router + (b0 + t) * experts, experts, top_k, (int)desc[MOE_NORMALIZE], chosen + t * top_k,
-                  weight + t * top_k);
+        for (int64_t t = first; t < last; t++) {
+            route(router + (b0 + t) * experts, experts, top_k, (int)desc[MOE_NORMALIZE], chosen + t * tokens,
+                  weight + t * tokens);
+            if (shared) chosen[t * tokens + top_k] = experts; /* its weight: its gate's, when it runs */
+        }
         for (int f = 0; f < 2; f++)
             if (inputs >> f & 1) quantize_share(FORMAT_TYPE[f], xb, nb, hidden, xq[f], me, threads);
         team_sync(barrier, threads);
-        if (me == 0) { /* the pairs grouped by expert, each group in token order */
-            int64_t pairs = nb * top_k, count = 0;
-            memset(start, 0, (size_t)(experts + 1) * sizeof(int64_t));
+        if (me == 0) { /* the pairs grouped by expert, each group in token order; the shared one first */
+            int64_t pairs = nb * tokens, count = 0;
+            memset(start, 0, (size_t)(groups + 1) * sizeof(int64_t));
             for (int64_t p = 0; p < pairs; p++) start[chosen[p] + 1]++;
-            for (int64_t e = 0; e < experts; e++) {
-                if (start[e + 1]) active[count++] = e;
+            if (shared) active[count++] = experts; /* the largest: claimed first */
+            for (int64_t e = 0; e < groups; e++) {
+                if (start[e + 1] && e < experts) active[count++] = e;
                 start[e + 1] += start[e];
                 fill[e] = start[e];
             }
@@ -218,14 +257,14 @@ void moe_share(const int64_t *desc, const float *x, const float *router, int64_t
         team_sync(barrier, threads);
         for (int64_t t = first; t < last; t++) { /* each token's outputs summed by ascending expert */
             float *o = out + (b0 + t) * hidden;
-            const int64_t *mine_chosen = chosen + t * top_k;
+            const int64_t *mine_chosen = chosen + t * tokens;
             memset(o, 0, (size_t)hidden * sizeof(float));
-            for (int64_t taken = 0, previous = -1; taken < top_k; taken++) {
+            for (int64_t taken = 0, previous = -1; taken < tokens; taken++) {
                 int64_t next = -1;
-                for (int64_t j = 0; j < top_k; j++)
+                for (int64_t j = 0; j < tokens; j++)
                     if (mine_chosen[j] > previous && (next < 0 || mine_chosen[j] < mine_chosen[next])) next = j;
                 previous = mine_chosen[next];
-                const float *y = outputs + position[t * top_k + next] * hidden;
+                const float *y = outputs + position[t * tokens + next] * hidden;
                 for (int64_t c = 0; c < hidden; c++) o[c] += y[c];
             }
         }

@@ -28,8 +28,9 @@ pytestmark = pytest.mark.skipif(cpu.load() is None, reason="no C compiler to bui
 @pytest.fixture(scope="module")
 def qwen_dirs(tmp_path_factory) -> dict[str, str]:
     """Tiny seeded Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms), Gemma 3 (sliding
-    windows, GeGLU, norms after each block, a scaled embedding), Qwen3-MoE and Mixtral
-    (their experts one operation of the program) checkpoints."""
+    windows, GeGLU, norms after each block, a scaled embedding), Qwen3-MoE, Mixtral and
+    Qwen2-MoE (a shared expert, a dense layer; their experts one operation of the program)
+    checkpoints."""
     import transformers
 
     from core.models.random_model import write_tokenizer
@@ -39,7 +40,7 @@ def qwen_dirs(tmp_path_factory) -> dict[str, str]:
     for arch, cls in (
         ("qwen2", transformers.Qwen2ForCausalLM), ("qwen3", transformers.Qwen3ForCausalLM),
         ("gemma3", transformers.Gemma3ForCausalLM), ("qwen3_moe", transformers.Qwen3MoeForCausalLM),
-        ("mixtral", transformers.MixtralForCausalLM),
+        ("mixtral", transformers.MixtralForCausalLM), ("qwen2_moe", transformers.Qwen2MoeForCausalLM),
     ):
         torch.manual_seed(5)
         path = tmp_path_factory.mktemp(arch)
@@ -50,8 +51,8 @@ def qwen_dirs(tmp_path_factory) -> dict[str, str]:
 
 
 # Block formats too: their products (kernels/quant.py) are the layers' own in both paths.
-MODELS = ["stories", "llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral", "stories-q8_0", "qwen2-q4_0",
-          "gemma3-q8_0", "qwen3_moe-q8_0"]
+MODELS = ["stories", "llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe", "stories-q8_0",
+          "qwen2-q4_0", "gemma3-q8_0", "qwen3_moe-q8_0", "qwen2_moe-q8_0"]
 
 
 def _engine(model: str, stories_dir: str, llama, qwen_dirs, **config) -> EngineCore:

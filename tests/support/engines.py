@@ -26,6 +26,10 @@ def tiny_config(arch: str) -> transformers.PretrainedConfig:
     if arch == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**common, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                                            norm_topk_prob=True, head_dim=32)
+    if arch == "qwen2_moe":  # 3 of 8 experts, not renormalized, a shared expert; layer 1 dense
+        return transformers.Qwen2MoeConfig(**common, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                                           num_experts=8, num_experts_per_tok=3, norm_topk_prob=False,
+                                           mlp_only_layers=[1])
     if arch == "mixtral":
         return transformers.MixtralConfig(**{**common, "intermediate_size": 48}, num_local_experts=4,
                                           num_experts_per_tok=2)
