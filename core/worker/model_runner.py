@@ -176,8 +176,10 @@ class ModelRunner:
 
     def _gpu_captures_graphs(self) -> bool:
         """Decode steps replay CUDA graphs (none with LoRA: a captured graph would replay the
-        adapters of the step it recorded)."""
-        return self.device.type == "cuda" and not self.config.enforce_eager and self.lora is None
+        adapters of the step it recorded; none with a mixture of experts: its torch path
+        groups each step's tokens by expert on the host, which a graph cannot record)."""
+        return (self.device.type == "cuda" and not self.config.enforce_eager and self.lora is None
+                and self.model_config.moe is None)
 
     def _runs_cpu_program(self) -> bool:
         """The steps it covers run through the CPU step program (a CPU's, never a GPU's path)."""

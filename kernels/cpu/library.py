@@ -105,6 +105,26 @@ def missing_extensions(lib: ctypes.CDLL) -> list[str]:
     return [name for k, name in enumerate(ISA_FLAGS) if built >> k & 1 and name not in flags]
 
 
+def _run_side_by_side(commands: list[list[str]], at_once: int) -> None:
+    """Run ``commands``, up to ``at_once`` at a time; CalledProcessError (with the compiler's
+    messages) for the first that fails."""
+    pending, running = list(commands), []
+    failed: subprocess.CalledProcessError | None = None
+    while pending or running:
+        while pending and len(running) < max(at_once, 1) and failed is None:
+            command = pending.pop(0)
+            running.append((command, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                      text=True)))
+        command, process = running.pop(0)
+        out, err = process.communicate()
+        if process.returncode and failed is None:
+            failed = subprocess.CalledProcessError(process.returncode, command, out, err)
+        if failed is not None:
+            pending.clear()
+    if failed is not None:
+        raise failed
+
+
 def find_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
@@ -134,13 +154,18 @@ class NativeLibrary:
 
     def _compile(self, compiler: str, flags: Sequence[str], target: Path) -> Path:
         """Compile to a private name next to ``target`` (concurrent first starts never load a
-        half-written file); returns that name, which the caller renames."""
+        half-written file); returns that name, which the caller renames. The sources are
+        compiled side by side, one compiler per core, then linked."""
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        command = [compiler, *flags, "-o", tmp, *map(str, self.sources), "-lm"]
         try:
-            subprocess.run(command, check=True, capture_output=True, text=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as objects:
+                outputs = [os.path.join(objects, f"{i}.o") for i in range(len(self.sources))]
+                jobs = [[compiler, *flags, "-c", str(source), "-o", out] for source, out in zip(self.sources, outputs)]
+                _run_side_by_side(jobs, os.cpu_count() or 1)
+                subprocess.run([compiler, *flags, "-o", tmp, *outputs, "-lm"], check=True, capture_output=True,
+                               text=True)
         except BaseException:
             os.unlink(tmp)
             raise

@@ -136,13 +136,23 @@ VARIANTS = {"portable": "-march=x86-64", "avx2": "-march=haswell", "avx512": "-m
             "native": "-march=native"}
 
 
+# What each variant's -march needs of the CPU (/proc/cpuinfo's names): without them it is not built.
+NEEDS = {"portable": set(), "avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"},
+         "native": set()}
+
+
 @functools.cache
 def _built(name: str):
     """The library built for variant ``name``, or None where it does not run on this CPU (built,
-    and found out, once per session: a build this CPU cannot run is never cached on disk)."""
+    and found out, once per session: a build this CPU cannot run is never cached on disk). The
+    native variant is the library the kernels load."""
     from kernels.cpu import FLAGS, LIBRARY, OPENMP_VARIANTS
-    from kernels.cpu.library import NativeLibrary
+    from kernels.cpu.library import NativeLibrary, cpu_flags
 
+    if name == "native":
+        return cpu.load()
+    if not NEEDS[name] <= (cpu_flags() or set()):
+        return None
     flags = [VARIANTS[name] if f == "-march=native" else f for f in FLAGS]
     return NativeLibrary(f"quant-{name}", LIBRARY.sources, flags, OPENMP_VARIANTS, LIBRARY.headers).load()
 
