@@ -146,8 +146,9 @@ class UniProcExecutor:
             raise ValueError(f"the engine is already asleep (level {self._sleep_level})")
         if level == 1 and self.runner.model is not None and block_weights(self.runner.model):
             raise ValueError(
-                "sleep level 1 keeps a copy of float weights only, and this model's are in a block format "
-                "(GGUF or --quantization): use level 2, which loads them again on wake-up"
+                "sleep level 1 keeps a copy of float weights only, and this model's are in the kernels' tiles "
+                "(GGUF, --quantization, or a mixture of experts' experts): use level 2, which loads them again "
+                "on wake-up"
             )
 
     def sleep(self, level: int) -> None:

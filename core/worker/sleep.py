@@ -8,8 +8,9 @@ kernel may drop). Level 2 keeps no copy: waking up loads the checkpoint
 again. Both drop the KV cache, which is re-created (zeroed) on wake-up; the
 scheduler has freed every block before, so no request expects its contents.
 
-Weights in block formats (kernels/quant.py: GGUF files, ``--quantization``)
-are numpy arrays beside the parameters. Level 2 drops them with the rest;
+Weights in block formats (kernels/quant.py: GGUF files, ``--quantization``,
+and a mixture of experts' experts on a CPU, kept in the kernels' tiles) are
+numpy arrays beside the parameters. Level 2 drops them with the rest;
 level 1 has no copy of them to put back and is refused for such a model.
 
 The model object stays: its parameters get zero-size storage, and
