@@ -132,19 +132,18 @@ class MoEWeights(Module):
         expert) as the expert kernel reads them, float32 ones moved into its tiles (a GGUF
         file's are there already)."""
         self.kernel = None
-        experts = self.experts
-        if not ExpertKernel.takes(self.activation):
+        experts, shared = self.experts, None
+        layers = () if self.shared_expert is None or self.shared_expert_gate is None else (
+            self.shared_expert.gate_up_proj, self.shared_expert.down_proj, self.shared_expert_gate)
+        if not ExpertKernel.takes(self.activation) or any(
+                layer.quantized is None and not CpuWeight.usable(layer.weight) for layer in layers):
             return
         if experts.quantized is None:
             weight = experts.gate_up_proj
             if not weight.numel() or not (CpuWeight.usable(weight) and cpu.usable(weight)):
                 return  # no weights (asleep), or not float32 on a CPU with the C kernels
             experts.convert(lambda weight: QuantizedMatrix.from_floats(weight.numpy()))
-        shared = None
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            layers = (self.shared_expert.gate_up_proj, self.shared_expert.down_proj, self.shared_expert_gate)
-            if any(layer.quantized is None and not CpuWeight.usable(layer.weight) for layer in layers):
-                return
+        if layers:
             for layer in layers:
                 if layer.quantized is None:  # float32: into the kernels' tiles, the float weight dropped
                     layer.set_quantized([QuantizedMatrix.from_floats(layer.weight.detach().numpy())])
