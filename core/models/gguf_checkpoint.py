@@ -88,6 +88,25 @@ def _type_name(ggml_type: int) -> str:
         return f"an unknown type (id {ggml_type})"
 
 
+def _made_once(target: Path, write: Callable[[Path], None]) -> Path:
+    """``target``, a directory ``write`` fills, made on first use: written in a staging directory
+    beside it and renamed into place, so concurrent first starts never read a half-made one."""
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
+    try:
+        write(staging)
+        try:
+            os.replace(staging, target)
+        except OSError:  # made meanwhile by another process: theirs is the same
+            if not target.is_dir():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
 # The child process of ``GGUFCheckpoint._write_tokenizer_with_transformers``: argv = [file, output directory].
 _WRITE_TOKENIZER = """
 import sys
@@ -149,23 +168,26 @@ class GGUFCheckpoint:
         target = Path(envs.RINGLLM_CACHE) / "gguf" / f"{Path(self.path).stem}-{self.metadata_digest()}"
         if (target / "config.json").is_file():
             return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
-        try:
+
+        def write(staging: Path) -> None:
             try:
                 gguf_metadata.write_config(self.header, "output.weight" in self.tensors, staging)
             except gguf_metadata.MetadataError as exc:
                 raise GGUFError(f"{self.path}: {exc}") from None
+            for file in self._tokenizer_dir().iterdir():
+                shutil.copy2(file, staging / file.name)
+
+        return _made_once(target, write)
+
+    def _tokenizer_dir(self) -> Path:
+        """This file's tokenizer as transformers' files, made once per vocabulary: a model's
+        files in other quantizations (whose other metadata differs) share it."""
+
+        def write(staging: Path) -> None:
             if not gguf_metadata.write_tokenizer(self.header, staging):
                 self._write_tokenizer_with_transformers(staging)
-            try:
-                os.replace(staging, target)
-            except OSError:  # made meanwhile by another process: theirs is the same
-                if not (target / "config.json").is_file():
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        return target
+
+        return _made_once(Path(envs.RINGLLM_CACHE) / "gguf-tokenizers" / self.header.tokenizer_digest(), write)
 
     def _write_tokenizer_with_transformers(self, out: Path) -> None:
         """A tokenizer gguf_metadata does not build (SentencePiece vocabularies...), by

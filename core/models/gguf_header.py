@@ -191,9 +191,12 @@ class GGUFHeader:
         if tensor_count > self.file_size or field_count > self.file_size:
             raise GGUFFormatError(f"{tensor_count} tensors and {field_count} fields cannot fit in the file")
         self.fields: dict[str, Any] = {}
+        self._spans: dict[str, tuple[int, int]] = {}  # each field's bytes, key to value
         for _ in range(field_count):
+            start = cur.pos
             key = cur.string()
             self.fields[key] = cur.value(cur.u32())
+            self._spans[key] = (start, cur.pos)
         self.fields_end = cur.pos
         self.tensor_count = tensor_count
         self.tensors: dict[str, TensorInfo] = {}
@@ -224,6 +227,16 @@ class GGUFHeader:
         depend on (the tensors' bytes do not enter; the tensor table is not needed)."""
         assert self._map is not None
         return hashlib.sha256(memoryview(self._map)[: self.fields_end]).hexdigest()[:16]
+
+    def tokenizer_digest(self) -> str:
+        """A hash of the fields a tokenizer is made from (``tokenizer.*`` and the architecture,
+        which picks transformers' converter): the same for a model's files in any quantization."""
+        assert self._map is not None
+        view, digest = memoryview(self._map), hashlib.sha256()
+        for key, (start, end) in self._spans.items():
+            if key.startswith("tokenizer.") or key == "general.architecture":
+                digest.update(view[start:end])
+        return digest.hexdigest()[:16]
 
     def buffer(self) -> memoryview:
         """The whole file, mapped read-only (for views of its tensors)."""

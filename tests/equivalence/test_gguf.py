@@ -11,6 +11,8 @@ more than 1,000 positions and bounded.
 
 from __future__ import annotations
 
+import functools
+
 import json
 from pathlib import Path
 
@@ -96,7 +98,9 @@ def _ours(path: Path) -> torch.nn.Module:
     return load_model(EngineArgs(model=str(path)).resolve(), "cpu")
 
 
+@functools.cache
 def _oracle(path: Path) -> torch.nn.Module:
+    """transformers reading the file (once per file: its tests only run it, under no_grad)."""
     return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
 

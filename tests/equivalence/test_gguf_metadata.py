@@ -98,6 +98,26 @@ def test_the_metadata_digest_ignores_the_tensors(tmp_path: Path, stories_file: P
         assert header.metadata_digest() != digest
 
 
+def test_a_models_files_in_two_quantizations_share_one_tokenizer(tmp_path: Path, stories_file: Path) -> None:
+    """The tokenizer cache's key reads the tokenizer's fields (and the architecture) only: a Q8_0
+    and an F32 file of stories260K get one tokenizer directory, made once; another vocabulary
+    gets its own."""
+    f32 = write_gguf(DEFAULT_MODEL_DIR, tmp_path / "stories-f32.gguf", qtype="f32")
+    qwen = write_gguf(qwen_dir(tmp_path / "qwen2", "qwen2", 64, 128, 4, 2, 3), tmp_path / "qwen2.gguf")
+    headers = [GGUFHeader(str(p)) for p in (stories_file, f32, qwen)]
+    try:
+        assert headers[0].metadata_digest() != headers[1].metadata_digest()  # general.file_type differs
+        assert headers[0].tokenizer_digest() == headers[1].tokenizer_digest() != headers[2].tokenizer_digest()
+    finally:
+        for header in headers:
+            header.close()
+    dirs = [GGUFCheckpoint(str(p)).metadata_dir() for p in (stories_file, f32)]
+    assert dirs[0] != dirs[1]
+    made = {p.name for p in (tmp_path / "cache" / "gguf-tokenizers").iterdir()}
+    assert len(made) == 1 and {p.name for p in dirs[0].iterdir()} == {p.name for p in dirs[1].iterdir()}
+    assert (dirs[0] / "tokenizer.json").read_bytes() == (dirs[1] / "tokenizer.json").read_bytes()
+
+
 @needs_vocabs
 @pytest.mark.parametrize("vocab", ["llama-bpe", "qwen2"])
 def test_byte_level_tokenizers_encode_as_transformers_does(vocab: str, tmp_path: Path) -> None:
