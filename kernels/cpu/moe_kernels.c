@@ -5,7 +5,8 @@
  * grouped by expert, and each chosen expert runs its gated MLP once over all of its tokens,
  * so its weights are read once per step and experts nobody chose are not read at all. The
  * team's threads take whole experts from a shared cursor (a thread slowed by another process
- * leaves its next expert to the others), each with buffers of its own; then each token's
+ * leaves its next expert to the others), each with buffers of its own (with fewer chosen
+ * experts than twice the threads, the team runs each expert together instead); then each token's
  * weighted expert outputs are summed in ascending expert order, so the bits do not depend
  * on which thread ran which expert, nor on how many threads there are. A shared expert
  * (Qwen2-MoE's) is one more expert that every token goes through, weighted by the sigmoid of
@@ -43,8 +44,8 @@ enum { MOE_SILU, MOE_GELU_TANH };
 int64_t activation_row_bytes(int64_t type, int64_t k);
 void quantize_share(int64_t type, const float *x, int64_t rows, int64_t k, void *out, int me, int threads);
 int64_t layer_inputs(const int64_t *layer);
-void layer_rows_local(const int64_t *layer, const float *x, uint8_t *const xq[2], int64_t n, float *out,
-                      int64_t out_stride, int64_t quantize, float *row);
+void layer_rows_share(const int64_t *layer, const float *x, uint8_t *const xq[2], int64_t n, float *out,
+                      int64_t out_stride, int64_t quantize, float *row, int me, int threads);
 void silu_mul_share(const float *gate_up, int64_t rows, int64_t n, float *out, int me, int threads);
 void gelu_tanh_mul_share(const float *gate_up, int64_t rows, int64_t n, float *out, int me, int threads);
 
@@ -154,22 +155,25 @@ static void route(const float *logits, int64_t experts, int64_t top_k, int norma
     }
 }
 
-/* One thread runs expert e's gated MLP over its ``count`` tokens (pairs order[0..count) of the
- * block), writing each token's output times its weight to ``outputs`` (rows in pair order). The
+/* Expert e's gated MLP over its ``count`` tokens (pairs order[0..count) of the block), each
+ * token's output times its weight written to ``outputs`` (rows in pair order): run by one thread
+ * (threads = 1), or by the whole team, each product's tiles and each step's rows shared among
+ * them, in the buffers of ``team`` (thread 0's region; ``row`` is this thread's own). The
  * shared expert (e = MOE_EXPERTS) first writes its pairs' weights: the sigmoid of its gate. */
 static void run_expert(const int64_t *desc, int64_t e, const int64_t *order, int64_t count, const float *x,
-                       uint8_t *const xq[2], float *weight, float *outputs, int64_t quantize, uint8_t *mine,
-                       const moe_layout *l) {
-    int64_t hidden = desc[MOE_HIDDEN], inter = inter_of(desc, e), tokens = per_token(desc);
+                       uint8_t *const xq[2], float *weight, float *outputs, int64_t quantize, uint8_t *team,
+                       float *row, const moe_layout *l, team_barrier *barrier, int me, int threads) {
+    int64_t hidden = desc[MOE_HIDDEN], inter = inter_of(desc, e), tokens = per_token(desc), first, last;
     const int64_t *gate_up = gate_up_of(desc, e), *down = down_of(desc, e);
     const int shared = e == desc[MOE_EXPERTS];
     int64_t inputs = quantize ? layer_inputs(gate_up) | (shared ? layer_inputs(shared_gate(desc)) : 0) : 4;
-    float *gathered = (float *)(mine + l->gathered), *gu = (float *)(mine + l->gate_up);
-    float *act = (float *)(mine + l->act), *row = (float *)(mine + l->row);
-    uint8_t *gathered_q[2] = {mine + l->gathered_q,
-                              mine + l->gathered_q + count * activation_row_bytes(TYPE_Q8_0, hidden)};
-    uint8_t *act_q[2] = {mine + l->act_q, mine + l->act_q + count * activation_row_bytes(TYPE_Q8_0, inter)};
-    for (int64_t j = 0; j < count; j++) { /* the expert's tokens' rows, in every form its products read */
+    float *gathered = (float *)(team + l->gathered), *gu = (float *)(team + l->gate_up);
+    float *act = (float *)(team + l->act);
+    uint8_t *gathered_q[2] = {team + l->gathered_q,
+                              team + l->gathered_q + count * activation_row_bytes(TYPE_Q8_0, hidden)};
+    uint8_t *act_q[2] = {team + l->act_q, team + l->act_q + count * activation_row_bytes(TYPE_Q8_0, inter)};
+    team_share(count, me, threads, &first, &last);
+    for (int64_t j = first; j < last; j++) { /* the expert's tokens' rows, in every form its products read */
         int64_t token = order[j] / tokens;
         if (inputs & 4) memcpy(gathered + j * hidden, x + token * hidden, (size_t)hidden * sizeof(float));
         for (int f = 0; f < 2; f++)
@@ -178,24 +182,30 @@ static void run_expert(const int64_t *desc, int64_t e, const int64_t *order, int
                 memcpy(gathered_q[f] + j * bytes, xq[f] + token * bytes, (size_t)bytes);
             }
     }
+    team_sync(barrier, threads);
     if (shared) {
-        float *gate = (float *)(mine + l->gate);
-        layer_rows_local(shared_gate(desc), gathered, gathered_q, count, gate, 1, quantize, row);
-        for (int64_t j = 0; j < count; j++) weight[order[j]] = 1.0f / (1.0f + expf(-gate[j]));
+        float *gate = (float *)(team + l->gate);
+        layer_rows_share(shared_gate(desc), gathered, gathered_q, count, gate, 1, quantize, row, me, threads);
+        team_sync(barrier, threads);
+        for (int64_t j = first; j < last; j++) weight[order[j]] = 1.0f / (1.0f + expf(-gate[j]));
     }
-    layer_rows_local(gate_up, gathered, gathered_q, count, gu, 2 * inter, quantize, row);
+    layer_rows_share(gate_up, gathered, gathered_q, count, gu, 2 * inter, quantize, row, me, threads);
+    team_sync(barrier, threads);
     if (desc[MOE_ACTIVATION] == MOE_GELU_TANH)
-        gelu_tanh_mul_share(gu, count, inter, act, 0, 1);
+        gelu_tanh_mul_share(gu, count, inter, act, me, threads);
     else
-        silu_mul_share(gu, count, inter, act, 0, 1);
+        silu_mul_share(gu, count, inter, act, me, threads);
     int64_t down_inputs = quantize ? layer_inputs(down) : 0;
     for (int f = 0; f < 2; f++)
-        if (down_inputs >> f & 1) quantize_share(FORMAT_TYPE[f], act, count, inter, act_q[f], 0, 1);
-    layer_rows_local(down, act, act_q, count, outputs, hidden, quantize, row);
-    for (int64_t j = 0; j < count; j++) {
+        if (down_inputs >> f & 1) quantize_share(FORMAT_TYPE[f], act, count, inter, act_q[f], me, threads);
+    team_sync(barrier, threads);
+    layer_rows_share(down, act, act_q, count, outputs, hidden, quantize, row, me, threads);
+    team_sync(barrier, threads);
+    for (int64_t j = first; j < last; j++) {
         float w = weight[order[j]], *o = outputs + j * hidden;
         for (int64_t c = 0; c < hidden; c++) o[c] *= w;
     }
+    team_sync(barrier, threads); /* the next expert reuses the buffers */
 }
 
 /* Thread me of ``threads``' share of out[t] = the experts' mixture for token t < n: ``x`` the
@@ -247,12 +257,22 @@ void moe_share(const int64_t *desc, const float *x, const float *router, int64_t
             cursor[1] = 0;     /* the next one to claim */
         }
         team_sync(barrier, threads);
-        for (;;) {
-            int64_t i = __atomic_fetch_add(&cursor[1], 1, __ATOMIC_RELAXED);
-            if (i >= cursor[0]) break;
-            int64_t e = active[i];
-            run_expert(desc, e, order + start[e], start[e + 1] - start[e], xb, xq, weight,
-                       outputs + start[e] * hidden, quantize, mine, &l);
+        float *row = (float *)(mine + l.row);
+        if (2 * cursor[0] <= threads) { /* fewer experts than the team can share: all of it on each */
+            for (int64_t i = 0; i < cursor[0]; i++) {
+                int64_t e = active[i];
+                run_expert(desc, e, order + start[e], start[e + 1] - start[e], xb, xq, weight,
+                           outputs + start[e] * hidden, quantize, scratch + l.threads_at, row, &l, barrier, me,
+                           threads);
+            }
+        } else {
+            for (;;) { /* whole experts claimed by one thread each */
+                int64_t i = __atomic_fetch_add(&cursor[1], 1, __ATOMIC_RELAXED);
+                if (i >= cursor[0]) break;
+                int64_t e = active[i];
+                run_expert(desc, e, order + start[e], start[e + 1] - start[e], xb, xq, weight,
+                           outputs + start[e] * hidden, quantize, mine, row, &l, NULL, 0, 1);
+            }
         }
         team_sync(barrier, threads);
         for (int64_t t = first; t < last; t++) { /* each token's outputs summed by ascending expert */

@@ -1294,11 +1294,12 @@ int64_t layer_inputs(const int64_t *layer) {
     return inputs;
 }
 
-/* One thread's whole product out[i * out_stride + column] = layer(row i), i < n: ``x`` the rows
- * as float32, ``xq`` as each activation format layer_inputs names (already quantized).
- * ``quantize`` 0: each weight row expanded to float32 instead (``row``: k floats). */
-void layer_rows_local(const int64_t *layer, const float *x, uint8_t *const xq[2], int64_t n, float *out,
-                      int64_t out_stride, int64_t quantize, float *row) {
+/* Thread me of ``threads``' share (tiles of each part) of out[i * out_stride + column] =
+ * layer(row i), i < n: ``x`` the rows as float32, ``xq`` as each activation format layer_inputs
+ * names (already quantized). ``quantize`` 0: each weight row expanded to float32 instead
+ * (``row``: k floats of this thread's). */
+void layer_rows_share(const int64_t *layer, const float *x, uint8_t *const xq[2], int64_t n, float *out,
+                      int64_t out_stride, int64_t quantize, float *row, int me, int threads) {
     const layer_part *parts = (const layer_part *)(layer + 2);
     int64_t k = layer[1], column = 0;
     for (int64_t p = 0; p < layer[0]; p++) {
@@ -1306,12 +1307,12 @@ void layer_rows_local(const int64_t *layer, const float *x, uint8_t *const xq[2]
         const void *w = (const void *)(intptr_t)part->data;
         const float *bias = part->bias ? (const float *)(intptr_t)part->bias : NULL;
         if (float_format(part->type))
-            matmul_share(part->type, w, part->rows, k, x, n, out + column, out_stride, bias, 0, 1, NULL);
+            matmul_share(part->type, w, part->rows, k, x, n, out + column, out_stride, bias, me, threads, NULL);
         else if (quantize)
             matmul_share(part->type, w, part->rows, k, xq[k_format(part->type)], n, out + column, out_stride, bias,
-                         0, 1, NULL);
+                         me, threads, NULL);
         else
-            matmul_f32_share(part->type, w, part->rows, k, x, n, out + column, out_stride, bias, row, 0, 1);
+            matmul_f32_share(part->type, w, part->rows, k, x, n, out + column, out_stride, bias, row, me, threads);
         column += part->rows;
     }
 }

@@ -112,9 +112,10 @@ def test_experts_equal_transformers(family: str, formats) -> None:
 
 
 def test_bits_do_not_depend_on_threads_or_blocks() -> None:
-    """Each expert is run whole by one thread and each token's outputs summed in expert order: the
-    same bits on 1, 2 or 3 threads, and with the tokens taken in blocks of 1, 4 or all at once
-    (a long prefill chunk's blocks); a shared expert too."""
+    """Each expert is run whole by one thread (or by the whole team, when the experts are few) and
+    each token's outputs summed in expert order: the same bits on 1, 2, 3 or 8 threads, and with
+    the tokens taken in blocks of 1, 4 or all at once (a long prefill chunk's blocks); a shared
+    expert too."""
     block = _block("qwen2_moe", top_k=3)
     experts, shared = _experts(block, QuantType.Q4_K, QuantType.Q6_K), _shared(block, QuantType.Q4_K)
     x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(9))
@@ -125,6 +126,13 @@ def test_bits_do_not_depend_on_threads_or_blocks() -> None:
         kernel = ExpertKernel(experts, 3, True, "silu", shared, block_rows=block_rows)
         for threads in (1, 2, 3):
             assert torch.equal(_run(kernel, x, router, quantize=True, threads=threads), reference)
+    # One token's four experts on eight threads: the team runs each expert together, sharing its
+    # products' tiles, with the same bits.
+    kernel = ExpertKernel(experts, 3, True, "silu", shared)
+    for quantize in (True, False):
+        alone = _run(kernel, x[:1], router[:1], quantize=quantize, threads=1)
+        assert torch.equal(_run(kernel, x[:1], router[:1], quantize=quantize, threads=8), alone)
+    assert torch.equal(alone, _run(kernel, x, router, quantize=False, threads=1)[:1])
 
 
 def test_experts_nobody_chose_are_not_multiplied() -> None:
