@@ -45,7 +45,7 @@ int64_t activation_row_bytes(int64_t type, int64_t k);
 void quantize_share(int64_t type, const float *x, int64_t rows, int64_t k, void *out, int me, int threads);
 int64_t layer_inputs(const int64_t *layer);
 void layer_rows_share(const int64_t *layer, const float *x, uint8_t *const xq[2], int64_t n, float *out,
-                      int64_t out_stride, int64_t quantize, float *row, int me, int threads);
+                      int64_t out_stride, int64_t quantize, float *row, int me, int threads, int64_t *cursors);
 void silu_mul_share(const float *gate_up, int64_t rows, int64_t n, float *out, int me, int threads);
 void gelu_tanh_mul_share(const float *gate_up, int64_t rows, int64_t n, float *out, int me, int threads);
 
@@ -185,11 +185,11 @@ static void run_expert(const int64_t *desc, int64_t e, const int64_t *order, int
     team_sync(barrier, threads);
     if (shared) {
         float *gate = (float *)(team + l->gate);
-        layer_rows_share(shared_gate(desc), gathered, gathered_q, count, gate, 1, quantize, row, me, threads);
+        layer_rows_share(shared_gate(desc), gathered, gathered_q, count, gate, 1, quantize, row, me, threads, NULL);
         team_sync(barrier, threads);
         for (int64_t j = first; j < last; j++) weight[order[j]] = 1.0f / (1.0f + expf(-gate[j]));
     }
-    layer_rows_share(gate_up, gathered, gathered_q, count, gu, 2 * inter, quantize, row, me, threads);
+    layer_rows_share(gate_up, gathered, gathered_q, count, gu, 2 * inter, quantize, row, me, threads, NULL);
     team_sync(barrier, threads);
     if (desc[MOE_ACTIVATION] == MOE_GELU_TANH)
         gelu_tanh_mul_share(gu, count, inter, act, me, threads);
@@ -199,7 +199,7 @@ static void run_expert(const int64_t *desc, int64_t e, const int64_t *order, int
     for (int f = 0; f < 2; f++)
         if (down_inputs >> f & 1) quantize_share(FORMAT_TYPE[f], act, count, inter, act_q[f], me, threads);
     team_sync(barrier, threads);
-    layer_rows_share(down, act, act_q, count, outputs, hidden, quantize, row, me, threads);
+    layer_rows_share(down, act, act_q, count, outputs, hidden, quantize, row, me, threads, NULL);
     team_sync(barrier, threads);
     for (int64_t j = first; j < last; j++) {
         float w = weight[order[j]], *o = outputs + j * hidden;

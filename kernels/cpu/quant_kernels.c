@@ -1242,48 +1242,6 @@ API int64_t linear_scratch_bytes(const int64_t *layer, int64_t n) {
            k * (int64_t)sizeof(float);
 }
 
-/* Thread me of ``threads``' share of out[i * out_stride + column] = layer(x row i), i < n
- * (x float32, C-contiguous): each activation format the parts need quantized once into
- * ``scratch`` (linear_scratch_bytes of it, shared by the team; then a barrier), the
- * parts' tiles shared among the threads. ``quantize`` 0: activations left in float32,
- * each weight row expanded instead (the test-only reference product; the team's threads
- * then need a row of k floats each, past the shared scratch: use one thread). */
-void linear_share(const int64_t *layer, const float *x, int64_t n, float *out, int64_t out_stride,
-                  int64_t quantize, uint8_t *scratch, team_barrier *barrier, int me, int threads) {
-    int64_t count = layer[0], k = layer[1];
-    const layer_part *parts = (const layer_part *)(layer + 2);
-    int64_t *cursors = threads > 1 && threads <= MAX_TEAM ? (int64_t *)scratch : NULL;
-    uint8_t *rows = scratch + cursor_bytes(layer);
-    uint8_t *xq[2] = {rows, rows + n * activation_row_bytes(TYPE_Q8_0, k)}; /* 32-value, K formats */
-    if (cursors != NULL && me == 0) /* the previous operation is over (a barrier): nobody reads them now */
-        memset(cursors, 0, (size_t)(count * threads * CURSOR_STRIDE) * sizeof(int64_t));
-    if (quantize) {
-        int need[2] = {0, 0};
-        for (int64_t p = 0; p < count; p++)
-            if (!float_format(parts[p].type)) need[k_format(parts[p].type)] = 1;
-        for (int f = 0; f < 2; f++)
-            if (need[f]) quantize_share(f ? TYPE_Q4_K : TYPE_Q8_0, x, n, k, xq[f], me, threads);
-    }
-    team_sync(barrier, threads); /* the rows quantized, the cursors zeroed */
-    int64_t column = 0;
-    for (int64_t p = 0; p < count; p++) {
-        const layer_part *part = &parts[p];
-        const void *w = (const void *)(intptr_t)part->data;
-        const float *bias = part->bias ? (const float *)(intptr_t)part->bias : NULL;
-        int64_t *part_cursors = cursors ? cursors + p * threads * CURSOR_STRIDE : NULL;
-        if (float_format(part->type))
-            matmul_share(part->type, w, part->rows, k, x, n, out + column, out_stride, bias, me, threads, part_cursors);
-        else if (quantize)
-            matmul_share(part->type, w, part->rows, k, xq[k_format(part->type)], n, out + column, out_stride, bias,
-                         me, threads, part_cursors);
-        else
-            matmul_f32_share(part->type, w, part->rows, k, x, n, out + column, out_stride, bias,
-                             (float *)(scratch + linear_scratch_bytes(layer, n) - k * (int64_t)sizeof(float)), me,
-                             threads);
-        column += part->rows;
-    }
-}
-
 /* What rows the parts of ``layer`` read: bit 0 the 32-value activation format, bit 1 the K
  * format (quantize_share of TYPE_Q8_0, TYPE_Q4_K), bit 2 float32. */
 int64_t layer_inputs(const int64_t *layer) {
@@ -1297,24 +1255,48 @@ int64_t layer_inputs(const int64_t *layer) {
 /* Thread me of ``threads``' share (tiles of each part) of out[i * out_stride + column] =
  * layer(row i), i < n: ``x`` the rows as float32, ``xq`` as each activation format layer_inputs
  * names (already quantized). ``quantize`` 0: each weight row expanded to float32 instead
- * (``row``: k floats of this thread's). */
+ * (``row``: k floats of this thread's). ``cursors``: the parts' dynamic shares (matmul_share),
+ * threads * CURSOR_STRIDE each, zero; NULL: contiguous shares. */
 void layer_rows_share(const int64_t *layer, const float *x, uint8_t *const xq[2], int64_t n, float *out,
-                      int64_t out_stride, int64_t quantize, float *row, int me, int threads) {
+                      int64_t out_stride, int64_t quantize, float *row, int me, int threads, int64_t *cursors) {
     const layer_part *parts = (const layer_part *)(layer + 2);
     int64_t k = layer[1], column = 0;
     for (int64_t p = 0; p < layer[0]; p++) {
         const layer_part *part = &parts[p];
         const void *w = (const void *)(intptr_t)part->data;
         const float *bias = part->bias ? (const float *)(intptr_t)part->bias : NULL;
+        int64_t *part_cursors = cursors ? cursors + p * threads * CURSOR_STRIDE : NULL;
         if (float_format(part->type))
-            matmul_share(part->type, w, part->rows, k, x, n, out + column, out_stride, bias, me, threads, NULL);
+            matmul_share(part->type, w, part->rows, k, x, n, out + column, out_stride, bias, me, threads, part_cursors);
         else if (quantize)
             matmul_share(part->type, w, part->rows, k, xq[k_format(part->type)], n, out + column, out_stride, bias,
-                         me, threads, NULL);
+                         me, threads, part_cursors);
         else
             matmul_f32_share(part->type, w, part->rows, k, x, n, out + column, out_stride, bias, row, me, threads);
         column += part->rows;
     }
+}
+
+/* Thread me of ``threads``' share of out[i * out_stride + column] = layer(x row i), i < n
+ * (x float32, C-contiguous): each activation format the parts need quantized once into
+ * ``scratch`` (linear_scratch_bytes of it, shared by the team; then a barrier), the
+ * parts' tiles shared among the threads. ``quantize`` 0: activations left in float32,
+ * each weight row expanded instead (the test-only reference product; the team's threads
+ * then need a row of k floats each, past the shared scratch: use one thread). */
+void linear_share(const int64_t *layer, const float *x, int64_t n, float *out, int64_t out_stride,
+                  int64_t quantize, uint8_t *scratch, team_barrier *barrier, int me, int threads) {
+    int64_t k = layer[1], inputs = quantize ? layer_inputs(layer) : 0;
+    int64_t *cursors = threads > 1 && threads <= MAX_TEAM ? (int64_t *)scratch : NULL;
+    uint8_t *rows = scratch + cursor_bytes(layer);
+    uint8_t *xq[2] = {rows, rows + n * activation_row_bytes(TYPE_Q8_0, k)}; /* 32-value, K formats */
+    if (cursors != NULL && me == 0) /* the previous operation is over (a barrier): nobody reads them now */
+        memset(cursors, 0, (size_t)(layer[0] * threads * CURSOR_STRIDE) * sizeof(int64_t));
+    for (int f = 0; f < 2; f++)
+        if (inputs >> f & 1) quantize_share(f ? TYPE_Q4_K : TYPE_Q8_0, x, n, k, xq[f], me, threads);
+    team_sync(barrier, threads); /* the rows quantized, the cursors zeroed */
+    layer_rows_share(layer, x, xq, n, out, out_stride, quantize,
+                     (float *)(scratch + linear_scratch_bytes(layer, n) - k * (int64_t)sizeof(float)), me, threads,
+                     cursors);
 }
 
 /* The dense layer above, on its own: scratch from this thread's growing buffer, and up to
