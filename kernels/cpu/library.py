@@ -26,6 +26,7 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kernels.settings import settings
@@ -108,21 +109,10 @@ def missing_extensions(lib: ctypes.CDLL) -> list[str]:
 def _run_side_by_side(commands: list[list[str]], at_once: int) -> None:
     """Run ``commands``, up to ``at_once`` at a time; CalledProcessError (with the compiler's
     messages) for the first that fails."""
-    pending, running = list(commands), []
-    failed: subprocess.CalledProcessError | None = None
-    while pending or running:
-        while pending and len(running) < max(at_once, 1) and failed is None:
-            command = pending.pop(0)
-            running.append((command, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                      text=True)))
-        command, process = running.pop(0)
-        out, err = process.communicate()
-        if process.returncode and failed is None:
-            failed = subprocess.CalledProcessError(process.returncode, command, out, err)
-        if failed is not None:
-            pending.clear()
-    if failed is not None:
-        raise failed
+    with ThreadPoolExecutor(max_workers=max(at_once, 1)) as pool:
+        runs = [pool.submit(subprocess.run, c, check=True, capture_output=True, text=True) for c in commands]
+        for run in runs:
+            run.result()
 
 
 def find_compiler() -> str | None:
