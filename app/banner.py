@@ -53,7 +53,8 @@ def format_banner(
             "  KV cache   none (an encoder keeps nothing between steps); "
             if ready.kv_cache_dtype == "none" else
             f"  KV cache   {ready.num_gpu_blocks:,} blocks x {ready.block_size} tokens = {tokens:,} tokens"
-            + (f" of {ready.kv_cache_dtype}" if ready.kv_cache_dtype else "") + "; "
+            + (f" of {ready.kv_cache_dtype}" if ready.kv_cache_dtype else "")
+            + "".join(f" (+{n:,} for sliding-window layers)" for n in ready.window_group_blocks) + "; "
         )
         + f"max_model_len {ready.max_model_len:,}" + (f"; in each of {engines} engines" if engines > 1 else ""),
         f"  transport  {transport} ({_TRANSPORTS.get(transport, transport)})",

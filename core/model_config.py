@@ -136,14 +136,6 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Mixtral, Qwen2-MoE, Qwen3-MoE: the layers whose MLP is a mixture of experts, and its shape.
     moe: MoEConfig | None = None
 
-    @property
-    def window_of_every_layer(self) -> int | None:
-        """The sliding window when every layer has it (Mistral): the KV cache may then drop what
-        no layer will read again. None when some layer attends to the whole context."""
-        if not self.sliding_window or any(self.layer_window(i) == 0 for i in range(self.num_layers)):
-            return None
-        return self.sliding_window
-
     def layer_window(self, index: int) -> int:
         """Layer ``index``'s sliding window, 0 where it attends to the whole context."""
         if not self.sliding_window or self.layer_types and self.layer_types[index] != "sliding_attention":

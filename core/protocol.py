@@ -559,6 +559,8 @@ class HandshakeReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     dtype: str = ""  # the model's compute dtype, e.g. "float32" (for the start-up banner)
     kv_cache_dtype: str = ""  # what the KV cache holds, e.g. "float16"
     device: str = ""  # e.g. "cpu", "cuda:0"
+    # Blocks of the other KV cache groups (sliding-window layers beside whole-context ones).
+    window_group_blocks: list[int] = []
 
 
 class EngineDeadError(RuntimeError):

@@ -1,33 +1,39 @@
 """Which KV cache blocks each request holds, and which prefixes are cached.
 
-A request's block list only grows while it runs (one more block each time its
-token count crosses a block boundary) and is released whole when it finishes
-or is preempted. The manager never touches tensors: block ids are all the
-model runner needs to find the slots.
+The layers of a model fall into KV cache groups (core/kv/kv_groups.py): those that
+read the whole context, and each sliding window's layers. Every group has its own
+pool of blocks and gives each request its own block table; the manager keeps them in
+step, so that a request is admitted, grows, hits the prefix cache and is freed in all
+of them at once. A model with one kind of layer has one group.
 
-With prefix caching a request starts from the longest run of its leading full
-blocks whose hashes are registered (``get_computed_blocks``); those blocks are
-shared, reference counted, and never written again, since only full blocks
-are registered and a request writes only past its computed tokens. Blocks are
-registered as soon as the tokens filling them are scheduled: the runner
-executes batches in order and, within a batch, every layer writes the whole
-batch's keys and values before attending, so a later reader never sees a
-block before its contents exist.
+A request's block list only grows while it runs (one more block each time its token
+count crosses a block boundary) and is released whole when it finishes or is
+preempted. The manager never touches tensors: block ids are all the model runner
+needs to find the slots.
 
-With a sliding window in every layer (``sliding_window``), a request's blocks
-wholly before the window of its next query are read by no layer again: they
-go back to the pool as the request advances (cached ones stay findable until
-evicted), and the null block takes their place in its table. The attention
-kernels never read a position before a query's window, so a table that still
-names such a block elsewhere (the runner's copy) is never read there.
+With prefix caching a request starts from the longest run of its leading full blocks
+whose hashes are registered (``get_computed_blocks``); those blocks are shared,
+reference counted, and never written again, since only full blocks are registered and
+a request writes only past its computed tokens. Blocks are registered as soon as the
+tokens filling them are scheduled: the runner executes batches in order and, within a
+batch, every layer writes the whole batch's keys and values before attending, so a
+later reader never sees a block before its contents exist.
+
+In a sliding window's group, a request's blocks wholly before the window of its next
+query are read by no layer again: they go back to the pool as the request advances
+(cached ones stay findable until evicted), and the null block takes their place in its
+table. A prefix hit there needs only the blocks of the window before the hit: the
+earlier ones may be long evicted. The attention kernels never read a position before
+a query's window, so a table that still names such a block elsewhere (the runner's
+copy) is never read there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import islice
 
+from core.kv.block_hash import BlockHash
 from core.kv.block_pool import BlockPool, KVCacheBlock
 from core.request import Request
 from core.utils import cdiv
@@ -50,36 +56,148 @@ class PrefixCacheStats:
         self.hits += num_hit_tokens
 
 
-_NO_BLOCKS: tuple[KVCacheBlock, ...] = ()
+# Blocks per group: what get_computed_blocks finds and allocate_slots hands out.
+GroupBlocks = list[list[KVCacheBlock]]
+_NO_BLOCKS: GroupBlocks = []
 
 
-class KVCacheManager:
-    def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool = False, sliding_window: int | None = None
-    ) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+class _Group:
+    """One KV cache group: its pool, and each request's block table in it."""
+
+    def __init__(self, num_blocks: int, block_size: int, window: int, enable_caching: bool) -> None:
+        self.pool = BlockPool(num_blocks, enable_caching)
         self.block_size = block_size
-        self.enable_caching = enable_caching
-        self.sliding_window = sliding_window
-        # Per request (sliding window): how many of its leading blocks are the null block now.
-        self.num_skipped: dict[str, int] = {}
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.window = window  # 0: the group's layers read the whole context
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Per request: how many of its leading blocks are registered in the cache.
         self.num_cached_block: dict[str, int] = {}
+        # Per request (a window's group): how many of its leading blocks are the null block now.
+        self.num_skipped: dict[str, int] = {}
+
+    def first_kept(self, position: int) -> int:
+        """How many leading blocks the query at ``position`` does not read (it sees keys from
+        ``position - window + 1`` on)."""
+        return max(0, position - self.window + 1) // self.block_size if self.window else 0
+
+    def longest_hit(self, block_hashes: Sequence[BlockHash], limit: int) -> int:
+        """The most leading blocks (at most ``limit``) this group can start a request from:
+        every block the next query reads is cached."""
+        lookup = self.pool.cached_block_hash_to_block.get
+        run = best = 0  # cached blocks ending at block i; the longest hit so far
+        for i in range(limit):
+            run = run + 1 if lookup(block_hashes[i]) is not None else 0
+            if run == 0 and not self.window:
+                break  # the whole context's hits are one unbroken run from the start
+            if run >= i + 1 - self.first_kept((i + 1) * self.block_size):
+                best = i + 1
+        return best
+
+    def hit_blocks(self, block_hashes: Sequence[BlockHash], num_blocks: int) -> list[KVCacheBlock]:
+        """The table of a hit of ``num_blocks`` blocks: the null block where the window has passed."""
+        skipped = self.first_kept(num_blocks * self.block_size)
+        lookup = self.pool.cached_block_hash_to_block.__getitem__
+        return [self.pool.null_block] * skipped + [lookup(h) for h in block_hashes[skipped:num_blocks]]
+
+    def num_to_allocate(
+        self, req_id: str, total: int, computed: Sequence[KVCacheBlock], num_computed: int
+    ) -> int | None:
+        """New blocks to hold ``total`` tokens after adopting ``computed``; None when the pool
+        cannot supply them (hits on free blocks take those out of the free queue; blocks
+        leaving the request's window before the query at ``num_computed`` come back to it)."""
+        blocks = self.req_to_blocks.get(req_id, ())
+        num_needed = cdiv(total, self.block_size) - len(blocks) - len(computed)
+        null = self.pool.null_block
+        num_revived = sum(1 for b in computed if b.ref_cnt == 0 and b is not null)
+        num_released = 0
+        if self.window and blocks:
+            leaving = blocks[self.num_skipped.get(req_id, 0) : self.first_kept(num_computed)]
+            num_released = sum(1 for b in leaving if b.ref_cnt == 1)
+        if num_needed > self.pool.free_block_queue.num_free_blocks + num_released - num_revived:
+            return None
+        return num_needed
+
+    def allocate(
+        self, request: Request, total: int, num_needed: int, computed: Sequence[KVCacheBlock], num_computed: int
+    ) -> list[KVCacheBlock]:
+        req_id = request.request_id
+        blocks = self.req_to_blocks.setdefault(req_id, [])
+        pool = self.pool
+        if computed:
+            null = pool.null_block
+            skipped = sum(1 for b in computed if b is null)  # the leading ones: out of the window
+            pool.touch(computed[skipped:])
+            blocks.extend(computed)
+            self.num_cached_block[req_id] = len(blocks)
+            if skipped:
+                self.num_skipped[req_id] = skipped
+        if self.window:
+            self._skip_out_of_window(req_id, blocks, num_computed)
+        new_blocks = pool.get_new_blocks(num_needed) if num_needed > 0 else []
+        blocks.extend(new_blocks)
+        if pool.enable_caching:
+            # Only known tokens have hashes: a placeholder's block is not full yet.
+            num_full = min(total, request.num_tokens) // self.block_size
+            num_cached = self.num_cached_block.get(req_id, 0)
+            if num_full > num_cached:
+                pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full)
+                self.num_cached_block[req_id] = num_full
+        return new_blocks
+
+    def _skip_out_of_window(self, req_id: str, blocks: list[KVCacheBlock], num_computed: int) -> None:
+        """Free the blocks wholly before the window of the query at ``num_computed`` (the first
+        position this step computes)."""
+        first_kept = self.first_kept(num_computed)
+        skipped = self.num_skipped.get(req_id, 0)
+        if first_kept <= skipped:
+            return
+        pool, null = self.pool, self.pool.null_block
+        pool.free_blocks(blocks[i] for i in range(skipped, first_kept))
+        blocks[skipped:first_kept] = [null] * (first_kept - skipped)
+        self.num_skipped[req_id] = first_kept
+
+    def free(self, req_id: str) -> None:
+        """Release every block of the request, the tail first: a prompt's last blocks are the
+        least likely to be shared, so they are evicted first."""
+        self.num_cached_block.pop(req_id, None)
+        skipped = self.num_skipped.pop(req_id, 0)
+        blocks = self.req_to_blocks.pop(req_id, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks[skipped:]))
+
+
+class KVCacheManager:
+    """The block tables of every request in every KV cache group: ``num_blocks[g]`` blocks of
+    ``block_size`` tokens in group g, whose layers see ``windows[g]`` positions (0: all)."""
+
+    def __init__(
+        self, num_blocks: Sequence[int], block_size: int, enable_caching: bool = False,
+        windows: Sequence[int] = (0,),
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if len(num_blocks) != len(windows):
+            raise ValueError(f"{len(num_blocks)} block counts for {len(windows)} KV cache groups")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.groups = [_Group(n, block_size, w, enable_caching) for n, w in zip(num_blocks, windows)]
         self.prefix_cache_stats = PrefixCacheStats()
 
     @property
+    def block_pool(self) -> BlockPool:
+        """The first group's pool: the whole-context layers' where there are any."""
+        return self.groups[0].pool
+
+    @property
     def usage(self) -> float:
-        return self.block_pool.get_usage()
+        """The fullest group's share of its blocks in use."""
+        return max(group.pool.get_usage() for group in self.groups)
 
     def get_num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Cached blocks holding the longest prefix of the request's tokens, and
-        how many tokens they cover (a multiple of the block size).
+    def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
+        """Cached blocks holding the longest prefix of the request's tokens that every group
+        can start from, per group, and how many tokens they cover (a multiple of the block size).
 
         At least one token is always left to compute, since the step that
         computes it is the one that samples the next token: a prompt cached
@@ -90,102 +208,75 @@ class KVCacheManager:
         if not self.enable_caching or (
             request.sampling_params.prompt_logprobs is not None and not request.output_token_ids
         ):
-            return [], 0  # prompt logprobs (not delivered yet) need the logits of every prompt position
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        lookup = self.block_pool.cached_block_hash_to_block.get
-        hits: list[KVCacheBlock] = []
-        for block_hash in islice(request.block_hashes, max_hit_blocks):
-            block = lookup(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+            return _NO_BLOCKS, 0  # prompt logprobs (not delivered yet) need the logits of every prompt position
+        hashes = request.block_hashes
+        num_blocks = min((request.num_tokens - 1) // self.block_size, len(hashes))
+        # A window's group may start from a hit of n blocks but not from a shorter one (its
+        # window there was evicted): shorten until every group agrees.
+        agreed = False
+        while num_blocks and not agreed:
+            agreed = True
+            for group in self.groups:
+                hit = group.longest_hit(hashes, num_blocks)
+                agreed &= hit == num_blocks
+                num_blocks = hit
+        if not num_blocks:
+            return _NO_BLOCKS, 0
+        return [group.hit_blocks(hashes, num_blocks) for group in self.groups], num_blocks * self.block_size
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: Sequence[KVCacheBlock] = _NO_BLOCKS,
+        new_computed_blocks: GroupBlocks = _NO_BLOCKS,
         num_new_computed_tokens: int = 0,
-    ) -> list[KVCacheBlock] | None:
+    ) -> GroupBlocks | None:
         """Make room for ``num_new_tokens`` after the request's computed tokens
         (``request.num_computed_tokens`` plus ``num_new_computed_tokens`` found
-        in the cache as ``new_computed_blocks``).
+        in the cache as ``new_computed_blocks``, per group).
 
-        Returns the newly allocated blocks (often none: the last block still
-        has room), or None when the pool cannot supply them; the request's
-        table is then unchanged and the caller must free memory (preempt) or
+        Returns the newly allocated blocks per group (often none: the last block still
+        has room), or None when some group's pool cannot supply them; the request's
+        tables are then unchanged and the caller must free memory (preempt) or
         wait. Full blocks among the tokens now scheduled are registered in
         the prefix cache.
         """
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
         req_id = request.request_id
-        blocks = self.req_to_blocks.get(req_id)
-        if blocks is None:
-            blocks = self.req_to_blocks[req_id] = []
-        bs = self.block_size
-        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_needed = cdiv(total, bs) - len(blocks) - len(new_computed_blocks)
-        pool = self.block_pool
-        if new_computed_blocks:
-            # Hits on free blocks take them out of the free queue: they are
-            # not available as new blocks any more.
-            num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-            if num_needed > pool.free_block_queue.num_free_blocks - num_revived:
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        total = num_computed + num_new_tokens
+        computed = new_computed_blocks or [()] * len(self.groups)
+        needed = []
+        for group, hits in zip(self.groups, computed):
+            num_needed = group.num_to_allocate(req_id, total, hits, num_computed)
+            if num_needed is None:
                 return None
-            pool.touch(new_computed_blocks)
-            blocks.extend(new_computed_blocks)
-            self.num_cached_block[req_id] = len(blocks)
-        elif num_needed > pool.free_block_queue.num_free_blocks:
-            return None
-        if self.sliding_window is not None:
-            self._skip_out_of_window(req_id, blocks, request.num_computed_tokens + num_new_computed_tokens)
-        if num_needed > 0:
-            new_blocks = pool.get_new_blocks(num_needed)
-            blocks.extend(new_blocks)
-        else:
-            new_blocks = []
-        if self.enable_caching:
-            # Only known tokens have hashes: a placeholder's block is not full yet.
-            num_full = min(total, request.num_tokens) // bs
-            num_cached = self.num_cached_block.get(req_id, 0)
-            if num_full > num_cached:
-                pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full)
-                self.num_cached_block[req_id] = num_full
-        return new_blocks
-
-    def _skip_out_of_window(self, req_id: str, blocks: list[KVCacheBlock], num_computed: int) -> None:
-        """Free the blocks wholly before the window of the query at ``num_computed`` (the first
-        position this step computes: it sees keys from ``num_computed - window + 1`` on)."""
-        first_kept = max(0, num_computed - self.sliding_window + 1) // self.block_size
-        skipped = self.num_skipped.get(req_id, 0)
-        if first_kept <= skipped:
-            return
-        pool, null = self.block_pool, self.block_pool.null_block
-        pool.free_blocks(blocks[i] for i in range(skipped, first_kept))
-        blocks[skipped:first_kept] = [null] * (first_kept - skipped)
-        self.num_skipped[req_id] = first_kept
+            needed.append(num_needed)
+        return [
+            group.allocate(request, total, num_needed, hits, num_computed)
+            for group, num_needed, hits in zip(self.groups, needed, computed)
+        ]
 
     def free(self, request: Request) -> None:
-        """Release every block of the request (a no-op when it holds none).
-
-        The tail goes back to the pool first: a prompt's last blocks are the
-        least likely to be shared, so they are evicted first. Cached blocks
-        keep their hash in the free queue until they are reused.
-        """
-        self.num_cached_block.pop(request.request_id, None)
-        skipped = self.num_skipped.pop(request.request_id, 0)
-        blocks = self.req_to_blocks.pop(request.request_id, None)
-        if blocks:
-            self.block_pool.free_blocks(reversed(blocks[skipped:]))
+        """Release every block of the request (a no-op when it holds none). Cached blocks
+        keep their hash in the free queue until they are reused."""
+        for group in self.groups:
+            group.free(request.request_id)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing done) while blocks are in use."""
-        return self.block_pool.reset_prefix_cache()
+        if any(g.pool.get_num_free_blocks() != g.pool.num_usable_blocks for g in self.groups):
+            return False
+        return all([group.pool.reset_prefix_cache() for group in self.groups])
 
-    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
-        return self.req_to_blocks.get(request_id, [])
+    def holds_requests(self) -> bool:
+        """Whether any request holds blocks or registered-block counts."""
+        return any(group.req_to_blocks or group.num_cached_block for group in self.groups)
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+    def get_blocks(self, request_id: str) -> GroupBlocks:
+        return [group.req_to_blocks.get(request_id, []) for group in self.groups]
+
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's block table in each group."""
+        return [[block.block_id for block in group.req_to_blocks.get(request_id, ())] for group in self.groups]

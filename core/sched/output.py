@@ -21,13 +21,14 @@ class NewRequestData:
     """A request the runner must (re)create: new, or resumed after preemption.
 
     ``token_ids`` is every token known so far (prompt, plus the outputs of a
-    resumed request), ``block_ids`` its whole block table.
+    resumed request), ``block_ids`` its whole block table in each KV cache group
+    (core/kv/kv_groups.py; one group for most models).
     """
 
     req_id: str
     token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]
     num_computed_tokens: int
     # The prompt as embeddings [num_prompt_tokens, hidden] (token_ids then
     # start with that many placeholders).
@@ -46,8 +47,8 @@ class CachedRequestData:
     """Deltas for requests the runner already holds, index-aligned lists."""
 
     req_ids: list[str] = field(default_factory=list)
-    # Blocks appended to the request's table this step (empty when none).
-    new_block_ids: list[Sequence[int]] = field(default_factory=list)
+    # Blocks appended to the request's table in each KV cache group this step (empty when none).
+    new_block_ids: list[Sequence[Sequence[int]]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
 

@@ -49,6 +49,7 @@ from collections.abc import Iterable, Sequence
 from core.config import EngineConfig
 from core.kv.block_hash import RequestBlockHasher
 from core.kv.kv_cache_manager import KVCacheManager
+from core.kv.kv_groups import KVCacheGroups
 from core.protocol import (
     EngineCoreEventType,
     EngineCoreOutput,
@@ -73,7 +74,7 @@ from core.utils import cdiv
 
 _RUNNING = RequestStatus.RUNNING
 _NO_DRAFTS: list[int] = []
-_NO_BLOCK_IDS: tuple[int, ...] = ()
+_NO_BLOCK_IDS: tuple[list[int], ...] = ()  # no new block in any KV cache group
 
 
 def _budget_reached(request: Request, placeholders: int) -> bool:
@@ -98,7 +99,7 @@ class _StepPlan:
         self.token_budget = token_budget
         self.num_scheduled_tokens: dict[str, int] = {}
         self.spec_tokens: dict[str, list[int]] = {}  # drafts scheduled for verification
-        self.new_block_ids: dict[str, Sequence[int]] = {}
+        self.new_block_ids: dict[str, list[list[int]]] = {}  # per KV cache group
         self.running: list[Request] = []  # scheduled requests the runner already holds
         self.new: list[Request] = []  # first-time and resumed requests
         self.preempted: list[Request] = []
@@ -121,7 +122,7 @@ class Scheduler:
     def __init__(
         self,
         config: EngineConfig,
-        num_gpu_blocks: int,
+        num_gpu_blocks: Sequence[int],
         structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         self.max_model_len = config.max_model_len
@@ -133,20 +134,21 @@ class Scheduler:
         self.policy = config.scheduling_policy
         # The most distinct LoRA adapters in one step (None: LoRA is off).
         self.max_loras = config.max_loras if config.enable_lora else None
+        # One block count per KV cache group (core/kv/kv_groups.py), whose windows the manager honours.
+        groups = KVCacheGroups.of(config.model_config)
         self.kv_cache_manager = KVCacheManager(
-            num_gpu_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
-            sliding_window=config.model_config.window_of_every_layer,
+            num_gpu_blocks, config.block_size, enable_caching=config.enable_prefix_caching, windows=groups.windows,
         )
         # Shared by every request: hashes each full block once, as it fills.
         self.block_hasher = RequestBlockHasher(config.block_size) if config.enable_prefix_caching else None
-        # Preempting everything else must always let a request run alone to
-        # max_model_len, or a long request could wait forever.
-        needed = cdiv(self.max_model_len, self.block_size)
-        if self.kv_cache_manager.block_pool.num_usable_blocks < needed:
-            raise ValueError(
-                f"{num_gpu_blocks} KV cache blocks (one reserved) cannot hold one request of "
-                f"max_model_len={self.max_model_len} ({needed} blocks of {self.block_size} tokens)"
-            )
+        # Preempting everything else must always let a request run alone to max_model_len.
+        for index, group in enumerate(self.kv_cache_manager.groups):
+            needed = groups.least_blocks(index, self.block_size, self.max_num_scheduled_tokens, self.max_model_len)
+            if group.pool.num_usable_blocks < needed:
+                raise ValueError(
+                    f"{group.pool.num_blocks} KV cache blocks (one reserved) cannot hold one request of "
+                    f"max_model_len={self.max_model_len} ({needed} blocks of {self.block_size} tokens)"
+                )
 
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = create_request_queue(self.policy)
@@ -389,8 +391,8 @@ class Scheduler:
                 continue
             req_id = request.request_id
             plan.running.append(request)
-            if new_blocks:
-                plan.new_block_ids[req_id] = [b.block_id for b in new_blocks]
+            if any(new_blocks):
+                plan.new_block_ids[req_id] = [[b.block_id for b in group] for group in new_blocks]
             plan.num_scheduled_tokens[req_id] = num_new_tokens
             plan.token_budget -= num_new_tokens
             if drafts:  # those the budget left room for follow the known tokens

@@ -54,11 +54,18 @@ _KERNEL_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 class _Layer:
-    """One decoder layer's operations, with its KV caches as raw pointers."""
+    """One decoder layer's operations, with its KV caches, and its KV cache group's staged
+    slots and block tables (core/kv/kv_groups.py), as raw pointers."""
 
-    def __init__(self, ops: tuple[LayerOp, ...], kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def __init__(
+        self, ops: tuple[LayerOp, ...], kv_cache: tuple[torch.Tensor, torch.Tensor], buffers: InputBuffers
+    ) -> None:
         self.ops = ops
         self.k_cache, self.v_cache = (c.data_ptr() for c in kv_cache)
+        window = next((op.window for op in ops if isinstance(op, Attention)), 0)
+        group = buffers.group_of(window)
+        self.slots = buffers.group_slots[group].np.ctypes.data
+        self.tables = buffers.group_tables[group].np.ctypes.data
 
 
 class CpuStepProgram:
@@ -117,7 +124,7 @@ class CpuStepProgram:
             if id(op.rotary) not in self._rotary:
                 self._tables.append(op.rotary.tables(torch.device("cpu"), torch.float32))
                 self._rotary[id(op.rotary)] = tuple(t.data_ptr() for t in self._tables[-1])
-        self.layers = [_Layer(ops, kv) for ops, kv in zip(recipe.layers, kv_caches, strict=True)]
+        self.layers = [_Layer(ops, kv, buffers) for ops, kv in zip(recipe.layers, kv_caches, strict=True)]
         # Where LoRA adapters are attached, every product has a slot reading one batch: the first tells.
         self._first_product = next(op.linear for op in recipe.layers[0] if isinstance(op, Product))
         self.qkv_width = (self.heads + 2 * self.kv_heads) * self.head_dim
@@ -161,10 +168,7 @@ class CpuStepProgram:
             "hidden", "normed", "qkv", "attn", "proj", "gate_up", "act", "router", "scratch", "row_ids", "seq_lens",
             "head_norms", "chunk_tables", "chunk_lens", "query_tables", "query_lens")}
         b = self.buffers
-        self._ptr.update(
-            positions=b.positions.np.ctypes.data, slots=b.slot_mapping.np.ctypes.data,
-            tables=b.block_tables.np.ctypes.data,
-        )
+        self._ptr.update(positions=b.positions.np.ctypes.data)
         self._views: dict[int, dict[str, np.ndarray]] = {}
         self._steps = self._compile()
 
@@ -187,7 +191,7 @@ class CpuStepProgram:
         """Logits [n, vocab] (float32) of the n decodes whose inputs the runner staged."""
         self.seq_lens[:n] = self.buffers.seq_lens.np[:n]
         p = self._ptr
-        rows_p, lens_p, scratch_p, tables_p = p["row_ids"], p["seq_lens"], p["scratch"], p["tables"]
+        rows_p, lens_p, scratch_p = p["row_ids"], p["seq_lens"], p["scratch"]
         lib, table_stride = self.lib, self._table_stride
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         qkv_p, attn_p, width = p["qkv"], p["attn"], self.qkv_width
@@ -195,7 +199,7 @@ class CpuStepProgram:
         def attend(op: Attention, layer: _Layer) -> None:
             lib.paged_decode_attention(
                 qkv_p, width, rows_p, n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache, self.kv_format,
-                self.block_size, tables_p, table_stride, rows_p, lens_p, op.window, op.scale, attn_p,
+                self.block_size, layer.tables, table_stride, rows_p, lens_p, op.window, op.scale, attn_p,
                 heads * head_dim, scratch_p, self.scratch_stride, self.threads,
             )
 
@@ -227,7 +231,7 @@ class CpuStepProgram:
         def attend(op: Attention, layer: _Layer) -> None:
             lib.paged_decode_attention(
                 qkv_p, width, p["row_ids"], n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache,
-                self.kv_format, self.block_size, p["tables"], table_stride, p["query_tables"], p["query_lens"],
+                self.kv_format, self.block_size, layer.tables, table_stride, p["query_tables"], p["query_lens"],
                 op.window, op.scale, attn_p, heads * head_dim, p["scratch"], self.scratch_stride, self.threads,
             )
 
@@ -255,12 +259,12 @@ class CpuStepProgram:
             kv_floats, _ = cpu.prefill_scratch(seq_len, kv_heads, head_dim, threads)
             if self._kv_scratch.size < kv_floats:
                 self._kv_scratch = np.zeros(kv_floats, np.float32)
-            kv_p, table_p = self._kv_scratch.ctypes.data, p["tables"]
+            kv_p = self._kv_scratch.ctypes.data
 
             def attend(op: Attention, layer: _Layer) -> None:
                 lib.paged_prefill_attention(
                     qkv_p, width, n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache, self.kv_format,
-                    block_size, table_p, seq_len, op.window, op.scale, attn_p, out_stride, kv_p, p["scratch"],
+                    block_size, layer.tables, seq_len, op.window, op.scale, attn_p, out_stride, kv_p, p["scratch"],
                     threads,
                 )
         else:  # one query at a time, each over the context up to its own position
@@ -270,7 +274,7 @@ class CpuStepProgram:
             def attend(op: Attention, layer: _Layer) -> None:
                 lib.paged_decode_attention(
                     qkv_p, width, rows_p, n, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache, self.kv_format,
-                    block_size, p["tables"], self._table_stride, tables_p, lens_p, op.window, op.scale, attn_p,
+                    block_size, layer.tables, self._table_stride, tables_p, lens_p, op.window, op.scale, attn_p,
                     out_stride, p["scratch"], self.scratch_stride, threads,
                 )
 
@@ -298,7 +302,7 @@ class CpuStepProgram:
         lib, p = self.lib, self._ptr
         size, eps, width, inter = self.hidden_size, self.eps, self.qkv_width, self.intermediate
         hidden_p, normed_p, qkv_p, proj_p = p[HIDDEN], p[NORMED], p[QKV], p[PROJ]
-        positions_p, slots_p = p["positions"], p["slots"]
+        positions_p = p["positions"]
 
         def residual_norm(op: ResidualNorm, pending: bool) -> Callable[..., None]:
             w = op.norm.weight.data_ptr()
@@ -323,7 +327,8 @@ class CpuStepProgram:
 
             def run(n: int, views: object, attend: Callable[[Attention, _Layer], None], adapted: bool) -> None:
                 lib.rotary(qkv_p, n, width, heads + kv_heads, d, cos, sin, positions_p)
-                lib.write_kv(k_p, width, v_p, width, n, row, layer.k_cache, layer.v_cache, slots_p, self.kv_format)
+                lib.write_kv(k_p, width, v_p, width, n, row, layer.k_cache, layer.v_cache, layer.slots,
+                             self.kv_format)
                 attend(op, layer)
             return run
 
@@ -555,10 +560,10 @@ class NativeStepProgram(CpuStepProgram):
         cos, sin = self._rotary[id(op.rotary)]
         program.add(Op.ROTARY, p[QKV], width, heads + kv_heads, head_dim, cos, sin, p["positions"])
         program.add(Op.WRITE_KV, p[QKV] + k_offset, width, p[QKV] + v_offset, width, kv_heads * head_dim,
-                    layer.k_cache, layer.v_cache, p["slots"], self.kv_format)
+                    layer.k_cache, layer.v_cache, layer.slots, self.kv_format)
         if kind.startswith("chunk") and self._chunk_kernel:
             program.add(Op.PREFILL_ATTENTION, p[QKV], width, heads, kv_heads, head_dim, layer.k_cache,
-                        layer.v_cache, self.kv_format, self.block_size, p["tables"], op.scale, p[ATTN],
+                        layer.v_cache, self.kv_format, self.block_size, layer.tables, op.scale, p[ATTN],
                         heads * head_dim, self._kv_scratch.ctypes.data, p["scratch"], op.window)
             return
         # decodes, or a chunk's queries one at a time (each over the context to its position)
@@ -566,6 +571,6 @@ class NativeStepProgram(CpuStepProgram):
             "decode": (p["row_ids"], p["seq_lens"]), "queries": (p["query_tables"], p["query_lens"]),
         }.get(kind, (p["chunk_tables"], p["chunk_lens"]))
         program.add(Op.DECODE_ATTENTION, p[QKV], width, p["row_ids"], heads, kv_heads, head_dim,
-                    layer.k_cache, layer.v_cache, self.kv_format, self.block_size, p["tables"],
+                    layer.k_cache, layer.v_cache, self.kv_format, self.block_size, layer.tables,
                     self._table_stride, tables, lens, op.scale, p[ATTN], heads * head_dim, p["scratch"],
                     self.scratch_stride, op.window)

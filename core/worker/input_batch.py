@@ -9,6 +9,8 @@ row into the hole so rows stay dense.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -25,6 +27,7 @@ class InputBatch:
         vocab_size: int,
         device: torch.device | None = None,
         processed_logprobs: bool = False,
+        num_kv_groups: int = 1,
     ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
@@ -33,8 +36,9 @@ class InputBatch:
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # Per KV cache group: each row's block table, and how many blocks it holds.
+        self.block_tables = [np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32) for _ in range(num_kv_groups)]
+        self.num_blocks = np.zeros((num_kv_groups, max_num_reqs), dtype=np.int64)
         self.lora_ids = np.zeros(max_num_reqs, dtype=np.int64)  # each row's LoRA adapter (0: none)
         # Sampling parameters and history per row; generators are seeded once
         # per request and survive preemption (see ``park_request``).
@@ -58,9 +62,9 @@ class InputBatch:
         self.token_ids[row, :n] = new.token_ids
         self.num_tokens[row] = n
         self.num_computed_tokens[row] = new.num_computed_tokens
-        nb = len(new.block_ids)
-        self.block_table[row, :nb] = new.block_ids
-        self.num_blocks[row] = nb
+        for group, block_ids in enumerate(new.block_ids):
+            self.block_tables[group][row, : len(block_ids)] = block_ids
+            self.num_blocks[group, row] = len(block_ids)
         self.lora_ids[row] = new.lora_int_id
         params = new.sampling_params
         gen = self.parked_generators.pop(new.req_id, None)
@@ -106,20 +110,23 @@ class InputBatch:
             self.token_ids[row, :n] = self.token_ids[last, :n]
             self.num_tokens[row] = n
             self.num_computed_tokens[row] = self.num_computed_tokens[last]
-            nb = self.num_blocks[last]
-            self.block_table[row, :nb] = self.block_table[last, :nb]
-            self.num_blocks[row] = nb
+            for group, table in enumerate(self.block_tables):
+                nb = self.num_blocks[group, last]
+                table[row, :nb] = table[last, :nb]
+                self.num_blocks[group, row] = nb
             self.lora_ids[row] = self.lora_ids[last]
         self.req_ids.pop()
         self.prompt_embeds.pop()
 
-    def append_blocks(self, req_id: str, block_ids: list[int]) -> None:
+    def append_blocks(self, req_id: str, block_ids: Sequence[Sequence[int]]) -> None:
+        """Blocks appended to the request's table in each KV cache group (none: nothing new)."""
         if not block_ids:
             return
         row = self.req_id_to_index[req_id]
-        start = self.num_blocks[row]
-        self.block_table[row, start : start + len(block_ids)] = block_ids
-        self.num_blocks[row] = start + len(block_ids)
+        for group, ids in enumerate(block_ids):
+            start = self.num_blocks[group, row]
+            self.block_tables[group][row, start : start + len(ids)] = ids
+            self.num_blocks[group, row] = start + len(ids)
 
     def append_token(self, row: int, token_id: int) -> bool:
         """Append a sampled token; False (and nothing kept) once the row is at max_model_len."""

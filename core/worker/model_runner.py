@@ -39,6 +39,7 @@ import torch
 
 from core import envs
 from core.config import CPU_KV_CACHE_MEMORY, CPU_KV_CACHE_MIN_MEMORY, EngineConfig
+from core.kv.kv_groups import KVCacheGroups
 from core.models.loader import load_model, resolve_dtype, resolve_kv_dtype
 from core.protocol import LoRARequest, SamplingParams
 from core.sched.output import (
@@ -116,13 +117,17 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
         self.max_blocks_per_req = math.ceil(self.max_model_len / self.block_size)
+        self.kv_groups = KVCacheGroups.of(self.model_config)  # layers by the span of context they read
         self.input_batch = InputBatch(
             config.max_num_seqs, self.max_model_len, self.max_blocks_per_req, self.model_config.vocab_size,
             self.device, processed_logprobs=config.logprobs_mode == "processed_logprobs",
+            num_kv_groups=self.kv_groups.num_groups,
         )
         self.prompt_logprobs = PromptLogprobs(self.input_batch, self.device)
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-        self.buffers = InputBuffers(max_tokens, config.max_num_seqs, self.max_blocks_per_req, self.device)
+        self.buffers = InputBuffers(
+            max_tokens, config.max_num_seqs, self.max_blocks_per_req, self.device, self.kv_groups.windows
+        )
         self.deferred = DeferredTokens()
         self.stager = Stager(self.input_batch, self.buffers, self.block_size, self.deferred, max_tokens)
         self.sampler = Sampler()
@@ -210,10 +215,13 @@ class ModelRunner:
         return row_width(self.kv_dtype, self.model_config.head_dim)
 
     def kv_bytes_per_block(self) -> int:
+        """Bytes of one block over every layer (K and V)."""
         return self.model_config.kv_bytes_per_block(self.block_size, self.kv_dtype.itemsize, self._kv_row())
 
-    def determine_num_blocks(self) -> int:
-        """Blocks for the KV cache: the override, else the memory budget.
+    def determine_num_blocks(self) -> tuple[int, ...]:
+        """Blocks for the KV cache, per KV cache group (core/kv/kv_groups.py): the override
+        (the first group's; a window's group gets what its windows can hold, at most as
+        many), else the memory budget.
 
         The budget is ``kv_cache_memory`` bytes when given. Otherwise, on CPU
         it is ``default_cpu_kv_budget()`` (or one full-length request, if more);
@@ -221,35 +229,48 @@ class ModelRunner:
         the profiled peak of the largest step (core/worker/gpu_memory.py); either is
         capped at what ``max_num_seqs`` full-length requests could ever use. Data-parallel
         engines on one host take one share each (the budget, or the GPU's
-        fraction, divided by their number).
+        fraction, divided by their number). A window's group takes what its requests'
+        windows can hold; the layers that keep every block share the rest.
         """
-        if self.config.num_gpu_blocks_override is not None:
-            return self.config.num_gpu_blocks_override
+        cfg, groups = self.config, self.kv_groups
+        most: list[int | None] = [
+            groups.most_blocks(g, self.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                               self.max_blocks_per_req)
+            for g in range(groups.num_groups)
+        ]
+        least = [
+            groups.least_blocks(g, self.block_size, cfg.max_num_batched_tokens, self.max_model_len) + 1
+            for g in range(groups.num_groups)
+        ]
+        if cfg.num_gpu_blocks_override is not None:
+            first = cfg.num_gpu_blocks_override
+            return (first, *(min(first, n) for n in most[1:]))
         if self.encoder:  # blocks count the step's tokens only: no memory behind them
-            return self.config.max_num_seqs * self.max_blocks_per_req + 1
+            return tuple(most)
         per_block = self.kv_bytes_per_block()
-        share = self.config.engines_on_this_host  # data-parallel engines split the budget
-        if self.config.kv_cache_memory is not None:
-            budget = self.config.kv_cache_memory // share
+        share = cfg.engines_on_this_host  # data-parallel engines split the budget
+        if cfg.kv_cache_memory is not None:
+            budget = cfg.kv_cache_memory // share
+            # Past what max_num_seqs full-length requests can hold, blocks only keep evicted
+            # prefixes: a given budget is spent on them all the same.
+            most[0] = None
         elif self.device.type == "cuda":
-            utilization = self.config.gpu_memory_utilization / share
+            utilization = cfg.gpu_memory_utilization / share
             budget = gpu_kv_cache_budget(self.device, utilization, self.profile_run)
         else:
             # Never less than one request of max_model_len: a model whose context is long (a
             # GGUF file's, 32k and more) serves out of the box, one full-length request at a time.
             budget = max(default_cpu_kv_budget() // share, (self.max_blocks_per_req + 1) * per_block)
-        num_blocks = max(budget, 0) // per_block
-        if self.config.kv_cache_memory is None:
-            # Past what max_num_seqs full-length requests can hold, blocks only keep evicted
-            # prefixes; a small model on a large GPU would otherwise get tens of millions.
-            num_blocks = min(num_blocks, self.config.max_num_seqs * self.max_blocks_per_req + 1)
-        if num_blocks < self.max_blocks_per_req + 1:
+        layer_blocks = max(budget, 0) // (per_block // self.model_config.num_layers)
+        num_blocks = groups.split(layer_blocks, least, most)
+        if groups.layer_blocks(num_blocks) > layer_blocks:
+            held = layer_blocks // self.model_config.num_layers
             raise ValueError(
-                f"KV cache too small: {num_blocks} blocks of {self.block_size} tokens cannot hold "
+                f"KV cache too small: {held} blocks of {self.block_size} tokens cannot hold "
                 f"one request of max_model_len={self.max_model_len}; raise the memory budget or "
                 "lower --max-model-len"
             )
-        return int(num_blocks)
+        return num_blocks
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -271,11 +292,12 @@ class ModelRunner:
         b.wait_for_copies()
         b.input_ids.np[:total] = 0
         b.positions.np[:total] = np.arange(total) - np.repeat(cu - counts, counts)
-        b.slot_mapping.np[:total] = -1
+        for slots, tables in zip(b.group_slots, b.group_tables):
+            slots.np[:total] = -1
+            tables.np[:num_reqs] = 0
         b.query_start_loc.np[0] = 0
         b.query_start_loc.np[1 : num_reqs + 1] = cu
         b.seq_lens.np[:num_reqs] = counts
-        b.block_tables.np[:num_reqs] = 0
         # Speculative decoding: a logits row per draft too (the last tokens of the step stand in).
         num_logits = min(total, num_reqs * ((self.speculator.k if self.speculator else 0) + 1))
         b.logits_indices.np[:num_logits] = np.arange(total - num_logits, total)
@@ -292,18 +314,18 @@ class ModelRunner:
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
         self.sampler(logits, sampling_metadata([params] * num_logits, logits.shape[-1], device=self.device))
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: tuple[int, ...]) -> None:
+        """Each layer's K and V caches, of its KV cache group's ``num_blocks``."""
         if self.encoder:
             return  # an encoder keeps nothing between steps
-        shape = (num_blocks, *self._kv_shape())
         zeros = _mapped_zeros if self.device.type == "cpu" else partial(torch.zeros, device=self.device)
-        self.kv_caches = [
-            (zeros(shape, dtype=self.kv_dtype), zeros(shape, dtype=self.kv_dtype))
-            for _ in range(self.model_config.num_layers)
-        ]
+        self.kv_caches = []
+        for group in self.kv_groups.layer_group:
+            shape = (num_blocks[group], *self._kv_shape())
+            self.kv_caches.append((zeros(shape, dtype=self.kv_dtype), zeros(shape, dtype=self.kv_dtype)))
         self._build_cpu_program()
         if self.speculator is not None:
-            self.speculator.start_proposer(num_blocks)
+            self.speculator.start_proposer(num_blocks[0])
         if self.pooling is None and self._gpu_pads_decodes():
             sizes = decode_batch_sizes(self.config.max_num_seqs, self.config.max_num_batched_tokens)
             self.decode_graphs = DecodeGraphs(sizes)

@@ -12,6 +12,7 @@ are copied into place there.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -145,11 +146,13 @@ class Stager:
         if lora is not None:
             lora.stage(batch.lora_ids[rows], starts, counts, decode_only=total == num_reqs)
         b.input_ids.np[:total] = batch.token_ids[tok_rows, positions]
-        b.slot_mapping.np[:total] = batch.block_table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        block_index, offsets = positions // bs, positions % bs
+        for table, slots, staged_tables in zip(batch.block_tables, b.group_slots, b.group_tables):
+            np.add(table[tok_rows, block_index].astype(np.int64) * bs, offsets, out=slots.np[:total])
+            np.take(table, rows, axis=0, out=staged_tables.np[:num_reqs])
         b.query_start_loc.np[0] = 0
         b.query_start_loc.np[1 : num_reqs + 1] = cu
         b.seq_lens.np[:num_reqs] = seq_lens
-        np.take(batch.block_table, rows, axis=0, out=b.block_tables.np[:num_reqs])
         if decode_size is not None:
             b.fill_decode_padding(num_reqs, decode_size)
         if num_drafts is None:
@@ -192,7 +195,7 @@ class Stager:
         ``may_pad=False`` promises that no slot is negative (no filler rows)."""
         b = self.buffers
         seq_lens_cpu = b.seq_lens.np[:num_reqs].tolist()
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             slot_mapping=b.slot_mapping.to_device(num_tokens),
             query_start_loc=b.query_start_loc.to_device(num_reqs + 1),
             seq_lens=b.seq_lens.to_device(num_reqs),
@@ -203,6 +206,11 @@ class Stager:
             seq_lens_cpu=seq_lens_cpu,
             may_pad=may_pad,
         )
+        for window, slots, tables in zip(b.kv_windows[1:], b.group_slots[1:], b.group_tables[1:]):
+            meta.by_window[window] = dataclasses.replace(
+                meta, slot_mapping=slots.to_device(num_tokens), block_tables=tables.to_device(num_reqs), by_window={},
+            )
+        return meta
 
     def _fill_deferred_inputs(self, input_ids: torch.Tensor, staged: Staged) -> None:
         """Overwrite placeholder inputs with their sampled ids, device to device."""

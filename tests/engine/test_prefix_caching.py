@@ -28,7 +28,7 @@ def admit(manager: KVCacheManager, req: Request) -> int:
 
 
 def block_ids(manager: KVCacheManager, req: Request) -> list[int]:
-    return manager.get_block_ids(req.request_id)
+    return manager.get_block_ids(req.request_id)[0]
 
 
 # ------------------------------------------------------------------ hashing
@@ -70,20 +70,20 @@ def test_hashes_agree_on_a_shared_prefix_and_diverge_after_it() -> None:
 
 
 def test_lookup_finds_the_longest_cached_prefix() -> None:
-    manager = KVCacheManager(num_blocks=16, block_size=BS, enable_caching=True)
+    manager = KVCacheManager(num_blocks=(16,), block_size=BS, enable_caching=True)
     a = request("a", list(range(12)))
     assert admit(manager, a) == 0
     b = request("b", list(range(8)) + [99, 98, 97, 96, 95])  # shares two blocks, then differs
     blocks, num_cached = manager.get_computed_blocks(b)
-    assert num_cached == 8 and [blk.block_id for blk in blocks] == block_ids(manager, a)[:2]
+    assert num_cached == 8 and [blk.block_id for blk in blocks[0]] == block_ids(manager, a)[:2]
     assert admit(manager, b) == 8
     assert block_ids(manager, b)[:2] == block_ids(manager, a)[:2]
     assert block_ids(manager, b)[2:] != block_ids(manager, a)[2:]
-    assert [blk.ref_cnt for blk in manager.get_blocks("a")] == [2, 2, 1]
+    assert [blk.ref_cnt for blk in manager.get_blocks("a")[0]] == [2, 2, 1]
 
 
 def test_a_miss_ends_the_hit_even_if_later_blocks_are_cached() -> None:
-    manager = KVCacheManager(num_blocks=16, block_size=BS, enable_caching=True)
+    manager = KVCacheManager(num_blocks=(16,), block_size=BS, enable_caching=True)
     admit(manager, request("a", list(range(12))))
     # Block 0 differs: blocks 1 and 2 hash differently (chained), nothing is found.
     _, num_cached = manager.get_computed_blocks(request("b", [77, 1, 2, 3] + list(range(4, 12)) + [1]))
@@ -91,7 +91,7 @@ def test_a_miss_ends_the_hit_even_if_later_blocks_are_cached() -> None:
 
 
 def test_a_fully_cached_prompt_still_computes_its_last_block() -> None:
-    manager = KVCacheManager(num_blocks=16, block_size=BS, enable_caching=True)
+    manager = KVCacheManager(num_blocks=(16,), block_size=BS, enable_caching=True)
     admit(manager, request("a", list(range(8)) + [50]))
     # Exactly two full blocks, both cached: at least one token must be computed,
     # and blocks are shared whole, so the second block is recomputed.
@@ -103,7 +103,7 @@ def test_a_fully_cached_prompt_still_computes_its_last_block() -> None:
 
 
 def test_without_prefix_caching_nothing_is_computed_or_hashed() -> None:
-    manager = KVCacheManager(num_blocks=8, block_size=BS, enable_caching=False)
+    manager = KVCacheManager(num_blocks=(8,), block_size=BS, enable_caching=False)
     a = request("a", list(range(9)))
     admit(manager, a)
     assert manager.get_computed_blocks(request("b", list(range(9)))) == ([], 0)
@@ -114,7 +114,7 @@ def test_without_prefix_caching_nothing_is_computed_or_hashed() -> None:
 
 
 def test_freed_blocks_stay_cached_and_are_evicted_least_recently_used_first() -> None:
-    manager = KVCacheManager(num_blocks=7, block_size=BS, enable_caching=True)  # 6 usable
+    manager = KVCacheManager(num_blocks=(7,), block_size=BS, enable_caching=True)  # 6 usable
     a, b, c = (request(n, [ord(n)] * 8 + [0]) for n in "abc")  # 2 full blocks + 1 partial each
     admit(manager, a)
     admit(manager, b)
@@ -132,7 +132,7 @@ def test_freed_blocks_stay_cached_and_are_evicted_least_recently_used_first() ->
 
 
 def test_eviction_order_follows_free_order_tail_blocks_first() -> None:
-    manager = KVCacheManager(num_blocks=9, block_size=BS, enable_caching=True)  # 8 usable
+    manager = KVCacheManager(num_blocks=(9,), block_size=BS, enable_caching=True)  # 8 usable
     old = request("old", [1] * 8 + [0])  # 2 full blocks + 1 partial
     new = request("new", [2] * 8 + [0])
     admit(manager, old)
@@ -152,12 +152,12 @@ def test_eviction_order_follows_free_order_tail_blocks_first() -> None:
 
 
 def test_shared_blocks_are_not_evicted_while_referenced() -> None:
-    manager = KVCacheManager(num_blocks=9, block_size=BS, enable_caching=True)  # 8 usable
+    manager = KVCacheManager(num_blocks=(9,), block_size=BS, enable_caching=True)  # 8 usable
     a = request("a", list(range(9)))
     b = request("b", list(range(8)) + [42])
     admit(manager, a)
     assert admit(manager, b) == 8
-    shared = manager.get_blocks("b")[:2]
+    shared = manager.get_blocks("b")[0][:2]
     manager.free(a)  # the shared blocks are still held by b
     assert all(blk.ref_cnt == 1 for blk in shared)
     # Exhaust the pool: every free block goes, the shared ones cannot.
@@ -171,7 +171,7 @@ def test_shared_blocks_are_not_evicted_while_referenced() -> None:
 
 
 def test_a_block_computed_twice_is_registered_once() -> None:
-    manager = KVCacheManager(num_blocks=16, block_size=BS, enable_caching=True)
+    manager = KVCacheManager(num_blocks=(16,), block_size=BS, enable_caching=True)
     a, b = request("a", list(range(9))), request("b", list(range(9)))
     # Both allocate before either registers: the scheduler does this when both
     # are admitted in one step before any lookup sees the other's blocks.
@@ -179,7 +179,7 @@ def test_a_block_computed_twice_is_registered_once() -> None:
     assert manager.allocate_slots(b, 9) is not None
     pool = manager.block_pool
     assert pool.get_num_cached_blocks() == 2
-    assert [blk.block_hash is not None for blk in manager.get_blocks("b")] == [False, False, False]
+    assert [blk.block_hash is not None for blk in manager.get_blocks("b")[0]] == [False, False, False]
     manager.free(a)
     manager.free(b)
     assert pool.get_num_free_blocks() == pool.num_usable_blocks and pool.get_num_cached_blocks() == 2
@@ -189,7 +189,7 @@ def test_a_block_computed_twice_is_registered_once() -> None:
 
 
 def test_cache_salt_separates_identical_prompts() -> None:
-    manager = KVCacheManager(num_blocks=32, block_size=BS, enable_caching=True)
+    manager = KVCacheManager(num_blocks=(32,), block_size=BS, enable_caching=True)
     tokens = list(range(13))
     admit(manager, request("t1", tokens, salt="tenant-1"))
     assert manager.get_computed_blocks(request("t1b", tokens, salt="tenant-1"))[1] == 12
@@ -201,7 +201,7 @@ def test_cache_salt_separates_identical_prompts() -> None:
 
 
 def test_reset_prefix_cache_is_refused_while_blocks_are_in_use() -> None:
-    manager = KVCacheManager(num_blocks=16, block_size=BS, enable_caching=True)
+    manager = KVCacheManager(num_blocks=(16,), block_size=BS, enable_caching=True)
     a = request("a", list(range(9)))
     admit(manager, a)
     assert not manager.reset_prefix_cache()
@@ -261,7 +261,7 @@ def test_requests_admitted_in_one_step_share_blocks_scheduled_in_that_step() -> 
     h.step()
     so = h.steps[0]
     assert so.num_scheduled_tokens == {"a": 14, "bb": 2}  # bb reuses a's first 3 blocks
-    blocks = {n.req_id: n.block_ids for n in so.scheduled_new_reqs}
+    blocks = {n.req_id: n.block_ids[0] for n in so.scheduled_new_reqs}
     assert blocks["a"][:3] == blocks["bb"][:3]
     h.run()
     assert h.results["bb"].token_ids == expected_outputs("bb", 14, 2)
@@ -298,7 +298,7 @@ def test_shared_prefixes_in_a_tiny_pool_all_finish_with_the_right_tokens(pipelin
     for req_id, (prefix, suffix, max_tokens) in specs.items():
         assert h.results[req_id].token_ids == expected_outputs(req_id, prefix + suffix, max_tokens)
     h.assert_no_leak()
-    assert h.scheduler.kv_cache_manager.num_cached_block == {}
+    assert not h.scheduler.kv_cache_manager.holds_requests()
 
 
 def test_scheduler_reset_prefix_cache_refuses_while_running_unless_told() -> None:

@@ -146,7 +146,7 @@ def test_many_requests_in_a_tiny_pool_all_finish_through_preemption() -> None:
 
 def test_pool_too_small_for_one_full_length_request_is_rejected() -> None:
     with pytest.raises(ValueError, match="cannot hold one request"):
-        Scheduler(make_config(max_model_len=17, block_size=4), num_gpu_blocks=5)
+        Scheduler(make_config(max_model_len=17, block_size=4), num_gpu_blocks=(5,))
 
 
 # ------------------------------------------------------------------ stop conditions
@@ -220,7 +220,7 @@ def test_abort_frees_blocks_at_once_and_is_idempotent() -> None:
     h.add(make_request("wait", 4, max_tokens=20))
     h.step()
     assert h.scheduler.get_request_counts() == (1, 1)
-    assert h.scheduler.kv_cache_manager.get_block_ids("run") == [1, 2, 3]
+    assert h.scheduler.kv_cache_manager.get_block_ids("run") == [[1, 2, 3]]
     h.scheduler.finish_requests(["run", "wait"], RequestStatus.FINISHED_ABORTED)
     h.scheduler.finish_requests(["run", "never-seen"], RequestStatus.FINISHED_ABORTED)
     h.scheduler.finish_requests("wait", RequestStatus.FINISHED_ABORTED)
@@ -280,7 +280,7 @@ def test_partial_prefill_yields_no_output_and_outputs_go_to_their_client() -> No
 
 
 def test_duplicate_request_id_is_rejected() -> None:
-    scheduler = Scheduler(make_config(), 40)
+    scheduler = Scheduler(make_config(), (40,))
     scheduler.add_request(make_request("a", 3))
     with pytest.raises(ValueError, match="already"):
         scheduler.add_request(make_request("a", 3))

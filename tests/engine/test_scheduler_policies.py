@@ -278,7 +278,7 @@ def test_abort_while_in_flight_drops_the_tokens_and_frees_at_once() -> None:
     so2 = h.schedule()
     out2 = h.runner.execute(so2)
     h.scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
-    assert h.scheduler.kv_cache_manager.get_block_ids("a") == []
+    assert h.scheduler.kv_cache_manager.get_block_ids("a") == [[]]
     assert [o.request_id for o in h.update(so1, out1)] == ["b"]
     assert [o.request_id for o in h.update(so2, out2)] == ["b"]
     h.run_pipelined()

@@ -6,8 +6,9 @@ norms a layer scaling by 1 + w, a scaled embedding, query_pre_attn_scalar). The
 windows are far shorter than the prompts, so a window applied wrongly (or not at
 all) changes the tokens: ``test_the_window_changes_the_oracles_tokens`` shows the
 tests would see it. Through the engine: chunked prefill mixed with decodes, prefix
-caching hits, preemption, and n-gram speculation with its rollbacks; Mistral's blocks
-out of every layer's window are freed as its requests advance.
+caching hits, preemption, and n-gram speculation with its rollbacks; blocks out of a
+window are freed as requests advance (Mistral's in every layer; Gemma 3's local layers
+keep a block table, and a smaller pool, of their own: core/kv/kv_groups.py).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def test_the_window_changes_the_oracles_tokens(family) -> None:
 
 
 def _engine_greedy(path: str, prompts: list[list[int]], **args) -> tuple[list[list[int]], LLM]:
-    llm = LLM(path, dtype="float32", device="cpu", block_size=4, max_num_seqs=8, **args)
+    llm = LLM(path, **{"dtype": "float32", "device": "cpu", "block_size": 4, "max_num_seqs": 8, **args})
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     return [r.token_ids for r in llm.generate(prompts, params)], llm
 
@@ -131,5 +132,31 @@ def test_prefix_cache_hits_keep_windowed_attention_exact(family) -> None:
         rest = llm.generate(prompts[1:], params)
         assert all(r.num_cached_tokens >= 24 for r in rest)
         assert [first.token_ids, *(r.token_ids for r in rest)] == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    finally:
+        llm.shutdown()
+
+
+def test_local_layers_keep_only_their_window(family) -> None:
+    """The local layers' pool holds what the running requests' windows can (two requests'
+    windows of 8 tokens with a block either side, one step's 16 tokens and the null block:
+    2 * (2 + 2) + 4 + 1 = 13 blocks of 4); the global layers take the rest of the budget.
+    A 52-token request then fits only because its local blocks go back as its window moves
+    (12 usable blocks hold 48 tokens), and the tokens still equal the oracle's."""
+    name, hf, path = family
+    cfg = hf.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    layer_block_bytes = 2 * 4 * cfg.num_key_value_heads * head_dim * 4  # K and V, 4 tokens, float32
+    prompts = _prompts(cfg.vocab_size, (40, 30, 17))
+    tokens, llm = _engine_greedy(
+        path, prompts, max_num_seqs=2, max_num_batched_tokens=16, kv_cache_dtype="float32",
+        kv_cache_memory=300 * layer_block_bytes,
+    )
+    try:
+        blocks = llm.engine.engine_core.kv_group_blocks
+        if name == "gemma3":  # two local layers and a global one
+            assert blocks == (300 - 2 * 13, 13)
+        else:  # Mistral: every layer windowed, one group, the whole budget
+            assert blocks == (300 // cfg.num_hidden_layers,)
+        assert tokens == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
     finally:
         llm.shutdown()

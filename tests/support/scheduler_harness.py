@@ -80,12 +80,12 @@ class FakeRunner:
             if new.req_id in self.history:  # resumed: nothing may be lost
                 had = self.history[new.req_id]
                 assert new.token_ids == (had if self.strict_resume else had[: len(new.token_ids)])
-            self.reqs[new.req_id] = RunnerState(list(new.token_ids), new.num_computed_tokens, list(new.block_ids))
+            self.reqs[new.req_id] = RunnerState(list(new.token_ids), new.num_computed_tokens, list(new.block_ids[0]))
         cached = so.scheduled_cached_reqs
         for req_id, blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             state = self.reqs[req_id]
             assert state.num_computed_tokens == computed
-            state.block_ids += blocks
+            state.block_ids += blocks[0] if blocks else []  # the one KV cache group of its models
 
         live_blocks = [b for s in self.reqs.values() for b in s.block_ids]
         assert 0 not in live_blocks, "the null block was handed out"
@@ -164,7 +164,7 @@ class Harness:
 
     def __init__(self, config: EngineConfig, num_blocks: int, token_fn: TokenFn = default_token) -> None:
         self.config = config
-        self.scheduler = Scheduler(config, num_blocks)
+        self.scheduler = Scheduler(config, (num_blocks,))
         self.runner = FakeRunner(config.block_size, token_fn, self.scheduler.kv_cache_manager.block_pool)
         self.steps: list[SchedulerOutput] = []
         self.results: dict[str, Result] = {}
@@ -238,7 +238,7 @@ class Harness:
         pool = self.scheduler.kv_cache_manager.block_pool
         assert pool.get_num_free_blocks() == pool.num_usable_blocks
         assert all(b.ref_cnt == 0 for b in pool.blocks)
-        assert self.scheduler.kv_cache_manager.req_to_blocks == {}
+        assert not self.scheduler.kv_cache_manager.holds_requests()
 
 
 def expected_outputs(req_id: str, num_prompt_tokens: int, n: int) -> list[int]:
