@@ -70,7 +70,6 @@ from core.sched.request_queue import create_request_queue
 from core.structured.manager import StructuredOutputManager
 from core.structured.reasoning import forced_rows, rows_in_reasoning
 from core.structured.reasoning import valid_drafts as valid_reasoning_drafts
-from core.utils import cdiv
 
 _RUNNING = RequestStatus.RUNNING
 _NO_DRAFTS: list[int] = []
