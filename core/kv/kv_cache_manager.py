@@ -59,6 +59,7 @@ class PrefixCacheStats:
 # Blocks per group: what get_computed_blocks finds and allocate_slots hands out.
 GroupBlocks = list[list[KVCacheBlock]]
 _NO_BLOCKS: GroupBlocks = []
+_NO_HITS: tuple[KVCacheBlock, ...] = ()
 
 
 class _Group:
@@ -104,23 +105,26 @@ class _Group:
         """New blocks to hold ``total`` tokens after adopting ``computed``; None when the pool
         cannot supply them (hits on free blocks take those out of the free queue; blocks
         leaving the request's window before the query at ``num_computed`` come back to it)."""
-        blocks = self.req_to_blocks.get(req_id, ())
-        num_needed = cdiv(total, self.block_size) - len(blocks) - len(computed)
-        null = self.pool.null_block
-        num_revived = sum(1 for b in computed if b.ref_cnt == 0 and b is not null)
-        num_released = 0
+        blocks = self.req_to_blocks.get(req_id)
+        num_needed = cdiv(total, self.block_size) - (len(blocks) if blocks else 0) - len(computed)
+        if num_needed <= 0 and not computed:
+            return num_needed  # the common decode: its last block still has room
+        available = self.pool.free_block_queue.num_free_blocks
+        if computed:
+            null = self.pool.null_block
+            available -= sum(1 for b in computed if b.ref_cnt == 0 and b is not null)  # revived hits
         if self.window and blocks:
             leaving = blocks[self.num_skipped.get(req_id, 0) : self.first_kept(num_computed)]
-            num_released = sum(1 for b in leaving if b.ref_cnt == 1)
-        if num_needed > self.pool.free_block_queue.num_free_blocks + num_released - num_revived:
-            return None
-        return num_needed
+            available += sum(1 for b in leaving if b.ref_cnt == 1)
+        return num_needed if num_needed <= available else None
 
     def allocate(
         self, request: Request, total: int, num_needed: int, computed: Sequence[KVCacheBlock], num_computed: int
     ) -> list[KVCacheBlock]:
         req_id = request.request_id
-        blocks = self.req_to_blocks.setdefault(req_id, [])
+        blocks = self.req_to_blocks.get(req_id)
+        if blocks is None:
+            blocks = self.req_to_blocks[req_id] = []
         pool = self.pool
         if computed:
             null = pool.null_block
@@ -132,8 +136,11 @@ class _Group:
                 self.num_skipped[req_id] = skipped
         if self.window:
             self._skip_out_of_window(req_id, blocks, num_computed)
-        new_blocks = pool.get_new_blocks(num_needed) if num_needed > 0 else []
-        blocks.extend(new_blocks)
+        if num_needed > 0:
+            new_blocks = pool.get_new_blocks(num_needed)
+            blocks.extend(new_blocks)
+        else:
+            new_blocks = []
         if pool.enable_caching:
             # Only known tokens have hashes: a placeholder's block is not full yet.
             num_full = min(total, request.num_tokens) // self.block_size
@@ -246,16 +253,24 @@ class KVCacheManager:
         req_id = request.request_id
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         total = num_computed + num_new_tokens
-        computed = new_computed_blocks or [()] * len(self.groups)
+        groups = self.groups
+        if len(groups) == 1:  # most models: no lists of lists to build on the way
+            group = groups[0]
+            hits = new_computed_blocks[0] if new_computed_blocks else _NO_HITS
+            num_needed = group.num_to_allocate(req_id, total, hits, num_computed)
+            if num_needed is None:
+                return None
+            return [group.allocate(request, total, num_needed, hits, num_computed)]
+        computed = new_computed_blocks or [_NO_HITS] * len(groups)
         needed = []
-        for group, hits in zip(self.groups, computed):
+        for group, hits in zip(groups, computed):
             num_needed = group.num_to_allocate(req_id, total, hits, num_computed)
             if num_needed is None:
                 return None
             needed.append(num_needed)
         return [
             group.allocate(request, total, num_needed, hits, num_computed)
-            for group, num_needed, hits in zip(self.groups, needed, computed)
+            for group, num_needed, hits in zip(groups, needed, computed)
         ]
 
     def free(self, request: Request) -> None:
