@@ -69,7 +69,7 @@ class Supervisor:
     def __init__(self, frontend: FrontendConfig, config: EngineConfig, sock: socket.socket) -> None:
         self.config = config
         self.num_servers = frontend.scale_out.api_server_count
-        self.num_engines = config.data_parallel_size
+        self.num_engines = config.parallel_config.data_parallel_size
         self.ctx = multiprocessing.get_context("spawn")
         self.metrics_dir = tempfile.mkdtemp(prefix="ringllm-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir  # inherited by the API servers

@@ -68,7 +68,7 @@ class AsyncLLM:
                 self.engine_core = (AsyncInprocClient if in_process else AsyncMPClient)(config)
             self.tokenizer = tokenizer.result()
         self.max_model_len = self.engine_core.max_model_len
-        self.data_parallel_size = config.data_parallel_size
+        self.data_parallel_size = config.parallel_config.data_parallel_size
         self.served_model_name = config.served_model_name
         self.chat_template = chat_template
         self.input_processor = InputProcessor.from_config(config, self.tokenizer)
@@ -78,11 +78,11 @@ class AsyncLLM:
             self.served_model_name,
             self.max_model_len,
             {
-                "block_size": config.block_size,
+                "block_size": config.cache_config.block_size,
                 "num_gpu_blocks": self.engine_core.num_gpu_blocks,
-                "enable_prefix_caching": config.enable_prefix_caching,
-                "cache_dtype": config.kv_cache_dtype,
-                "gpu_memory_utilization": config.gpu_memory_utilization,
+                "enable_prefix_caching": config.cache_config.enable_prefix_caching,
+                "cache_dtype": config.cache_config.kv_cache_dtype,
+                "gpu_memory_utilization": config.cache_config.gpu_memory_utilization,
             },
             self.engine_core.transport_stats,
             log_stats=config.log_stats,

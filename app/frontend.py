@@ -92,7 +92,7 @@ async def serve(
         max_num_waiting=frontend.max_num_waiting,
         stream_stall_timeout=frontend.stream_stall_timeout,
     )
-    admission = Admission(engine.config.max_num_seqs, limits.max_num_waiting, limits.retry_after_s)
+    admission = Admission(engine.config.scheduler_config.max_num_seqs, limits.max_num_waiting, limits.retry_after_s)
     try:
         app = build_app(
             engine, engine.served_model_name, engine.max_model_len, frontend.api_key, frontend.chat_template,

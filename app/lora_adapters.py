@@ -38,12 +38,12 @@ class LoRARegistry:
 
     def __init__(self, config: EngineConfig | None, served_model_name: str) -> None:
         self.config = config
-        self.enabled = config is not None and config.enable_lora
+        self.enabled = config is not None and config.lora_config is not None
         self.served_model_name = served_model_name
         self.adapters: dict[str, LoRARequest] = {}
         self.parents: dict[str, str] = {}
-        modules = config.lora_modules if self.enabled else []
-        for module, request in zip(modules, config.lora_requests() if self.enabled else []):
+        modules = config.lora_config.lora_modules if self.enabled else []
+        for module, request in zip(modules, config.lora_config.lora_requests() if self.enabled else []):
             self.adapters[request.lora_name] = request
             self.parents[request.lora_name] = module.base_model_name or served_model_name
         self._numbers = itertools.count(len(self.adapters) + 1)
@@ -73,7 +73,8 @@ class LoRARegistry:
             raise BadRequestError(f"'{name}' is the base model's name.", "lora_name")
         assert self.config is not None
         try:  # the files' headers only: a bad adapter never reaches the engine
-            await asyncio.to_thread(read_adapter_spec, path, self.config.model_config, self.config.max_lora_rank)
+            max_rank = self.config.lora_config.max_lora_rank
+            await asyncio.to_thread(read_adapter_spec, path, self.config.model_config, max_rank)
         except LoRAAdapterError as exc:
             raise BadRequestError(str(exc), "lora_path") from None
         request = LoRARequest(name, next(self._numbers), path)

@@ -49,8 +49,9 @@ def scale_out_error(scale: ScaleOutConfig, engine: EngineArgs) -> str | None:
 
 def start_engines(scale: ScaleOutConfig, config: EngineConfig) -> AsyncMPClient | DPAsyncMPClient:
     """Start this frontend's engines (not waiting for them); RuntimeError/ValueError if Ray is unusable."""
-    local = config.data_parallel_size_local
-    if config.data_parallel_size == 1 and not scale.restart_dead_engines and scale.data_parallel_backend == "mp":
+    parallel = config.parallel_config
+    local = parallel.data_parallel_size_local
+    if parallel.data_parallel_size == 1 and not scale.restart_dead_engines and scale.data_parallel_backend == "mp":
         from core.client import AsyncMPClient
 
         return AsyncMPClient(config, wait=False)
@@ -62,7 +63,7 @@ def start_engines(scale: ScaleOutConfig, config: EngineConfig) -> AsyncMPClient 
 
         resources = None if scale.ray_engine_resources is None else list(scale.ray_engine_resources)
         launcher = RayLauncher(engine_configs(config)[0], resources)
-    elif local is not None and local < config.data_parallel_size:
+    elif local is not None and local < parallel.data_parallel_size:
         from core.headless import HeadLauncher
 
         launcher = HeadLauncher(config, scale.data_parallel_address, scale.data_parallel_rpc_port, 0, local)
@@ -78,8 +79,10 @@ def run_headless_host(scale: ScaleOutConfig, config: EngineConfig) -> int:
     from core.headless import run_headless
 
     start = scale.data_parallel_start_rank
-    local = config.data_parallel_size_local or config.data_parallel_size - start
-    config = msgspec.structs.replace(config, data_parallel_size_local=local)
+    local = config.parallel_config.data_parallel_size_local or config.parallel_config.data_parallel_size - start
+    config = msgspec.structs.replace(
+        config, parallel_config=msgspec.structs.replace(config.parallel_config, data_parallel_size_local=local)
+    )
     configs = engine_configs(config)[start : start + local]
     assert scale.data_parallel_address is not None  # scale_out_error checked it
     return run_headless(configs, scale.data_parallel_address, scale.data_parallel_rpc_port)

@@ -64,7 +64,8 @@ def spawn_engine(
     config: EngineConfig, specs: list[TransportSpec], load_table: str | None = None
 ) -> multiprocessing.process.BaseProcess:
     """An EngineCore process (not started yet) with one link per frontend in ``specs``."""
-    name = f"EngineCore_DP{config.data_parallel_rank}" if config.data_parallel_size > 1 else "EngineCore"
+    parallel = config.parallel_config
+    name = f"EngineCore_DP{parallel.data_parallel_rank}" if parallel.data_parallel_size > 1 else "EngineCore"
     ctx = multiprocessing.get_context("spawn")
     return ctx.Process(
         target=run_engine_process, args=(config, specs, os.getpid(), load_table), name=name, daemon=True
@@ -362,7 +363,7 @@ class MPClient:
             self.transport = ClientTransport.adopt(spec)
             self.proc: Any = ForeignEngineProcess(pid)
         elif launcher is not None:
-            self.remote = not launcher.is_local(self.config.data_parallel_rank)
+            self.remote = not launcher.is_local(self.config.parallel_config.data_parallel_rank)
             if self.remote:
                 self.transport, spec = ClientTransport.create("zmq", tcp_host=launcher.frontend_host)
             else:

@@ -1,16 +1,20 @@
 """Engine configuration: what a user asks for (EngineArgs), and that resolved once (EngineConfig).
 
-``EngineArgs`` holds the settings as given (the command line builds it in
+``EngineArgs`` holds the settings as given, flat (the command line builds it in
 app/cli.py; tests and the offline ``LLM`` build it directly); fields left at
 ``None`` depend on the checkpoint. Each user-facing field carries its one
 description, a ``Knob`` (help text, --help section, what the command line
 needs to parse it); app/cli.py builds the ``--kebab-case`` options from the
 fields, defaults included, so a knob is written once. ``EngineArgs.resolve()``
 reads the checkpoint's architecture (core/model_config.py), fills those
-fields in, checks the limits fit together, concern by concern, and returns an
-``EngineConfig``: the same settings, frozen, with nothing left open.
-Everything below the entry points takes an EngineConfig and never resolves
-again. Both are msgspec Structs, so they cross to the engine process typed.
+fields in, and returns an ``EngineConfig``: the model as served, and one
+section per concern (``cache_config``, ``scheduler_config``,
+``parallel_config``, ``lora_config``, ``speculative_config``,
+``pooler_config``, ``structured_outputs_config``), each checking its own
+settings as it is made; what spans concerns (a chunk budget against the
+context, adapters against the model) is checked by ``resolve``. Everything
+below the entry points takes an EngineConfig and never resolves again. All
+are msgspec Structs, so they cross to the engine process typed.
 """
 
 from __future__ import annotations
@@ -217,6 +221,107 @@ class LoRAModule(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     base_model_name: str | None = None
 
 
+class CacheConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """The paged KV cache: block size, what it stores, and its budget (EngineArgs' cache knobs)."""
+
+    block_size: int
+    kv_cache_dtype: str
+    num_gpu_blocks_override: int | None
+    kv_cache_memory: int | None
+    gpu_memory_utilization: float
+    enable_prefix_caching: bool
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError(f"num_gpu_blocks_override must be >= 2 (one is the null block), "
+                             f"got {self.num_gpu_blocks_override}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """How requests share the engine's steps (EngineArgs' scheduler knobs)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    scheduling_policy: str
+    async_scheduling: bool
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+
+
+class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """Data parallelism: this engine's place among the engines, and its share of the host."""
+
+    data_parallel_size: int
+    data_parallel_rank: int
+    data_parallel_size_local: int | None
+    engine_threads: int | None
+
+    def __post_init__(self) -> None:
+        if self.data_parallel_size < 1 or not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank {self.data_parallel_rank} is not in 0..{self.data_parallel_size - 1}"
+            )
+        if self.engine_threads is not None and self.engine_threads < 1:
+            raise ValueError(f"engine_threads must be >= 1, got {self.engine_threads}")
+
+    @property
+    def engines_on_this_host(self) -> int:
+        return self.data_parallel_size_local or self.data_parallel_size
+
+
+class LoRAConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """Serving LoRA adapters (present only with --enable-lora): how many, how large, and
+    those served from start-up."""
+
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+    lora_modules: list[LoRAModule]
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
+        if self.max_lora_rank > MAX_LORA_RANK:  # a fused q/k/v adapter's ranks fit the C kernel's
+            raise ValueError(f"max_lora_rank must be <= {MAX_LORA_RANK}, got {self.max_lora_rank}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        names = [module.name for module in self.lora_modules]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"LoRA module name {name!r} is used twice")
+
+    def lora_requests(self) -> list[LoRARequest]:
+        """The --lora-modules adapters as the engine knows them: ids 1, 2, ... in order."""
+        return [LoRARequest(m.name, i, m.path) for i, m in enumerate(self.lora_modules, start=1)]
+
+
+class StructuredOutputsConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """Grammar-constrained decoding: the backend, and the JSON whitespace bound (None: none)."""
+
+    backend: str
+    max_whitespace: int | None
+
+    def __post_init__(self) -> None:
+        if self.backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(
+                f"structured_outputs_backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
+                f"got {self.backend!r}"
+            )
+        if self.max_whitespace is not None and self.max_whitespace < 1:
+            raise ValueError(f"structured_outputs_max_whitespace must be >= 1, got {self.max_whitespace}")
+
+
 class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
     """Everything the EngineCore needs to build its model, KV cache and scheduler,
     as asked for. ``model`` is a local Hugging Face directory. The fields are grouped
@@ -400,24 +505,32 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
         "observability and control",
     )] = False
 
-    @property
-    def engines_on_this_host(self) -> int:
-        return self.data_parallel_size_local or self.data_parallel_size
-
     def resolve(self) -> EngineConfig:
         """Read the checkpoint's architecture, fill in what depends on it, check that
         the limits fit together (ValueError, OSError for an unreadable checkpoint).
 
         A GGUF file (``model`` names it, or a directory holding one) is checked whole
-        first; its config and tokenizer are read from its metadata (core/models/gguf_checkpoint.py)."""
-        self._check_cache()
-        checkpoint = self._read_checkpoint()
+        first; its config and tokenizer are read from its metadata (core/models/gguf_checkpoint.py).
+        Each concern's section checks its own settings as it is made, before the checkpoint is read."""
+        sections = self._sections()
+        return self._resolved(self._read_checkpoint(), *sections)
+
+    def for_architecture(self, model_config: ModelConfig) -> EngineConfig:
+        """Resolved against ``model_config`` as given, with no checkpoint read: ``model`` and
+        ``tokenizer`` are taken as they are (a stand-in architecture, as the scheduler's tests use)."""
+        sections = self._sections()
+        checkpoint = _Checkpoint(self.model, self.tokenizer or self.model, self.load_format, model_config, gguf=False)
+        return self._resolved(checkpoint, *sections)
+
+    def _resolved(
+        self, checkpoint: _Checkpoint, cache: CacheConfig, scheduler: SchedulerConfig, parallel: ParallelConfig,
+        lora: LoRAConfig | None, outputs: StructuredOutputsConfig,
+    ) -> EngineConfig:
         model_config = checkpoint.model_config
         self._check_kv_layout(model_config)
         max_model_len = self._check_context(model_config)
         self._check_scheduler(model_config, max_model_len)
         self._check_outputs()
-        self._check_parallel()
         speculative, draft_model_config = self._check_speculative(model_config, checkpoint.tokenizer)
         pooler_config = self._pooler_config(model_config, None if checkpoint.gguf else checkpoint.model)
         chunked, prefix_caching, batched_tokens = self._pooling_limits(
@@ -425,29 +538,68 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
         )
         self._check_lora(model_config, pooler_config)
         return EngineConfig(
-            **{
-                **msgspec.structs.asdict(self),
-                "max_cpu_loras": self.max_cpu_loras or self.max_loras,
-                "model": checkpoint.model,
-                "load_format": checkpoint.load_format,
-                "max_model_len": max_model_len,
-                "enable_chunked_prefill": chunked,
-                "enable_prefix_caching": prefix_caching,
-                "max_num_batched_tokens": batched_tokens,
-                "pooler_config": pooler_config,
-                "served_model_name": self.served_model_name or self.model,
-                "tokenizer": checkpoint.tokenizer,
-                "speculative_config": speculative,
-            },
+            model=checkpoint.model,
+            served_model_name=self.served_model_name or self.model,
+            tokenizer=checkpoint.tokenizer,
+            dtype=self.dtype,
+            device=self.device,
+            load_format=checkpoint.load_format,
+            quantization=self.quantization,
+            seed=self.seed,
+            max_model_len=max_model_len,
+            enforce_eager=self.enforce_eager,
+            enable_prompt_embeds=self.enable_prompt_embeds,
+            logprobs_mode=self.logprobs_mode,
             model_config=model_config,
+            cache_config=msgspec.structs.replace(cache, enable_prefix_caching=prefix_caching),
+            scheduler_config=msgspec.structs.replace(
+                scheduler, enable_chunked_prefill=chunked, max_num_batched_tokens=batched_tokens
+            ),
+            parallel_config=parallel,
+            lora_config=lora,
+            speculative_config=speculative,
             draft_model_config=draft_model_config,
+            pooler_config=pooler_config,
+            structured_outputs_config=outputs,
+            transport=self.transport,
+            engine_cpu=self.engine_cpu,
+            engine_drain_timeout=self.engine_drain_timeout,
+            log_stats=self.log_stats,
+            enable_sleep_mode=self.enable_sleep_mode,
         )
 
-    def _check_cache(self) -> None:
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+    def _sections(
+        self,
+    ) -> tuple[CacheConfig, SchedulerConfig, ParallelConfig, LoRAConfig | None, StructuredOutputsConfig]:
+        """The concerns' own sections, each checking itself (ValueError)."""
+        cache = CacheConfig(
+            block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,
+            num_gpu_blocks_override=self.num_gpu_blocks_override, kv_cache_memory=self.kv_cache_memory,
+            gpu_memory_utilization=self.gpu_memory_utilization, enable_prefix_caching=self.enable_prefix_caching,
+        )
         if self.kv_cache_dtype == "q8_0" and self.device == "cuda":
             raise ValueError("--kv-cache-dtype q8_0 is read by the CPU kernels only: use it with --device cpu")
+        scheduler = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill, scheduling_policy=self.scheduling_policy,
+            async_scheduling=self.async_scheduling,
+        )
+        parallel = ParallelConfig(
+            data_parallel_size=self.data_parallel_size, data_parallel_rank=self.data_parallel_rank,
+            data_parallel_size_local=self.data_parallel_size_local, engine_threads=self.engine_threads,
+        )
+        lora = None
+        if self.enable_lora:
+            lora = LoRAConfig(
+                max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                max_cpu_loras=self.max_cpu_loras or self.max_loras, lora_modules=list(self.lora_modules),
+            )
+        elif self.lora_modules:
+            raise ValueError("--lora-modules needs --enable-lora")
+        outputs = StructuredOutputsConfig(
+            backend=self.structured_outputs_backend, max_whitespace=self.structured_outputs_max_whitespace
+        )
+        return cache, scheduler, parallel, lora, outputs
 
     def _check_kv_layout(self, model_config: ModelConfig) -> None:
         if self.kv_cache_dtype == "q8_0" and model_config.head_dim % 32:
@@ -493,32 +645,10 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(
                 "max_num_batched_tokens must be >= max_model_len without chunked prefill"
             )
-        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
 
     def _check_outputs(self) -> None:
-        """Logprobs and structured outputs."""
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
-        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
-            raise ValueError(
-                f"structured_outputs_backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
-                f"got {self.structured_outputs_backend!r}"
-            )
-        if self.structured_outputs_max_whitespace is not None and self.structured_outputs_max_whitespace < 1:
-            raise ValueError(
-                f"structured_outputs_max_whitespace must be >= 1, got {self.structured_outputs_max_whitespace}"
-            )
-
-    def _check_parallel(self) -> None:
-        if self.data_parallel_size < 1 or not 0 <= self.data_parallel_rank < self.data_parallel_size:
-            raise ValueError(
-                f"data_parallel_rank {self.data_parallel_rank} is not in 0..{self.data_parallel_size - 1}"
-            )
-        if self.engine_threads is not None and self.engine_threads < 1:
-            raise ValueError(f"engine_threads must be >= 1, got {self.engine_threads}")
 
     def _check_speculative(
         self, model_config: ModelConfig, tokenizer: str
@@ -568,27 +698,15 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
         return chunked, prefix_caching, batched_tokens
 
     def _check_lora(self, model_config: ModelConfig, pooler_config: PoolerConfig | None) -> None:
-        """The LoRA settings fit together, and every --lora-modules adapter fits the model."""
+        """LoRA fits the model, and every --lora-modules adapter does (the LoRA section checked the rest)."""
         if not self.enable_lora:
-            if self.lora_modules:
-                raise ValueError("--lora-modules needs --enable-lora")
             return
         if pooler_config is not None or model_config.encoder:
             raise ValueError("--enable-lora serves generative models; this one is served for pooling")
-        if self.max_loras < 1 or self.max_lora_rank < 1:
-            raise ValueError("max_loras and max_lora_rank must be >= 1")
-        if self.max_lora_rank > MAX_LORA_RANK:  # a fused q/k/v adapter's ranks fit the C kernel's
-            raise ValueError(f"max_lora_rank must be <= {MAX_LORA_RANK}, got {self.max_lora_rank}")
-        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
-            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
-        names: set[str] = set()
         served = self.served_model_name or self.model
         for module in self.lora_modules:
-            if module.name in names:
-                raise ValueError(f"LoRA module name {module.name!r} is used twice")
             if module.name == served:
                 raise ValueError(f"LoRA module name {module.name!r} is the served model's name")
-            names.add(module.name)
             if module.base_model_name is not None and module.base_model_name != served:
                 raise ValueError(
                     f"LoRA module {module.name!r} is for base model {module.base_model_name!r}, "
@@ -631,23 +749,39 @@ class _Checkpoint(NamedTuple):
     gguf: bool
 
 
-class EngineConfig(EngineArgs, kw_only=True, frozen=True):
-    """EngineArgs resolved against the checkpoint (``EngineArgs.resolve``): its typed
-    architecture, and no field left to be worked out."""
+class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """EngineArgs resolved against the checkpoint (``EngineArgs.resolve``): the model as served,
+    its typed architecture, and a section per concern, with no field left to be worked out."""
 
+    # The model as served: where it is read from, and how it runs.
+    model: str
     served_model_name: str
     tokenizer: str
+    dtype: str
+    device: str
+    load_format: str
+    quantization: str | None
+    seed: int
     max_model_len: int
-    model_config: ModelConfig
-    # The draft checkpoint's architecture (speculative method draft_model).
-    draft_model_config: ModelConfig | None = None
-    # A pooling model's pooler (embeddings, scores); None: the model generates.
-    pooler_config: PoolerConfig | None = None
-    max_cpu_loras: int = 1
-
-    def lora_requests(self) -> list[LoRARequest]:
-        """The --lora-modules adapters as the engine knows them: ids 1, 2, ... in order."""
-        return [LoRARequest(m.name, i, m.path) for i, m in enumerate(self.lora_modules, start=1)]
+    enforce_eager: bool
+    enable_prompt_embeds: bool
+    logprobs_mode: str
+    model_config: ModelConfig  # the checkpoint's architecture
+    # One section per concern.
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    lora_config: LoRAConfig | None  # None: LoRA is off
+    speculative_config: SpeculativeConfig | None  # None: no speculation
+    draft_model_config: ModelConfig | None  # the draft checkpoint's architecture (method draft_model)
+    pooler_config: PoolerConfig | None  # a pooling model's pooler (embeddings, scores); None: it generates
+    structured_outputs_config: StructuredOutputsConfig
+    # The engine process.
+    transport: str
+    engine_cpu: str
+    engine_drain_timeout: float
+    log_stats: bool
+    enable_sleep_mode: bool
 
     @property
     def is_pooling(self) -> bool:

@@ -79,7 +79,7 @@ class _DPEngine(AsyncMPClient):
         launcher: EngineLauncher | None = None,
     ) -> None:
         self.group = group
-        self.index = config.data_parallel_rank
+        self.index = config.parallel_config.data_parallel_rank
         self.loss_handled = False
         super().__init__(config, wait=False, load_table=load_table, adopt=adopt, launcher=launcher)
 
@@ -108,9 +108,15 @@ class EngineGroupSpec:
 
 def engine_configs(config: EngineConfig) -> list[EngineConfig]:
     """Each engine's config: its rank, and its share of the cores (unless set)."""
-    size = config.data_parallel_size
-    threads = config.engine_threads or max(1, len(os.sched_getaffinity(0)) // config.engines_on_this_host)
-    return [msgspec.structs.replace(config, data_parallel_rank=j, engine_threads=threads) for j in range(size)]
+    parallel = config.parallel_config
+    size = parallel.data_parallel_size
+    threads = parallel.engine_threads or max(1, len(os.sched_getaffinity(0)) // parallel.engines_on_this_host)
+    return [
+        msgspec.structs.replace(
+            config, parallel_config=msgspec.structs.replace(parallel, data_parallel_rank=j, engine_threads=threads)
+        )
+        for j in range(size)
+    ]
 
 
 class DPAsyncMPClient:
@@ -132,7 +138,7 @@ class DPAsyncMPClient:
         """``prefix_affinity``: let a request follow its longest prefix already routed to
         an engine that is not much busier than the least loaded (``core.prefix_affinity``)."""
         self.config = config
-        self.size = config.data_parallel_size
+        self.size = config.parallel_config.data_parallel_size
         if group is not None and restart_dead_engines:
             raise ValueError("engines started by another process are restarted by that process")
         self.restart_dead_engines = restart_dead_engines
@@ -153,7 +159,7 @@ class DPAsyncMPClient:
         self._owned = [0] * self.size
         self._last_running = [0] * self.size
         self._next = 0  # where the next tie-break starts
-        self._affinity = PrefixAffinity(config.block_size) if prefix_affinity else None
+        self._affinity = PrefixAffinity(config.cache_config.block_size) if prefix_affinity else None
         self._queue: asyncio.Queue[EngineCoreOutputs | _EngineLost | Exception] | None = None
         self._pending: list[EngineCoreOutputs | _EngineLost] = []  # delivered before the loop ran
         self._restarts: set[asyncio.Task] = set()

@@ -105,12 +105,12 @@ class EngineCore:
         self._idle_waiters: list[tuple[Future, Callable[[], Any]]] = []
         self._side_outputs: Outputs = []
         # The adapters served from the start (the runner's LoRAAdapters is the one registry).
-        for lora_request in config.lora_requests():  # --lora-modules
+        for lora_request in config.lora_config.lora_requests() if config.lora_config else ():  # --lora-modules
             self.add_lora(lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path)
         logger.info(
             "EngineCore %d (pid %d) ready: %s KV blocks of %d tokens, max_model_len %d",
-            self.config.data_parallel_rank, os.getpid(), " + ".join(map(str, self.kv_group_blocks)),
-            self.config.block_size,
+            self.config.parallel_config.data_parallel_rank, os.getpid(), " + ".join(map(str, self.kv_group_blocks)),
+            self.config.cache_config.block_size,
             self.config.max_model_len,
         )
 
@@ -142,7 +142,7 @@ class EngineCore:
 
     def _ensure_lora(self, lora_request: LoRARequest) -> None:
         """Load the request's adapter unless the runner holds it (a first use, or one evicted)."""
-        if not self.config.enable_lora:
+        if self.config.lora_config is None:
             raise ValueError("this server serves no LoRA adapters (start it with --enable-lora)")
         if not self.model_executor.has_lora(lora_request.lora_int_id):
             self.add_lora(lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path)
@@ -380,7 +380,7 @@ class EngineCore:
 
     def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str) -> bool:
         """Load an adapter (ValueError naming what is wrong with it); False if it was loaded."""
-        if not self.config.enable_lora:
+        if self.config.lora_config is None:
             raise ValueError("LoRA adapters are off: start the server with --enable-lora")
         return self.model_executor.add_lora(LoRARequest(lora_name, lora_int_id, lora_path), self._loras_in_use())
 
@@ -397,13 +397,13 @@ class EngineCore:
 
     def pin_lora(self, lora_id: int) -> bool:
         """Keep an added adapter loaded (loading it again if it was evicted); False if unknown."""
-        if not self.config.enable_lora:
+        if self.config.lora_config is None:
             return False
         return self.model_executor.pin_lora(lora_id, self._loras_in_use())
 
     def list_loras(self) -> list[int]:
         """The numbers of the adapters loaded now."""
-        return self.model_executor.list_loras() if self.config.enable_lora else []
+        return self.model_executor.list_loras() if self.config.lora_config is not None else []
 
     def _loras_in_use(self) -> set[int]:
         return {r.lora_int_id for r in self.scheduler.requests.values() if r.lora_int_id}
@@ -443,7 +443,7 @@ class EngineCoreProc(EngineCore):
         self.links = links
         self.transport = links[0]
         self.inbox = EngineInbox(links)
-        self.engine_index = config.data_parallel_rank
+        self.engine_index = config.parallel_config.data_parallel_rank
         self.load_writer = load_writer
         # ADDs taken from each client (the load table reports them, so that a
         # client can tell which of its requests the figures already count).
@@ -466,7 +466,7 @@ class EngineCoreProc(EngineCore):
             num_gpu_blocks=self.num_gpu_blocks,
             window_group_blocks=list(self.kv_group_blocks[1:]),
             max_model_len=self.config.max_model_len,
-            block_size=self.config.block_size,
+            block_size=self.config.cache_config.block_size,
             dtype=str(self.model_executor.runner.dtype).removeprefix("torch."),
             kv_cache_dtype=(
                 "none" if self.model_executor.runner.encoder

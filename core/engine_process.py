@@ -19,7 +19,7 @@ def run_engine_process(
     """``transport_specs``: one per frontend (its client index is its position);
     ``load_table``: the shared-memory table this engine publishes its load in."""
     configure_cpu_threads(encoder=config.model_config.encoder)
-    set_thread_count(config.engine_threads)
+    set_thread_count(config.parallel_config.engine_threads)
     from core.engine_core import run_engine_core
 
     run_engine_core(config, transport_specs, parent_pid, load_table)

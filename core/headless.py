@@ -74,7 +74,7 @@ class HeadLauncher:
         self._closing = False
         self._thread = threading.Thread(target=self._serve_registrations, name="HeadlessRegistry", daemon=True)
         self._thread.start()
-        remote = [r for r in range(config.data_parallel_size) if r not in self._local]
+        remote = [r for r in range(config.parallel_config.data_parallel_size) if r not in self._local]
         self._remote = set(remote)
         logger.info("engines %s run here; waiting for engines %s at tcp://%s:%d", list(self._local), remote,
                     address, rpc_port)
@@ -86,7 +86,7 @@ class HeadLauncher:
         return engine_index in self._local  # a headless host's engines are its own
 
     def launch(self, config: EngineConfig, spec: TransportSpec, load_table: str | None) -> Any:
-        rank = config.data_parallel_rank
+        rank = config.parallel_config.data_parallel_rank
         if rank in self._local:
             proc = spawn_engine(config, [spec], load_table)
             proc.start()
@@ -163,12 +163,13 @@ def run_headless(
     procs = []
     try:
         for config in configs:
-            answer = _ask(context, endpoint, config.data_parallel_rank, deadline - time.monotonic())
+            rank = config.parallel_config.data_parallel_rank
+            answer = _ask(context, endpoint, rank, deadline - time.monotonic())
             spec = TransportSpec("zmq", ZmqChannelSpec(answer["input_address"], answer["output_address"], None))
             proc = spawn_engine(config, [spec], None)
             proc.start()
             procs.append(proc)
-            logger.info("engine %d started (pid %d), connecting to the head at %s", config.data_parallel_rank,
+            logger.info("engine %d started (pid %d), connecting to the head at %s", rank,
                         proc.pid, address)
         while any(p.is_alive() for p in procs):  # (a timeout too: is_alive reaps, a sentinel may lag)
             multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=1.0)

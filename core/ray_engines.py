@@ -41,11 +41,11 @@ class _EngineActor:
         from core.thread_pools import configure_cpu_threads, set_thread_count
 
         configure_cpu_threads(encoder=config.model_config.encoder)
-        set_thread_count(config.engine_threads)
-        if config.engine_threads is not None:
+        set_thread_count(config.parallel_config.engine_threads)
+        if config.parallel_config.engine_threads is not None:
             import torch
 
-            torch.set_num_threads(config.engine_threads)  # the pool may exist already in a Ray worker
+            torch.set_num_threads(config.parallel_config.engine_threads)  # the pool may exist already in a Ray worker
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [engine] %(message)s")
         from core.engine_core import serve_engine
 
@@ -103,11 +103,11 @@ class RayLauncher:
             raise RuntimeError("--data-parallel-backend ray needs Ray: pip install 'ringllm[ray]'") from exc
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING, log_to_driver=False)
-        size = config.data_parallel_size
+        size = config.parallel_config.data_parallel_size
         extra = engine_resources or [{} for _ in range(size)]
         if len(extra) != size:
             raise ValueError(f"--ray-engine-resources names {len(extra)} engines, -dp is {size}")
-        cpus = float(config.engine_threads or 1)
+        cpus = float(config.parallel_config.engine_threads or 1)
         self.bundles = [{"CPU": cpus, **resources} for resources in extra]
         self.group = placement_group(self.bundles, strategy="PACK")
         ray.get(self.group.ready(), timeout=PLACEMENT_TIMEOUT_S)
@@ -133,7 +133,7 @@ class RayLauncher:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        j = config.data_parallel_rank
+        j = config.parallel_config.data_parallel_rank
         bundle = self.bundles[j]
         actor = self._actor_class.options(
             num_cpus=bundle["CPU"],

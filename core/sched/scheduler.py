@@ -125,21 +125,22 @@ class Scheduler:
         structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         self.max_model_len = config.max_model_len
-        self.max_num_running_reqs = config.max_num_seqs
-        self.max_num_scheduled_tokens = config.max_num_batched_tokens
-        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.max_num_running_reqs = config.scheduler_config.max_num_seqs
+        self.max_num_scheduled_tokens = config.scheduler_config.max_num_batched_tokens
+        self.enable_chunked_prefill = config.scheduler_config.enable_chunked_prefill
         self.log_stats = config.log_stats
-        self.block_size = config.block_size
-        self.policy = config.scheduling_policy
+        self.block_size = config.cache_config.block_size
+        self.policy = config.scheduler_config.scheduling_policy
         # The most distinct LoRA adapters in one step (None: LoRA is off).
-        self.max_loras = config.max_loras if config.enable_lora else None
+        self.max_loras = config.lora_config.max_loras if config.lora_config is not None else None
         # One block count per KV cache group (core/kv/kv_groups.py), whose windows the manager honours.
         groups = KVCacheGroups.of(config.model_config)
+        cache = config.cache_config
         self.kv_cache_manager = KVCacheManager(
-            num_gpu_blocks, config.block_size, enable_caching=config.enable_prefix_caching, windows=groups.windows,
+            num_gpu_blocks, cache.block_size, enable_caching=cache.enable_prefix_caching, windows=groups.windows,
         )
         # Shared by every request: hashes each full block once, as it fills.
-        self.block_hasher = RequestBlockHasher(config.block_size) if config.enable_prefix_caching else None
+        self.block_hasher = RequestBlockHasher(cache.block_size) if cache.enable_prefix_caching else None
         # Preempting everything else must always let a request run alone to max_model_len.
         for index, group in enumerate(self.kv_cache_manager.groups):
             needed = groups.least_blocks(index, self.block_size, self.max_num_scheduled_tokens, self.max_model_len)

@@ -47,11 +47,11 @@ class DraftModelProposer:
             quantization=None, speculative_config=None, draft_model_config=None,
         )
         self.model = load_model(draft, device, dtype)
-        self.block_size = config.block_size
+        self.block_size = config.cache_config.block_size
         self.max_model_len = config.max_model_len
         # As many blocks as the target's, and room for every request's drafts beyond them.
         per_request = cdiv(self.k + 1, self.block_size) + 1
-        num_blocks = num_target_blocks + config.max_num_seqs * per_request
+        num_blocks = num_target_blocks + config.scheduler_config.max_num_seqs * per_request
         shape = (num_blocks, *config.draft_model_config.kv_block_shape(self.block_size))
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -63,8 +63,8 @@ class DraftModelProposer:
         self.max_blocks = cdiv(self.max_model_len, self.block_size)
         # On a CPU the draft's small steps run as the target's do, through a step program over
         # buffers of its own; longer catch-ups (a new request's prompt) through its forward pass.
-        self.program_tokens = max(PROGRAM_MIN_TOKENS, config.max_num_seqs * (self.k + 1))
-        self.buffers = InputBuffers(self.program_tokens, config.max_num_seqs, self.max_blocks, device)
+        self.program_tokens = max(PROGRAM_MIN_TOKENS, config.scheduler_config.max_num_seqs * (self.k + 1))
+        self.buffers = InputBuffers(self.program_tokens, config.scheduler_config.max_num_seqs, self.max_blocks, device)
         self.program = (
             CpuStepProgram.build(self.model, self.kv_caches, self.buffers, self.max_model_len)
             if device.type == "cpu" else None

@@ -41,7 +41,7 @@ COMPILE_THREADS = 2
 
 class StructuredOutputManager:
     def __init__(self, config: EngineConfig) -> None:
-        assert config.structured_outputs_backend in STRUCTURED_OUTPUTS_BACKENDS
+        assert config.structured_outputs_config.backend in STRUCTURED_OUTPUTS_BACKENDS
         self.config = config
         self._backend: Any = None
         self._backend_lock = threading.Lock()
@@ -59,7 +59,7 @@ class StructuredOutputManager:
         for params that name no single constraint)."""
         max_whitespace = params.max_whitespace
         if max_whitespace is None:
-            max_whitespace = self.config.structured_outputs_max_whitespace
+            max_whitespace = self.config.structured_outputs_config.max_whitespace
         key = GrammarKey(params.kind(), params.spec(), not params.disable_any_whitespace, max_whitespace)
         with self._cache_lock:
             future = self._cache.get(key)

@@ -91,9 +91,9 @@ class UniProcExecutor:
         # Batches the engine may have in flight: the one running plus the one
         # being scheduled. A deeper queue would not add overlap with a single
         # worker thread, only latency.
-        self.max_concurrent_batches = 2 if config.async_scheduling else 1
+        self.max_concurrent_batches = 2 if config.scheduler_config.async_scheduling else 1
         self._worker: ThreadPoolExecutor | None = None
-        if config.async_scheduling:
+        if config.scheduler_config.async_scheduling:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ModelRunner")
         self._sleep_level = 0
         self._stash: WeightStash | None = None

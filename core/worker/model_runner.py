@@ -113,20 +113,21 @@ class ModelRunner:
             # Triton launches on the current device, whatever the tensors' device.
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
-        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
-        self.block_size = config.block_size
+        self.kv_dtype = resolve_kv_dtype(config.cache_config.kv_cache_dtype, self.dtype, self.device)
+        self.block_size = config.cache_config.block_size
         self.max_model_len = config.max_model_len
         self.max_blocks_per_req = math.ceil(self.max_model_len / self.block_size)
         self.kv_groups = KVCacheGroups.of(self.model_config)  # layers by the span of context they read
+        max_num_seqs = config.scheduler_config.max_num_seqs
         self.input_batch = InputBatch(
-            config.max_num_seqs, self.max_model_len, self.max_blocks_per_req, self.model_config.vocab_size,
+            max_num_seqs, self.max_model_len, self.max_blocks_per_req, self.model_config.vocab_size,
             self.device, processed_logprobs=config.logprobs_mode == "processed_logprobs",
             num_kv_groups=self.kv_groups.num_groups,
         )
         self.prompt_logprobs = PromptLogprobs(self.input_batch, self.device)
-        max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        max_tokens = max(config.scheduler_config.max_num_batched_tokens, max_num_seqs)
         self.buffers = InputBuffers(
-            max_tokens, config.max_num_seqs, self.max_blocks_per_req, self.device, self.kv_groups.windows
+            max_tokens, max_num_seqs, self.max_blocks_per_req, self.device, self.kv_groups.windows
         )
         self.deferred = DeferredTokens()
         self.stager = Stager(self.input_batch, self.buffers, self.block_size, self.deferred, max_tokens)
@@ -151,10 +152,9 @@ class ModelRunner:
         self.encoder = self.model_config.encoder  # bidirectional, whole prompts, no KV cache
         # --enable-lora: the loaded adapters, and each step's rows grouped by adapter.
         self.lora: LoRAAdapters | None = None
-        if config.enable_lora:
-            self.lora = LoRAAdapters(
-                self.model_config, config.max_lora_rank, config.max_cpu_loras, self.device, self.dtype
-            )
+        if config.lora_config is not None:
+            lora = config.lora_config
+            self.lora = LoRAAdapters(self.model_config, lora.max_lora_rank, lora.max_cpu_loras, self.device, self.dtype)
         self.request_states = self._request_states()
 
     def _request_states(self) -> list[RequestState]:
@@ -233,29 +233,30 @@ class ModelRunner:
         windows can hold; the layers that keep every block share the rest.
         """
         cfg, groups = self.config, self.kv_groups
+        cache, scheduler = cfg.cache_config, cfg.scheduler_config
         most: list[int | None] = [
-            groups.most_blocks(g, self.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+            groups.most_blocks(g, self.block_size, scheduler.max_num_seqs, scheduler.max_num_batched_tokens,
                                self.max_blocks_per_req)
             for g in range(groups.num_groups)
         ]
         least = [
-            groups.least_blocks(g, self.block_size, cfg.max_num_batched_tokens, self.max_model_len) + 1
+            groups.least_blocks(g, self.block_size, scheduler.max_num_batched_tokens, self.max_model_len) + 1
             for g in range(groups.num_groups)
         ]
-        if cfg.num_gpu_blocks_override is not None:
-            first = cfg.num_gpu_blocks_override
+        if cache.num_gpu_blocks_override is not None:
+            first = cache.num_gpu_blocks_override
             return (first, *(min(first, n) for n in most[1:]))
         if self.encoder:  # blocks count the step's tokens only: no memory behind them
             return tuple(most)
         per_block = self.kv_bytes_per_block()
-        share = cfg.engines_on_this_host  # data-parallel engines split the budget
-        if cfg.kv_cache_memory is not None:
-            budget = cfg.kv_cache_memory // share
+        share = cfg.parallel_config.engines_on_this_host  # data-parallel engines split the budget
+        if cache.kv_cache_memory is not None:
+            budget = cache.kv_cache_memory // share
             # Past what max_num_seqs full-length requests can hold, blocks only keep evicted
             # prefixes: a given budget is spent on them all the same.
             most[0] = None
         elif self.device.type == "cuda":
-            utilization = cfg.gpu_memory_utilization / share
+            utilization = cache.gpu_memory_utilization / share
             budget = gpu_kv_cache_budget(self.device, utilization, self.profile_run)
         else:
             # Never less than one request of max_model_len: a model whose context is long (a
@@ -283,8 +284,8 @@ class ModelRunner:
         which does not exist yet.
         """
         cfg = self.config
-        total = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * self.max_model_len)
-        num_reqs = min(cfg.max_num_seqs, total)
+        total = min(cfg.scheduler_config.max_num_batched_tokens, cfg.scheduler_config.max_num_seqs * self.max_model_len)
+        num_reqs = min(cfg.scheduler_config.max_num_seqs, total)
         counts = np.full(num_reqs, total // num_reqs, dtype=np.int64)
         counts[: total % num_reqs] += 1
         cu = np.cumsum(counts)
@@ -327,7 +328,8 @@ class ModelRunner:
         if self.speculator is not None:
             self.speculator.start_proposer(num_blocks[0])
         if self.pooling is None and self._gpu_pads_decodes():
-            sizes = decode_batch_sizes(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+            scheduler = self.config.scheduler_config
+            sizes = decode_batch_sizes(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
             self.decode_graphs = DecodeGraphs(sizes)
             if self._gpu_captures_graphs():
                 self.capture_decode_graphs()

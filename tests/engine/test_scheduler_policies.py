@@ -97,7 +97,8 @@ def test_equal_priority_never_preempts_and_fcfs_never_preempts_for_admission() -
         h = Harness(config, num_blocks=40)
         h.add(req("first", 4, priority=1, arrival=1.0, max_tokens=4))
         h.step()
-        h.add(req("second", 4, priority=1 if config.scheduling_policy == "priority" else -9, arrival=2.0))
+        priority = 1 if config.scheduler_config.scheduling_policy == "priority" else -9
+        h.add(req("second", 4, priority=priority, arrival=2.0))
         h.step()
         assert not h.steps[-1].preempted_req_ids
         assert h.steps[-1].num_scheduled_tokens == {"first": 1}

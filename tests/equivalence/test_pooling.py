@@ -157,8 +157,8 @@ def test_engine_config_of_encoders(st_dirs):
     """Encoders: whole prompts, no prefix cache; positions bound the context."""
     config = EngineArgs(model=st_dirs["bert-mean"], max_num_batched_tokens=16).resolve()
     assert config.is_pooling and config.pooler_config.pooling_type == "MEAN" and config.pooler_config.normalize
-    assert not config.enable_chunked_prefill and not config.enable_prefix_caching
-    assert config.max_num_batched_tokens >= config.max_model_len
+    assert not config.scheduler_config.enable_chunked_prefill and not config.cache_config.enable_prefix_caching
+    assert config.scheduler_config.max_num_batched_tokens >= config.max_model_len
     with pytest.raises(ValueError, match="absolute positions"):
         EngineArgs(model=st_dirs["bert-mean"], max_model_len=4096).resolve()
     with pytest.raises(ValueError, match="--runner pooling"):

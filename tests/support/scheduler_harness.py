@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from core.config import EngineConfig
+from core.config import EngineArgs, EngineConfig
 from core.kv.block_pool import BlockPool
 from core.model_config import ModelConfig
 from core.protocol import (
@@ -143,10 +143,10 @@ def make_config(**overrides) -> EngineConfig:
     covers the scheduler with it on)."""
     values = dict(
         model="unused", max_model_len=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
-        enable_prefix_caching=False, served_model_name="unused", tokenizer="unused", model_config=NO_MODEL,
+        enable_prefix_caching=False, served_model_name="unused", tokenizer="unused",
     )
     values.update(overrides)
-    return EngineConfig(**values)
+    return EngineArgs(**values).for_architecture(NO_MODEL)
 
 
 def make_request(req_id: str, num_prompt_tokens: int, client_index: int = 0, eos: int | None = None, **params) -> Request:
@@ -165,7 +165,7 @@ class Harness:
     def __init__(self, config: EngineConfig, num_blocks: int, token_fn: TokenFn = default_token) -> None:
         self.config = config
         self.scheduler = Scheduler(config, (num_blocks,))
-        self.runner = FakeRunner(config.block_size, token_fn, self.scheduler.kv_cache_manager.block_pool)
+        self.runner = FakeRunner(config.cache_config.block_size, token_fn, self.scheduler.kv_cache_manager.block_pool)
         self.steps: list[SchedulerOutput] = []
         self.results: dict[str, Result] = {}
         self.client_of: dict[str, int] = {}
@@ -179,9 +179,9 @@ class Harness:
     def schedule(self) -> SchedulerOutput:
         so = self.scheduler.schedule()
         self.steps.append(so)
-        assert so.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
-        assert len(self.scheduler.running) <= self.config.max_num_seqs
-        if self.config.scheduling_policy == "fcfs" and not self.admits_after_preemption:
+        assert so.total_num_scheduled_tokens <= self.config.scheduler_config.max_num_batched_tokens
+        assert len(self.scheduler.running) <= self.config.scheduler_config.max_num_seqs
+        if self.config.scheduler_config.scheduling_policy == "fcfs" and not self.admits_after_preemption:
             # Memory just ran out: admitting anyone now would only thrash.
             assert not (so.preempted_req_ids and so.scheduled_new_reqs)
         return so

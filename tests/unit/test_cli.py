@@ -248,3 +248,46 @@ def test_engine_knob_errors_are_argparse_errors(capsys: pytest.CaptureFixture[st
         with pytest.raises(SystemExit) as exited:
             parse_args(flags)
         assert exited.value.code == 2 and message in capsys.readouterr().err, flags
+
+
+def test_each_concern_checks_its_own_section_and_every_knob_reaches_the_engine_config() -> None:
+    """EngineConfig is the model as served plus a section per concern; each section refuses
+    its own bad settings as it is made (before any checkpoint is read), and every EngineArgs
+    field lands somewhere in EngineConfig (or is consumed by resolve, said here)."""
+    import msgspec
+
+    from core.config import (
+        CacheConfig, EngineArgs, EngineConfig, LoRAConfig, LoRAModule, ParallelConfig, SchedulerConfig,
+        StructuredOutputsConfig,
+    )
+
+    cache = dict(block_size=16, kv_cache_dtype="auto", num_gpu_blocks_override=None, kv_cache_memory=None,
+                 gpu_memory_utilization=0.9, enable_prefix_caching=True)
+    refused = [
+        (lambda: CacheConfig(**{**cache, "kv_cache_dtype": "int4"}), "kv_cache_dtype must be one of"),
+        (lambda: CacheConfig(**{**cache, "gpu_memory_utilization": 1.5}), "gpu_memory_utilization must be in"),
+        (lambda: SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, enable_chunked_prefill=True,
+                                 scheduling_policy="lifo", async_scheduling=False), "scheduling_policy"),
+        (lambda: ParallelConfig(data_parallel_size=2, data_parallel_rank=2, data_parallel_size_local=None,
+                                engine_threads=None), "data_parallel_rank 2 is not in 0..1"),
+        (lambda: LoRAConfig(max_loras=2, max_lora_rank=8, max_cpu_loras=1, lora_modules=[]), "max_cpu_loras"),
+        (lambda: LoRAConfig(max_loras=1, max_lora_rank=8, max_cpu_loras=1,
+                            lora_modules=[LoRAModule(name="a", path="/x"), LoRAModule(name="a", path="/y")]),
+         "used twice"),
+        (lambda: StructuredOutputsConfig(backend="xgrammar", max_whitespace=0), "max_whitespace must be >= 1"),
+        # Through resolve: the section refuses before the (missing) checkpoint is looked at.
+        (lambda: EngineArgs(model="/nonexistent", block_size=0).resolve(), "block_size must be >= 1"),
+    ]
+    for make, message in refused:
+        with pytest.raises(ValueError, match=message):
+            make()
+
+    sections = {f.name: f.type for f in msgspec.structs.fields(EngineConfig) if f.name.endswith("_config")}
+    landed = {f.name for f in msgspec.structs.fields(EngineConfig)}
+    for section in (CacheConfig, SchedulerConfig, ParallelConfig, LoRAConfig):
+        landed |= {f.name for f in msgspec.structs.fields(section)}
+    landed |= {"structured_outputs_" + f.name for f in msgspec.structs.fields(StructuredOutputsConfig)}
+    consumed = {"enable_lora": "lora_config is None when off", "runner": "pooler_config", "convert": "pooler_config",
+                "override_pooler_config": "pooler_config"}
+    assert {"cache_config", "scheduler_config", "parallel_config", "lora_config"} <= set(sections)
+    assert {f.name for f in msgspec.structs.fields(EngineArgs)} - landed == set(consumed)
