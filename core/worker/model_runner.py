@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import mmap
 import time
 from functools import partial
 
@@ -38,7 +37,7 @@ import numpy as np
 import torch
 
 from core import envs
-from core.config import CPU_KV_CACHE_MEMORY, CPU_KV_CACHE_MIN_MEMORY, EngineConfig
+from core.config import EngineConfig
 from core.kv.kv_groups import KVCacheGroups
 from core.models.loader import load_model, resolve_dtype, resolve_kv_dtype
 from core.protocol import LoRARequest, SamplingParams
@@ -52,9 +51,9 @@ from core.spec_decode.speculator import Speculator
 from core.worker.async_output import AsyncModelRunnerOutput, DeferredTokens
 from core.worker.cpu_program import CpuStepProgram
 from core.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
-from core.worker.gpu_memory import gpu_kv_cache_budget
 from core.worker.input_batch import InputBatch
 from core.worker.input_buffers import InputBuffers
+from core.worker.kv_budget import kv_cache_blocks, mapped_zeros
 from core.worker.lora_adapters import LoRAAdapters
 from core.worker.pooler import Pooler, PoolingStep
 from core.worker.prompt_logprobs import PromptLogprobs
@@ -80,26 +79,6 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def _mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of zeros in an anonymous mapping of its own: the kernel's zero pages,
-    made resident only as the KV cache fills (no memset of gigabytes at start-up, no memory
-    held that no request uses), and unmapped whole when the tensor goes (sleep mode)."""
-    count = math.prod(shape)
-    return torch.frombuffer(mmap.mmap(-1, max(count * dtype.itemsize, 1)), dtype=dtype, count=count).view(shape)
-
-
-def default_cpu_kv_budget() -> int:
-    """The CPU KV cache's default size: CPU_KV_CACHE_MEMORY (vLLM's CPU default), at most a
-    quarter of the memory the system has available now (the weights are loaded by then, and
-    the rest is left to other processes and the page cache), at least CPU_KV_CACHE_MIN_MEMORY."""
-    try:
-        with open("/proc/meminfo") as f:
-            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):  # not Linux: the minimum
-        return CPU_KV_CACHE_MIN_MEMORY
-    return max(CPU_KV_CACHE_MIN_MEMORY, min(CPU_KV_CACHE_MEMORY, available // 4))
 
 
 class ModelRunner:
@@ -219,59 +198,10 @@ class ModelRunner:
         return self.model_config.kv_bytes_per_block(self.block_size, self.kv_dtype.itemsize, self._kv_row())
 
     def determine_num_blocks(self) -> tuple[int, ...]:
-        """Blocks for the KV cache, per KV cache group (core/kv/kv_groups.py): the override
-        (the first group's; a window's group gets what its windows can hold, at most as
-        many), else the memory budget.
-
-        The budget is ``kv_cache_memory`` bytes when given. Otherwise, on CPU
-        it is ``default_cpu_kv_budget()`` (or one full-length request, if more);
-        on a GPU it is what ``gpu_memory_utilization`` leaves after the weights and
-        the profiled peak of the largest step (core/worker/gpu_memory.py); either is
-        capped at what ``max_num_seqs`` full-length requests could ever use. Data-parallel
-        engines on one host take one share each (the budget, or the GPU's
-        fraction, divided by their number). A window's group takes what its requests'
-        windows can hold; the layers that keep every block share the rest.
-        """
-        cfg, groups = self.config, self.kv_groups
-        cache, scheduler = cfg.cache_config, cfg.scheduler_config
-        most: list[int | None] = [
-            groups.most_blocks(g, self.block_size, scheduler.max_num_seqs, scheduler.max_num_batched_tokens,
-                               self.max_blocks_per_req)
-            for g in range(groups.num_groups)
-        ]
-        least = [
-            groups.least_blocks(g, self.block_size, scheduler.max_num_batched_tokens, self.max_model_len) + 1
-            for g in range(groups.num_groups)
-        ]
-        if cache.num_gpu_blocks_override is not None:
-            first = cache.num_gpu_blocks_override
-            return (first, *(min(first, n) for n in most[1:]))
-        if self.encoder:  # blocks count the step's tokens only: no memory behind them
-            return tuple(most)
-        per_block = self.kv_bytes_per_block()
-        share = cfg.parallel_config.engines_on_this_host  # data-parallel engines split the budget
-        if cache.kv_cache_memory is not None:
-            budget = cache.kv_cache_memory // share
-            # Past what max_num_seqs full-length requests can hold, blocks only keep evicted
-            # prefixes: a given budget is spent on them all the same.
-            most[0] = None
-        elif self.device.type == "cuda":
-            utilization = cache.gpu_memory_utilization / share
-            budget = gpu_kv_cache_budget(self.device, utilization, self.profile_run)
-        else:
-            # Never less than one request of max_model_len: a model whose context is long (a
-            # GGUF file's, 32k and more) serves out of the box, one full-length request at a time.
-            budget = max(default_cpu_kv_budget() // share, (self.max_blocks_per_req + 1) * per_block)
-        layer_blocks = max(budget, 0) // (per_block // self.model_config.num_layers)
-        num_blocks = groups.split(layer_blocks, least, most)
-        if groups.layer_blocks(num_blocks) > layer_blocks:
-            held = layer_blocks // self.model_config.num_layers
-            raise ValueError(
-                f"KV cache too small: {held} blocks of {self.block_size} tokens cannot hold "
-                f"one request of max_model_len={self.max_model_len}; raise the memory budget or "
-                "lower --max-model-len"
-            )
-        return num_blocks
+        """Blocks for the KV cache, per KV cache group (core/worker/kv_budget.py)."""
+        return kv_cache_blocks(
+            self.config, self.kv_groups, self.kv_bytes_per_block(), self.device, self.encoder, self.profile_run
+        )
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -319,7 +249,7 @@ class ModelRunner:
         """Each layer's K and V caches, of its KV cache group's ``num_blocks``."""
         if self.encoder:
             return  # an encoder keeps nothing between steps
-        zeros = _mapped_zeros if self.device.type == "cpu" else partial(torch.zeros, device=self.device)
+        zeros = mapped_zeros if self.device.type == "cpu" else partial(torch.zeros, device=self.device)
         self.kv_caches = []
         for group in self.kv_groups.layer_group:
             shape = (num_blocks[group], *self._kv_shape())

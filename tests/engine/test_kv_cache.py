@@ -261,11 +261,11 @@ def test_the_default_cpu_budget_holds_at_least_one_full_length_request(stories_d
     """A long-context model (GGUF files say 32k and more) starts with the default budget: the
     cache then holds one request of max_model_len. An explicit budget too small still refuses."""
     from core.config import EngineArgs
-    from core.worker import model_runner
+    from core.worker import kv_budget
     from core.worker.model_runner import ModelRunner
 
     runner = ModelRunner(EngineArgs(model=stories_dir, max_model_len=512, block_size=16).resolve())
-    monkeypatch.setattr(model_runner, "default_cpu_kv_budget", lambda: runner.kv_bytes_per_block())
+    monkeypatch.setattr(kv_budget, "default_cpu_kv_budget", lambda: runner.kv_bytes_per_block())
     assert runner.determine_num_blocks() == (512 // 16 + 1,)
     small = ModelRunner(EngineArgs(model=stories_dir, max_model_len=512, block_size=16,
                                    kv_cache_memory=10 * runner.kv_bytes_per_block()).resolve())
@@ -276,7 +276,7 @@ def test_the_default_cpu_budget_holds_at_least_one_full_length_request(stories_d
 def test_the_default_cpu_budget_follows_the_memory_available(monkeypatch, tmp_path) -> None:
     """vLLM's 4 GiB where a quarter of the available memory allows it, else that quarter, never
     below 256 MiB; /proc/meminfo as the kernel writes it."""
-    from core.worker import model_runner
+    from core.worker import kv_budget
 
     real_open = open
     for available_kib, expected in [(64 << 20, 4 << 30), (8 << 20, 2 << 30), (512 << 10, 256 << 20)]:
@@ -285,6 +285,6 @@ def test_the_default_cpu_budget_follows_the_memory_available(monkeypatch, tmp_pa
                            f"MemAvailable:   {available_kib} kB\n")
         monkeypatch.setattr("builtins.open", lambda path, *a, _m=meminfo, **k: real_open(
             _m if path == "/proc/meminfo" else path, *a, **k))
-        assert model_runner.default_cpu_kv_budget() == expected
+        assert kv_budget.default_cpu_kv_budget() == expected
     monkeypatch.setattr("builtins.open", real_open)
-    assert 256 << 20 <= model_runner.default_cpu_kv_budget() <= 4 << 30
+    assert 256 << 20 <= kv_budget.default_cpu_kv_budget() <= 4 << 30
