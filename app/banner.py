@@ -45,6 +45,9 @@ def format_banner(
     aliases = f" (also answers to {', '.join(served_names[1:])})" if len(served_names) > 1 else ""
     device = f" on {ready.device}" if ready.device else ""
     tokens = ready.num_gpu_blocks * ready.block_size
+    held = f" = {tokens:,} tokens" if ready.kv_cache_groups == 1 else (
+        f", shared by {ready.kv_cache_groups} groups of layers (sliding windows hold only theirs)"
+    )
     lines = [
         "ringllm is ready",
         f"  model      {served_names[0]}{aliases}, from {model}",
@@ -52,9 +55,8 @@ def format_banner(
         (
             "  KV cache   none (an encoder keeps nothing between steps); "
             if ready.kv_cache_dtype == "none" else
-            f"  KV cache   {ready.num_gpu_blocks:,} blocks x {ready.block_size} tokens = {tokens:,} tokens"
-            + (f" of {ready.kv_cache_dtype}" if ready.kv_cache_dtype else "")
-            + "".join(f" (+{n:,} for sliding-window layers)" for n in ready.window_group_blocks) + "; "
+            f"  KV cache   {ready.num_gpu_blocks:,} blocks x {ready.block_size} tokens{held}"
+            + (f" of {ready.kv_cache_dtype}" if ready.kv_cache_dtype else "") + "; "
         )
         + f"max_model_len {ready.max_model_len:,}" + (f"; in each of {engines} engines" if engines > 1 else ""),
         f"  transport  {transport} ({_TRANSPORTS.get(transport, transport)})",

@@ -109,7 +109,7 @@ def _decode_scheduler(
         block_size=16,
         enable_prefix_caching=prefix_caching,
     ).resolve()
-    scheduler = Scheduler(config, (num_blocks,))
+    scheduler = Scheduler(config, num_blocks)
     params = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
     for i in range(num_running + num_waiting):
         scheduler.add_request(Request(f"req-{i}", _prompt(128, i), params, eos_token_id=2))

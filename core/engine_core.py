@@ -83,12 +83,10 @@ class EngineCore:
         self.config = config
         self.limits = ModelLimits.from_config(self.config)
         self.model_executor = UniProcExecutor(self.config)
-        # Blocks per KV cache group (core/kv/kv_groups.py); the first group's are the context's capacity.
-        self.kv_group_blocks = self.model_executor.determine_num_blocks()
-        self.num_gpu_blocks = self.kv_group_blocks[0]
-        self.model_executor.initialize_kv_cache(self.kv_group_blocks)
+        self.num_gpu_blocks = self.model_executor.determine_num_blocks()
+        self.model_executor.initialize_kv_cache(self.num_gpu_blocks)
         self.structured_output_manager = StructuredOutputManager(self.config)
-        self.scheduler = Scheduler(self.config, self.kv_group_blocks, self.structured_output_manager)
+        self.scheduler = Scheduler(self.config, self.num_gpu_blocks, self.structured_output_manager)
         # Requests built off the busy loop (input thread) are hashed with it.
         self.request_block_hasher = self.scheduler.block_hasher
         self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
@@ -108,8 +106,8 @@ class EngineCore:
         for lora_request in config.lora_config.lora_requests() if config.lora_config else ():  # --lora-modules
             self.add_lora(lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path)
         logger.info(
-            "EngineCore %d (pid %d) ready: %s KV blocks of %d tokens, max_model_len %d",
-            self.config.parallel_config.data_parallel_rank, os.getpid(), " + ".join(map(str, self.kv_group_blocks)),
+            "EngineCore %d (pid %d) ready: %d KV blocks of %d tokens, max_model_len %d",
+            self.config.parallel_config.data_parallel_rank, os.getpid(), self.num_gpu_blocks,
             self.config.cache_config.block_size,
             self.config.max_model_len,
         )
@@ -351,7 +349,7 @@ class EngineCore:
     def wake_up(self) -> MemoryUsage:
         """Weights and KV cache back, then resume; does nothing unless asleep."""
         if self.model_executor.sleep_level:
-            self.model_executor.wake_up(self.kv_group_blocks)
+            self.model_executor.wake_up(self.num_gpu_blocks)
             self.scheduler.resume()
         return self.model_executor.memory_usage()
 
@@ -464,7 +462,7 @@ class EngineCoreProc(EngineCore):
         ready = HandshakeReady(
             status="READY",
             num_gpu_blocks=self.num_gpu_blocks,
-            window_group_blocks=list(self.kv_group_blocks[1:]),
+            kv_cache_groups=self.model_executor.runner.kv_groups.num_groups,
             max_model_len=self.config.max_model_len,
             block_size=self.config.cache_config.block_size,
             dtype=str(self.model_executor.runner.dtype).removeprefix("torch."),

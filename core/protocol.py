@@ -559,8 +559,9 @@ class HandshakeReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     dtype: str = ""  # the model's compute dtype, e.g. "float32" (for the start-up banner)
     kv_cache_dtype: str = ""  # what the KV cache holds, e.g. "float16"
     device: str = ""  # e.g. "cpu", "cuda:0"
-    # Blocks of the other KV cache groups (sliding-window layers beside whole-context ones).
-    window_group_blocks: list[int] = []
+    # Block tables a request has (core/kv/kv_groups.py): more than one where sliding-window
+    # layers sit beside whole-context ones, and a block then holds fewer layers.
+    kv_cache_groups: int = 1
 
 
 class EngineDeadError(RuntimeError):

@@ -7,8 +7,8 @@ Tokens of a step are laid out flat: request ``r`` owns rows
 prefix plus itself, a decode (query_len 1) to the whole context.
 
 A model whose layers read different spans of context (Gemma's local and global layers)
-keeps a block table per span (core/kv/kv_groups.py): the metadata of the other spans
-ride along in ``by_window``, which ``for_window`` picks from.
+keeps a block table per group of layers (core/kv/kv_groups.py): each layer's metadata,
+the same step over its group's slots and tables, rides along in ``by_layer``.
 """
 
 from __future__ import annotations
@@ -38,13 +38,13 @@ class AttentionMetadata:
     may_pad: bool = True
     # The CPU kernels' per-step plans (one per sliding window), built by the first layer that needs one.
     cpu_plan: Any = field(default=None, repr=False)
-    # The same step over the block tables of the layers with these sliding windows (a model with
-    # layers of more than one kind); a window not listed reads this metadata's tables.
-    by_window: dict[int, AttentionMetadata] = field(default_factory=dict, repr=False)
+    # Each layer's metadata where its KV cache group has slots and tables of its own (a model
+    # with more than one group); None: every layer reads this one.
+    by_layer: list[AttentionMetadata] | None = field(default=None, repr=False)
 
-    def for_window(self, window: int) -> AttentionMetadata:
-        """The metadata a layer with this sliding ``window`` (0: none) reads its cache by."""
-        return self.by_window.get(window, self) if self.by_window else self
+    def for_layer(self, index: int) -> AttentionMetadata:
+        """The metadata layer ``index`` writes and reads its cache by."""
+        return self if self.by_layer is None else self.by_layer[index]
 
     @property
     def num_reqs(self) -> int:

@@ -1,10 +1,10 @@
 """Which KV cache blocks each request holds, and which prefixes are cached.
 
-The layers of a model fall into KV cache groups (core/kv/kv_groups.py): those that
-read the whole context, and each sliding window's layers. Every group has its own
-pool of blocks and gives each request its own block table; the manager keeps them in
-step, so that a request is admitted, grows, hits the prefix cache and is freed in all
-of them at once. A model with one kind of layer has one group.
+The layers of a model fall into KV cache groups (core/kv/kv_groups.py): one for a model
+with one kind of layer; for Gemma's interleaved local and global layers, groups of each
+kind. Every group gives each request its own block table, and all of them draw from one
+pool; the manager keeps them in step, so that a request is admitted, grows, hits the
+prefix cache and is freed in all of them at once.
 
 A request's block list only grows while it runs (one more block each time its token
 count crosses a block boundary) and is released whole when it finishes or is
@@ -17,7 +17,9 @@ reference counted, and never written again, since only full blocks are registere
 a request writes only past its computed tokens. Blocks are registered as soon as the
 tokens filling them are scheduled: the runner executes batches in order and, within a
 batch, every layer writes the whole batch's keys and values before attending, so a
-later reader never sees a block before its contents exist.
+later reader never sees a block before its contents exist. Each group registers its
+blocks under keys of its own (the hash for the first group, the group and the hash for
+the others), so one pool keeps every group's prefixes apart.
 
 In a sliding window's group, a request's blocks wholly before the window of its next
 query are read by no layer again: they go back to the pool as the request advances
@@ -62,11 +64,28 @@ _NO_BLOCKS: GroupBlocks = []
 _NO_HITS: tuple[KVCacheBlock, ...] = ()
 
 
-class _Group:
-    """One KV cache group: its pool, and each request's block table in it."""
+class _GroupKeys(Sequence):
+    """A request's block hashes as one group's cache keys: (group, hash) for every group but
+    the first, whose keys are the hashes themselves."""
 
-    def __init__(self, num_blocks: int, block_size: int, window: int, enable_caching: bool) -> None:
-        self.pool = BlockPool(num_blocks, enable_caching)
+    __slots__ = ("hashes", "group")
+
+    def __init__(self, hashes: Sequence[BlockHash], group: int) -> None:
+        self.hashes, self.group = hashes, group
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return (self.group, self.hashes[i])
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+
+class _Group:
+    """One KV cache group: each request's block table in it, drawn from the shared pool."""
+
+    def __init__(self, pool: BlockPool, index: int, block_size: int, window: int) -> None:
+        self.pool = pool
+        self.index = index
         self.block_size = block_size
         self.window = window  # 0: the group's layers read the whole context
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -75,67 +94,72 @@ class _Group:
         # Per request (a window's group): how many of its leading blocks are the null block now.
         self.num_skipped: dict[str, int] = {}
 
+    def keys(self, block_hashes: Sequence[BlockHash]) -> Sequence:
+        return block_hashes if self.index == 0 else _GroupKeys(block_hashes, self.index)
+
     def first_kept(self, position: int) -> int:
         """How many leading blocks the query at ``position`` does not read (it sees keys from
         ``position - window + 1`` on)."""
         return max(0, position - self.window + 1) // self.block_size if self.window else 0
 
-    def longest_hit(self, block_hashes: Sequence[BlockHash], limit: int) -> int:
+    def longest_hit(self, keys: Sequence, limit: int) -> int:
         """The most leading blocks (at most ``limit``) this group can start a request from:
         every block the next query reads is cached."""
         lookup = self.pool.cached_block_hash_to_block.get
         run = best = 0  # cached blocks ending at block i; the longest hit so far
         for i in range(limit):
-            run = run + 1 if lookup(block_hashes[i]) is not None else 0
+            run = run + 1 if lookup(keys[i]) is not None else 0
             if run == 0 and not self.window:
                 break  # the whole context's hits are one unbroken run from the start
             if run >= i + 1 - self.first_kept((i + 1) * self.block_size):
                 best = i + 1
         return best
 
-    def hit_blocks(self, block_hashes: Sequence[BlockHash], num_blocks: int) -> list[KVCacheBlock]:
+    def hit_blocks(self, keys: Sequence, num_blocks: int) -> list[KVCacheBlock]:
         """The table of a hit of ``num_blocks`` blocks: the null block where the window has passed."""
         skipped = self.first_kept(num_blocks * self.block_size)
         lookup = self.pool.cached_block_hash_to_block.__getitem__
-        return [self.pool.null_block] * skipped + [lookup(h) for h in block_hashes[skipped:num_blocks]]
+        return [self.pool.null_block] * skipped + [lookup(keys[i]) for i in range(skipped, num_blocks)]
 
-    def num_to_allocate(
-        self, req_id: str, total: int, computed: Sequence[KVCacheBlock], num_computed: int
-    ) -> int | None:
-        """New blocks to hold ``total`` tokens after adopting ``computed``; None when the pool
-        cannot supply them (hits on free blocks take those out of the free queue; blocks
-        leaving the request's window before the query at ``num_computed`` come back to it)."""
+    def num_to_allocate(self, req_id: str, total: int, computed: Sequence[KVCacheBlock]) -> int:
+        """New blocks to hold ``total`` tokens after adopting ``computed``."""
         blocks = self.req_to_blocks.get(req_id)
-        num_needed = cdiv(total, self.block_size) - (len(blocks) if blocks else 0) - len(computed)
-        if num_needed <= 0 and not computed:
-            return num_needed  # the common decode: its last block still has room
-        available = self.pool.free_block_queue.num_free_blocks
+        return cdiv(total, self.block_size) - (len(blocks) if blocks else 0) - len(computed)
+
+    def pool_change(self, req_id: str, computed: Sequence[KVCacheBlock], num_computed: int) -> int:
+        """Free blocks this request's step takes from the pool besides its new ones (hits on
+        free blocks leave the free queue), less those it gives back (blocks leaving its window
+        before the query at ``num_computed``)."""
+        change = 0
         if computed:
             null = self.pool.null_block
-            available -= sum(1 for b in computed if b.ref_cnt == 0 and b is not null)  # revived hits
+            change += sum(1 for b in computed if b.ref_cnt == 0 and b is not null)
+        blocks = self.req_to_blocks.get(req_id)
         if self.window and blocks:
             leaving = blocks[self.num_skipped.get(req_id, 0) : self.first_kept(num_computed)]
-            available += sum(1 for b in leaving if b.ref_cnt == 1)
-        return num_needed if num_needed <= available else None
+            change -= sum(1 for b in leaving if b.ref_cnt == 1)
+        return change
 
-    def allocate(
-        self, request: Request, total: int, num_needed: int, computed: Sequence[KVCacheBlock], num_computed: int
-    ) -> list[KVCacheBlock]:
-        req_id = request.request_id
+    def adopt(self, req_id: str, computed: Sequence[KVCacheBlock], num_computed: int) -> list[KVCacheBlock]:
+        """Take the hits in, and give back what left the window: the request's table."""
         blocks = self.req_to_blocks.get(req_id)
         if blocks is None:
             blocks = self.req_to_blocks[req_id] = []
-        pool = self.pool
         if computed:
-            null = pool.null_block
+            null = self.pool.null_block
             skipped = sum(1 for b in computed if b is null)  # the leading ones: out of the window
-            pool.touch(computed[skipped:])
+            self.pool.touch(computed[skipped:])
             blocks.extend(computed)
             self.num_cached_block[req_id] = len(blocks)
             if skipped:
                 self.num_skipped[req_id] = skipped
         if self.window:
             self._skip_out_of_window(req_id, blocks, num_computed)
+        return blocks
+
+    def grow(self, request: Request, blocks: list[KVCacheBlock], total: int, num_needed: int) -> list[KVCacheBlock]:
+        """Add the new blocks, and register the full ones in the cache."""
+        pool = self.pool
         if num_needed > 0:
             new_blocks = pool.get_new_blocks(num_needed)
             blocks.extend(new_blocks)
@@ -144,10 +168,10 @@ class _Group:
         if pool.enable_caching:
             # Only known tokens have hashes: a placeholder's block is not full yet.
             num_full = min(total, request.num_tokens) // self.block_size
-            num_cached = self.num_cached_block.get(req_id, 0)
+            num_cached = self.num_cached_block.get(request.request_id, 0)
             if num_full > num_cached:
-                pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full)
-                self.num_cached_block[req_id] = num_full
+                pool.cache_full_blocks(blocks, self.keys(request.block_hashes), num_cached, num_full)
+                self.num_cached_block[request.request_id] = num_full
         return new_blocks
 
     def _skip_out_of_window(self, req_id: str, blocks: list[KVCacheBlock], num_computed: int) -> None:
@@ -173,31 +197,24 @@ class _Group:
 
 
 class KVCacheManager:
-    """The block tables of every request in every KV cache group: ``num_blocks[g]`` blocks of
-    ``block_size`` tokens in group g, whose layers see ``windows[g]`` positions (0: all)."""
+    """The block tables of every request in every KV cache group, all drawn from one pool of
+    ``num_blocks`` blocks of ``block_size`` tokens; group g's layers see ``windows[g]``
+    positions (0: all)."""
 
     def __init__(
-        self, num_blocks: Sequence[int], block_size: int, enable_caching: bool = False,
-        windows: Sequence[int] = (0,),
+        self, num_blocks: int, block_size: int, enable_caching: bool = False, windows: Sequence[int] = (0,),
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if len(num_blocks) != len(windows):
-            raise ValueError(f"{len(num_blocks)} block counts for {len(windows)} KV cache groups")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.groups = [_Group(n, block_size, w, enable_caching) for n, w in zip(num_blocks, windows)]
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.groups = [_Group(self.block_pool, g, block_size, w) for g, w in enumerate(windows)]
         self.prefix_cache_stats = PrefixCacheStats()
 
     @property
-    def block_pool(self) -> BlockPool:
-        """The first group's pool: the whole-context layers' where there are any."""
-        return self.groups[0].pool
-
-    @property
     def usage(self) -> float:
-        """The fullest group's share of its blocks in use."""
-        return max(group.pool.get_usage() for group in self.groups)
+        return self.block_pool.get_usage()
 
     def get_num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
@@ -218,18 +235,20 @@ class KVCacheManager:
             return _NO_BLOCKS, 0  # prompt logprobs (not delivered yet) need the logits of every prompt position
         hashes = request.block_hashes
         num_blocks = min((request.num_tokens - 1) // self.block_size, len(hashes))
+        keys = [group.keys(hashes) for group in self.groups]
         # A window's group may start from a hit of n blocks but not from a shorter one (its
         # window there was evicted): shorten until every group agrees.
         agreed = False
         while num_blocks and not agreed:
             agreed = True
-            for group in self.groups:
-                hit = group.longest_hit(hashes, num_blocks)
+            for group, group_keys in zip(self.groups, keys):
+                hit = group.longest_hit(group_keys, num_blocks)
                 agreed &= hit == num_blocks
                 num_blocks = hit
         if not num_blocks:
             return _NO_BLOCKS, 0
-        return [group.hit_blocks(hashes, num_blocks) for group in self.groups], num_blocks * self.block_size
+        blocks = [group.hit_blocks(group_keys, num_blocks) for group, group_keys in zip(self.groups, keys)]
+        return blocks, num_blocks * self.block_size
 
     def allocate_slots(
         self,
@@ -243,10 +262,9 @@ class KVCacheManager:
         in the cache as ``new_computed_blocks``, per group).
 
         Returns the newly allocated blocks per group (often none: the last block still
-        has room), or None when some group's pool cannot supply them; the request's
-        tables are then unchanged and the caller must free memory (preempt) or
-        wait. Full blocks among the tokens now scheduled are registered in
-        the prefix cache.
+        has room), or None when the pool cannot supply them; the request's tables are
+        then unchanged and the caller must free memory (preempt) or wait. Full blocks
+        among the tokens now scheduled are registered in the prefix cache.
         """
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
@@ -254,23 +272,27 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         total = num_computed + num_new_tokens
         groups = self.groups
-        if len(groups) == 1:  # most models: no lists of lists to build on the way
+        free = self.block_pool.free_block_queue.num_free_blocks
+        if len(groups) == 1:  # most models: no per-group lists on the way
             group = groups[0]
             hits = new_computed_blocks[0] if new_computed_blocks else _NO_HITS
-            num_needed = group.num_to_allocate(req_id, total, hits, num_computed)
-            if num_needed is None:
+            num_needed = group.num_to_allocate(req_id, total, hits)
+            if (num_needed > 0 or hits) and max(num_needed, 0) + group.pool_change(req_id, hits, num_computed) > free:
                 return None
-            return [group.allocate(request, total, num_needed, hits, num_computed)]
+            return [group.grow(request, group.adopt(req_id, hits, num_computed), total, num_needed)]
         computed = new_computed_blocks or [_NO_HITS] * len(groups)
-        needed = []
-        for group, hits in zip(groups, computed):
-            num_needed = group.num_to_allocate(req_id, total, hits, num_computed)
-            if num_needed is None:
+        needed = [group.num_to_allocate(req_id, total, hits) for group, hits in zip(groups, computed)]
+        if any(n > 0 for n in needed) or new_computed_blocks:  # (the common decode: no new block anywhere)
+            taken = sum(n for n in needed if n > 0) + sum(
+                group.pool_change(req_id, hits, num_computed) for group, hits in zip(groups, computed)
+            )
+            if taken > free:
                 return None
-            needed.append(num_needed)
+        # Every group takes its hits and gives back what left its window before any takes new blocks.
+        tables = [group.adopt(req_id, hits, num_computed) for group, hits in zip(groups, computed)]
         return [
-            group.allocate(request, total, num_needed, hits, num_computed)
-            for group, num_needed, hits in zip(groups, needed, computed)
+            group.grow(request, blocks, total, num_needed)
+            for group, blocks, num_needed in zip(groups, tables, needed)
         ]
 
     def free(self, request: Request) -> None:
@@ -281,9 +303,7 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing done) while blocks are in use."""
-        if any(g.pool.get_num_free_blocks() != g.pool.num_usable_blocks for g in self.groups):
-            return False
-        return all([group.pool.reset_prefix_cache() for group in self.groups])
+        return self.block_pool.reset_prefix_cache()
 
     def holds_requests(self) -> bool:
         """Whether any request holds blocks or registered-block counts."""

@@ -140,16 +140,17 @@ class CausalDecoder(nn.Module, metaclass=ABCMeta):
     ) -> torch.Tensor:
         """Flat tokens [T] at ``positions`` [T] -> final hidden states [T, hidden].
 
-        Every layer writes its new K/V into ``kv_caches[layer]`` at
-        ``attn_metadata.slot_mapping`` before attending.
+        Every layer writes its new K/V into ``kv_caches[layer]`` at its
+        ``attn_metadata.for_layer(layer).slot_mapping`` before attending.
         """
         recipe = self._recipe
         hidden = recipe.embedding(input_ids) if inputs_embeds is None else inputs_embeds
         if recipe.embed_scale is not None:
             hidden = _scaled(hidden, recipe.embed_scale, inputs_embeds is not None)
         step = TorchStep(hidden, positions, attn_metadata)
-        for ops, kv_cache in zip(recipe.layers, kv_caches, strict=True):
+        for index, (ops, kv_cache) in enumerate(zip(recipe.layers, kv_caches, strict=True)):
             step.kv_cache = kv_cache
+            step.meta = attn_metadata.for_layer(index)  # its KV cache group's slots and tables
             for op in ops:
                 op.run(step)
         recipe.final_norm.run(step)

@@ -138,7 +138,7 @@ class Attention:
         qkv = qkv.view(tokens, heads + 2 * kv_heads, self.head_dim)
         kernels.rotary(qkv, heads + kv_heads, *self.rotary.tables(qkv.device, qkv.dtype), s.positions)
         k_cache, v_cache = s.kv_cache
-        meta = s.meta.for_window(self.window)  # its KV cache group's block tables
+        meta = s.meta
         kernels.write_kv_cache(
             qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :], k_cache, v_cache, meta.slot_mapping,
             meta.may_pad,

@@ -121,7 +121,7 @@ class Scheduler:
     def __init__(
         self,
         config: EngineConfig,
-        num_gpu_blocks: Sequence[int],
+        num_gpu_blocks: int,
         structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         self.max_model_len = config.max_model_len
@@ -133,7 +133,7 @@ class Scheduler:
         self.policy = config.scheduler_config.scheduling_policy
         # The most distinct LoRA adapters in one step (None: LoRA is off).
         self.max_loras = config.lora_config.max_loras if config.lora_config is not None else None
-        # One block count per KV cache group (core/kv/kv_groups.py), whose windows the manager honours.
+        # One pool for every KV cache group (core/kv/kv_groups.py), whose windows the manager honours.
         groups = KVCacheGroups.of(config.model_config)
         cache = config.cache_config
         self.kv_cache_manager = KVCacheManager(
@@ -141,14 +141,14 @@ class Scheduler:
         )
         # Shared by every request: hashes each full block once, as it fills.
         self.block_hasher = RequestBlockHasher(cache.block_size) if cache.enable_prefix_caching else None
-        # Preempting everything else must always let a request run alone to max_model_len.
-        for index, group in enumerate(self.kv_cache_manager.groups):
-            needed = groups.least_blocks(index, self.block_size, self.max_num_scheduled_tokens, self.max_model_len)
-            if group.pool.num_usable_blocks < needed:
-                raise ValueError(
-                    f"{group.pool.num_blocks} KV cache blocks (one reserved) cannot hold one request of "
-                    f"max_model_len={self.max_model_len} ({needed} blocks of {self.block_size} tokens)"
-                )
+        # Preempting everything else must always let a request run alone to
+        # max_model_len, or a long request could wait forever.
+        needed = groups.least_blocks(self.block_size, self.max_num_scheduled_tokens, self.max_model_len)
+        if self.kv_cache_manager.block_pool.num_usable_blocks < needed:
+            raise ValueError(
+                f"{num_gpu_blocks} KV cache blocks (one reserved) cannot hold one request of "
+                f"max_model_len={self.max_model_len} ({needed} blocks of {self.block_size} tokens)"
+            )
 
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = create_request_queue(self.policy)

@@ -58,12 +58,11 @@ class _Layer:
     slots and block tables (core/kv/kv_groups.py), as raw pointers."""
 
     def __init__(
-        self, ops: tuple[LayerOp, ...], kv_cache: tuple[torch.Tensor, torch.Tensor], buffers: InputBuffers
+        self, ops: tuple[LayerOp, ...], kv_cache: tuple[torch.Tensor, torch.Tensor], buffers: InputBuffers,
+        group: int,
     ) -> None:
         self.ops = ops
         self.k_cache, self.v_cache = (c.data_ptr() for c in kv_cache)
-        window = next((op.window for op in ops if isinstance(op, Attention)), 0)
-        group = buffers.group_of(window)
         self.slots = buffers.group_slots[group].np.ctypes.data
         self.tables = buffers.group_tables[group].np.ctypes.data
 
@@ -81,8 +80,10 @@ class CpuStepProgram:
     @classmethod
     def build(
         cls, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], buffers: InputBuffers,
-        max_model_len: int,
+        max_model_len: int, layer_group: tuple[int, ...] = (),
     ) -> CpuStepProgram | None:
+        """The program over ``model``'s recipe, or None where it has no C operation for a step's
+        work; ``layer_group``: each layer's KV cache group (default: one group)."""
         describe = getattr(model, "recipe", None)
         if describe is None or not kv_caches:
             return None
@@ -96,12 +97,12 @@ class CpuStepProgram:
         ):
             return None
         if NativeStepProgram.takes(recipe):
-            return NativeStepProgram(recipe, kv_caches, buffers, max_model_len)
-        return cls(recipe, kv_caches, buffers, max_model_len)
+            return NativeStepProgram(recipe, kv_caches, buffers, max_model_len, layer_group)
+        return cls(recipe, kv_caches, buffers, max_model_len, layer_group)
 
     def __init__(
         self, recipe: Recipe, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], buffers: InputBuffers,
-        max_model_len: int, threads: int | None = None,
+        max_model_len: int, layer_group: tuple[int, ...] = (), threads: int | None = None,
     ) -> None:
         cfg = recipe.config
         self.lib = cpu.load()
@@ -124,7 +125,10 @@ class CpuStepProgram:
             if id(op.rotary) not in self._rotary:
                 self._tables.append(op.rotary.tables(torch.device("cpu"), torch.float32))
                 self._rotary[id(op.rotary)] = tuple(t.data_ptr() for t in self._tables[-1])
-        self.layers = [_Layer(ops, kv, buffers) for ops, kv in zip(recipe.layers, kv_caches, strict=True)]
+        groups = layer_group or (0,) * len(kv_caches)
+        self.layers = [
+            _Layer(ops, kv, buffers, group) for ops, kv, group in zip(recipe.layers, kv_caches, groups, strict=True)
+        ]
         # Where LoRA adapters are attached, every product has a slot reading one batch: the first tells.
         self._first_product = next(op.linear for op in recipe.layers[0] if isinstance(op, Product))
         self.qkv_width = (self.heads + 2 * self.kv_heads) * self.head_dim
@@ -403,7 +407,7 @@ class NativeStepProgram(CpuStepProgram):
 
     def __init__(
         self, recipe: Recipe, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], buffers: InputBuffers,
-        max_model_len: int,
+        max_model_len: int, layer_group: tuple[int, ...] = (),
     ) -> None:
         self._programs: dict[str, Program] = {}
         self._scratch = np.zeros(0, np.uint8)
@@ -419,7 +423,7 @@ class NativeStepProgram(CpuStepProgram):
             weight.weight_t.nbytes <= SMALL_WEIGHT_BYTES for weight in dense) and all(
             sum(g.nbytes + d.nbytes for g, d in layer.quantized) <= SMALL_WEIGHT_BYTES for layer in experts)
         # A small model's step is over before a second thread would be awake: one thread.
-        super().__init__(recipe, kv_caches, buffers, max_model_len, threads=1 if small else None)
+        super().__init__(recipe, kv_caches, buffers, max_model_len, layer_group, threads=1 if small else None)
         # LoRA adapters run here where each adapted product has the C kernel's descriptor.
         self.applies_lora = all(
             linear.adapters is None or linear.adapters.desc is not None for linear in recipe.products()

@@ -99,10 +99,10 @@ class UniProcExecutor:
         self._stash: WeightStash | None = None
         self._faults = fault_injector_from_env()  # tests only (core/worker/faults.py)
 
-    def determine_num_blocks(self) -> tuple[int, ...]:
+    def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()
 
-    def initialize_kv_cache(self, num_blocks: tuple[int, ...]) -> None:
+    def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
 
     def execute_model(
@@ -173,7 +173,7 @@ class UniProcExecutor:
         self._on_runner_thread(go)
         self._sleep_level = level
 
-    def wake_up(self, num_blocks: tuple[int, ...]) -> None:
+    def wake_up(self, num_blocks: int) -> None:
         """Weights back (level 1: from the stash; level 2: from the checkpoint), KV cache re-created."""
         if not self._sleep_level:
             return
@@ -195,7 +195,7 @@ class UniProcExecutor:
 
     def memory_usage(self) -> MemoryUsage:
         runner = self.runner
-        caches = [t for pair in runner.kv_caches for t in pair]
+        caches = list({t.data_ptr(): t for pair in runner.kv_caches for t in pair}.values())  # (groups share them)
         return MemoryUsage(
             rss_bytes=resident_bytes(),
             device_bytes=device_bytes(runner.device),

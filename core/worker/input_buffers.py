@@ -44,23 +44,21 @@ class InputBuffers:
 
     ``max_num_tokens`` bounds the flat token arrays (and padded decode
     batches), ``max_num_reqs`` the per-request ones. Slots and block tables come
-    once per KV cache group (``kv_windows``: each group's sliding window, 0 for the
-    whole context; core/kv/kv_groups.py); ``slot_mapping`` and ``block_tables`` are
-    the first group's.
+    once per KV cache group (core/kv/kv_groups.py); ``slot_mapping`` and
+    ``block_tables`` are the first group's.
     """
 
     def __init__(
         self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, device: torch.device,
-        kv_windows: tuple[int, ...] = (0,),
+        num_kv_groups: int = 1,
     ) -> None:
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
         self.input_ids = StagedTensor((max_num_tokens,), torch.int64, device)
         self.positions = StagedTensor((max_num_tokens,), torch.int64, device)
-        self.kv_windows = kv_windows
-        self.group_slots = [StagedTensor((max_num_tokens,), torch.int64, device) for _ in kv_windows]
+        self.group_slots = [StagedTensor((max_num_tokens,), torch.int64, device) for _ in range(num_kv_groups)]
         self.group_tables = [
-            StagedTensor((max_num_reqs, max_blocks_per_req), torch.int32, device) for _ in kv_windows
+            StagedTensor((max_num_reqs, max_blocks_per_req), torch.int32, device) for _ in range(num_kv_groups)
         ]
         self.slot_mapping, self.block_tables = self.group_slots[0], self.group_tables[0]
         self.query_start_loc = StagedTensor((max_num_reqs + 1,), torch.int32, device)
@@ -102,8 +100,3 @@ class InputBuffers:
         for slots, tables in zip(self.group_slots, self.group_tables):
             slots.np[num_reqs:padded] = -1
             tables.np[num_reqs:padded, 0] = 0
-
-    def group_of(self, window: int) -> int:
-        """The KV cache group of layers with this sliding window (the first group's when the
-        window has none of its own: every layer of a one-group model reads it)."""
-        return self.kv_windows.index(window) if window in self.kv_windows else 0

@@ -5,9 +5,7 @@ The budget is ``kv_cache_memory`` bytes when given. Otherwise, on a CPU it is
 ``gpu_memory_utilization`` leaves after the weights and the profiled peak of the
 largest step (core/worker/gpu_memory.py); either is capped at what ``max_num_seqs``
 full-length requests could ever use. Data-parallel engines on one host take one share
-each. The budget is split between the KV cache groups (core/kv/kv_groups.py): a
-window's group takes what its requests' windows can hold, and the layers that keep
-every block share the rest.
+each. Every KV cache group draws from the one pool (core/kv/kv_groups.py).
 """
 
 from __future__ import annotations
@@ -47,45 +45,35 @@ def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def kv_cache_blocks(
     config: EngineConfig, groups: KVCacheGroups, bytes_per_block: int, device: torch.device, encoder: bool,
     profile_run: Callable[[], None],
-) -> tuple[int, ...]:
-    """Blocks per KV cache group: the override (the first group's; a window's group gets what
-    its windows can hold, at most as many), else the memory budget split between the groups
-    (ValueError when it cannot hold one request of max_model_len). ``bytes_per_block``: one
-    block over every layer; ``profile_run`` measures a GPU's peak step."""
+) -> int:
+    """Blocks of the KV cache's one pool: the override, else the memory budget (ValueError when
+    it cannot hold one request of max_model_len). ``bytes_per_block``: one block in every cache
+    tensor; ``profile_run`` measures a GPU's peak step."""
     cache, scheduler = config.cache_config, config.scheduler_config
     block_size, max_model_len = cache.block_size, config.max_model_len
     max_blocks_per_req = cdiv(max_model_len, block_size)
-    most: list[int | None] = [
-        groups.most_blocks(g, block_size, scheduler.max_num_seqs, scheduler.max_num_batched_tokens, max_blocks_per_req)
-        for g in range(groups.num_groups)
-    ]
-    least = [
-        groups.least_blocks(g, block_size, scheduler.max_num_batched_tokens, max_model_len) + 1
-        for g in range(groups.num_groups)
-    ]
+    most = groups.most_blocks(block_size, scheduler.max_num_seqs, scheduler.max_num_batched_tokens, max_blocks_per_req)
+    least = groups.least_blocks(block_size, scheduler.max_num_batched_tokens, max_model_len) + 1
     if cache.num_gpu_blocks_override is not None:
-        first = cache.num_gpu_blocks_override
-        return (first, *(min(first, n) for n in most[1:]))
+        return cache.num_gpu_blocks_override
     if encoder:  # blocks count the step's tokens only: no memory behind them
-        return tuple(most)
+        return most
     share = config.parallel_config.engines_on_this_host  # data-parallel engines split the budget
     if cache.kv_cache_memory is not None:
-        budget = cache.kv_cache_memory // share
-        # Past what max_num_seqs full-length requests can hold, blocks only keep evicted
-        # prefixes: a given budget is spent on them all the same.
-        most[0] = None
-    elif device.type == "cuda":
-        budget = gpu_kv_cache_budget(device, cache.gpu_memory_utilization / share, profile_run)
+        # Past what the running requests can hold, blocks only keep evicted prefixes: a
+        # given budget is spent on them all the same.
+        num_blocks = cache.kv_cache_memory // share // bytes_per_block
     else:
-        # Never less than one request of max_model_len: a model whose context is long (a
-        # GGUF file's, 32k and more) serves out of the box, one full-length request at a time.
-        budget = max(default_cpu_kv_budget() // share, (max_blocks_per_req + 1) * bytes_per_block)
-    num_layers = len(groups.layer_group)
-    layer_blocks = max(budget, 0) // (bytes_per_block // num_layers)
-    num_blocks = groups.split(layer_blocks, least, most)
-    if groups.layer_blocks(num_blocks) > layer_blocks:
+        if device.type == "cuda":
+            budget = gpu_kv_cache_budget(device, cache.gpu_memory_utilization / share, profile_run)
+        else:
+            # Never less than one request of max_model_len: a model whose context is long (a
+            # GGUF file's, 32k and more) serves out of the box, one full-length request at a time.
+            budget = max(default_cpu_kv_budget() // share, least * bytes_per_block)
+        num_blocks = min(max(budget, 0) // bytes_per_block, most)
+    if num_blocks < least:
         raise ValueError(
-            f"KV cache too small: {layer_blocks // num_layers} blocks of {block_size} tokens cannot hold "
+            f"KV cache too small: {num_blocks} blocks of {block_size} tokens cannot hold "
             f"one request of max_model_len={max_model_len}; raise the memory budget or lower --max-model-len"
         )
     return num_blocks

@@ -96,7 +96,7 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.max_model_len = config.max_model_len
         self.max_blocks_per_req = math.ceil(self.max_model_len / self.block_size)
-        self.kv_groups = KVCacheGroups.of(self.model_config)  # layers by the span of context they read
+        self.kv_groups = KVCacheGroups.of(self.model_config)  # layers by the block tables they read
         max_num_seqs = config.scheduler_config.max_num_seqs
         self.input_batch = InputBatch(
             max_num_seqs, self.max_model_len, self.max_blocks_per_req, self.model_config.vocab_size,
@@ -106,10 +106,12 @@ class ModelRunner:
         self.prompt_logprobs = PromptLogprobs(self.input_batch, self.device)
         max_tokens = max(config.scheduler_config.max_num_batched_tokens, max_num_seqs)
         self.buffers = InputBuffers(
-            max_tokens, max_num_seqs, self.max_blocks_per_req, self.device, self.kv_groups.windows
+            max_tokens, max_num_seqs, self.max_blocks_per_req, self.device, self.kv_groups.num_groups
         )
         self.deferred = DeferredTokens()
-        self.stager = Stager(self.input_batch, self.buffers, self.block_size, self.deferred, max_tokens)
+        self.stager = Stager(
+            self.input_batch, self.buffers, self.block_size, self.deferred, max_tokens, self.kv_groups.layer_group
+        )
         self.sampler = Sampler()
         # Speculative decoding: n-gram lookup, or a draft model (started with the KV cache).
         self.speculator: Speculator | None = None
@@ -194,11 +196,12 @@ class ModelRunner:
         return row_width(self.kv_dtype, self.model_config.head_dim)
 
     def kv_bytes_per_block(self) -> int:
-        """Bytes of one block over every layer (K and V)."""
-        return self.model_config.kv_bytes_per_block(self.block_size, self.kv_dtype.itemsize, self._kv_row())
+        """Bytes of one block: K and V in every cache tensor (one per layer of a KV cache group)."""
+        every_layer = self.model_config.kv_bytes_per_block(self.block_size, self.kv_dtype.itemsize, self._kv_row())
+        return every_layer // self.model_config.num_layers * self.kv_groups.num_slots
 
-    def determine_num_blocks(self) -> tuple[int, ...]:
-        """Blocks for the KV cache, per KV cache group (core/worker/kv_budget.py)."""
+    def determine_num_blocks(self) -> int:
+        """Blocks of the KV cache (core/worker/kv_budget.py)."""
         return kv_cache_blocks(
             self.config, self.kv_groups, self.kv_bytes_per_block(), self.device, self.encoder, self.profile_run
         )
@@ -245,18 +248,19 @@ class ModelRunner:
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
         self.sampler(logits, sampling_metadata([params] * num_logits, logits.shape[-1], device=self.device))
 
-    def initialize_kv_cache(self, num_blocks: tuple[int, ...]) -> None:
-        """Each layer's K and V caches, of its KV cache group's ``num_blocks``."""
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """The K and V cache tensors, ``num_blocks`` blocks each: one per layer, or where layers
+        fall into several KV cache groups, one per place in a group, each layer using its own."""
         if self.encoder:
             return  # an encoder keeps nothing between steps
         zeros = mapped_zeros if self.device.type == "cpu" else partial(torch.zeros, device=self.device)
-        self.kv_caches = []
-        for group in self.kv_groups.layer_group:
-            shape = (num_blocks[group], *self._kv_shape())
-            self.kv_caches.append((zeros(shape, dtype=self.kv_dtype), zeros(shape, dtype=self.kv_dtype)))
+        shape = (num_blocks, *self._kv_shape())
+        slots = [(zeros(shape, dtype=self.kv_dtype), zeros(shape, dtype=self.kv_dtype))
+                 for _ in range(self.kv_groups.num_slots)]
+        self.kv_caches = [slots[slot] for slot in self.kv_groups.layer_slot]
         self._build_cpu_program()
         if self.speculator is not None:
-            self.speculator.start_proposer(num_blocks[0])
+            self.speculator.start_proposer(num_blocks)
         if self.pooling is None and self._gpu_pads_decodes():
             scheduler = self.config.scheduler_config
             sizes = decode_batch_sizes(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
@@ -268,7 +272,9 @@ class ModelRunner:
         """The CPU step program over the current weights and KV cache (a pooling model's steps
         never sample, so it has none)."""
         if self.kv_caches and self.pooling is None and self._runs_cpu_program():
-            self.cpu_program = CpuStepProgram.build(self.model, self.kv_caches, self.buffers, self.max_model_len)
+            self.cpu_program = CpuStepProgram.build(
+                self.model, self.kv_caches, self.buffers, self.max_model_len, self.kv_groups.layer_group
+            )
 
     def replace_model(self, model: torch.nn.Module) -> None:
         """Serve ``model`` (same architecture) from the next step on; the CPU step

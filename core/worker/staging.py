@@ -86,10 +86,12 @@ class Stager:
     """Writes each step's layout into the runner's buffers and hands its device tensors out."""
 
     def __init__(
-        self, batch: InputBatch, buffers: InputBuffers, block_size: int, deferred: DeferredTokens, max_tokens: int
+        self, batch: InputBatch, buffers: InputBuffers, block_size: int, deferred: DeferredTokens, max_tokens: int,
+        layer_group: tuple[int, ...] = (),
     ) -> None:
         self.batch = batch
         self.buffers = buffers
+        self.layer_group = layer_group  # each layer's KV cache group, where there are several
         self.block_size = block_size
         self.deferred = deferred
         self.arange = np.arange(max_tokens + 1, dtype=np.int64)  # sliced, never written
@@ -206,10 +208,12 @@ class Stager:
             seq_lens_cpu=seq_lens_cpu,
             may_pad=may_pad,
         )
-        for window, slots, tables in zip(b.kv_windows[1:], b.group_slots[1:], b.group_tables[1:]):
-            meta.by_window[window] = dataclasses.replace(
-                meta, slot_mapping=slots.to_device(num_tokens), block_tables=tables.to_device(num_reqs), by_window={},
-            )
+        if len(b.group_slots) > 1:
+            groups = [meta] + [
+                dataclasses.replace(meta, slot_mapping=slots.to_device(num_tokens), block_tables=tables.to_device(num_reqs))
+                for slots, tables in zip(b.group_slots[1:], b.group_tables[1:])
+            ]
+            meta.by_layer = [groups[group] for group in self.layer_group]
         return meta
 
     def _fill_deferred_inputs(self, input_ids: torch.Tensor, staged: Staged) -> None:

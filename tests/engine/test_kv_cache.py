@@ -141,7 +141,7 @@ def test_touch_revives_a_free_block_from_the_middle_of_the_queue() -> None:
 
 
 def test_allocate_slots_adds_blocks_only_at_block_boundaries() -> None:
-    manager = KVCacheManager(num_blocks=(8,), block_size=4)
+    manager = KVCacheManager(num_blocks=8, block_size=4)
     req = make_request("a", 6)
     assert ids(manager.allocate_slots(req, 6)[0]) == [1, 2]
     req.num_computed_tokens = 6
@@ -154,7 +154,7 @@ def test_allocate_slots_adds_blocks_only_at_block_boundaries() -> None:
 
 
 def test_allocate_slots_returns_none_and_changes_nothing_when_short() -> None:
-    manager = KVCacheManager(num_blocks=(4,), block_size=4)
+    manager = KVCacheManager(num_blocks=4, block_size=4)
     a, b = make_request("a", 8), make_request("b", 8)
     assert manager.allocate_slots(a, 8) is not None
     assert manager.allocate_slots(b, 8) is None
@@ -164,7 +164,7 @@ def test_allocate_slots_returns_none_and_changes_nothing_when_short() -> None:
 
 
 def test_free_returns_every_block_tail_first() -> None:
-    manager = KVCacheManager(num_blocks=(8,), block_size=2)
+    manager = KVCacheManager(num_blocks=8, block_size=2)
     a, b = make_request("a", 5), make_request("b", 3)
     manager.allocate_slots(a, 5)  # blocks 1, 2, 3
     manager.allocate_slots(b, 3)  # blocks 4, 5
@@ -179,7 +179,7 @@ def test_free_returns_every_block_tail_first() -> None:
 def test_a_sliding_window_frees_the_blocks_no_query_will_read_again() -> None:
     """Window 6, blocks of 4: the query at position p reads keys p - 5 .. p, so block i (keys
     4i .. 4i + 3) is freed once the next query starts past 4i + 3 + 5."""
-    manager = KVCacheManager(num_blocks=(8,), block_size=4, windows=(6,))
+    manager = KVCacheManager(num_blocks=8, block_size=4, windows=(6,))
     req = make_request("a", 10)
     assert ids(manager.allocate_slots(req, 10)[0]) == [1, 2, 3]
     req.num_computed_tokens = 10  # the next query, at 10, reads keys 5..10: block 1 (keys 0..3) is free
@@ -193,67 +193,85 @@ def test_a_sliding_window_frees_the_blocks_no_query_will_read_again() -> None:
     assert manager.get_num_free_blocks() == 7 and manager.usage == 0.0
 
 
-def test_a_window_group_frees_its_blocks_while_the_whole_context_group_keeps_them() -> None:
+def test_a_window_group_gives_its_blocks_back_to_the_pool_the_whole_context_group_draws_from() -> None:
     """Gemma's layout: group 0 (global layers) keeps every block, group 1 (window 6) only what
-    the next query reads; a group that runs short fails the whole allocation, changing nothing."""
-    manager = KVCacheManager(num_blocks=(8, 5), block_size=4, windows=(0, 6))
+    the next query reads, both from one pool; a step that needs more than the pool has fails
+    whole, changing nothing."""
+    manager = KVCacheManager(num_blocks=10, block_size=4, windows=(0, 6))
     req = make_request("a", 10)
-    assert [ids(group) for group in manager.allocate_slots(req, 10)] == [[1, 2, 3], [1, 2, 3]]
-    req.num_computed_tokens = 13  # the next query reads keys 8..13: blocks 0 and 1 leave the window
-    assert [ids(group) for group in manager.allocate_slots(req, 4)] == [[4, 5], [4, 1]]
-    assert manager.get_block_ids("a") == [[1, 2, 3, 4, 5], [0, 0, 3, 4, 1]]
+    assert [ids(group) for group in manager.allocate_slots(req, 10)] == [[1, 2, 3], [4, 5, 6]]
+    req.num_computed_tokens = 13  # the next query reads keys 8..13: group 1's first two blocks leave its window
+    # Group 1 gives blocks 4 and 5 back before anyone takes new ones: group 0 then takes 7 and 8, group 1 9 and 4.
+    assert [ids(group) for group in manager.allocate_slots(req, 4)] == [[7, 8], [9, 4]]
+    assert manager.get_block_ids("a") == [[1, 2, 3, 7, 8], [0, 0, 6, 9, 4]]
     other = make_request("b", 12)
-    assert manager.allocate_slots(other, 12) is None  # group 1 has one free block of the three needed
-    assert manager.get_block_ids("b") == [[], []]
-    assert [g.pool.get_num_free_blocks() for g in manager.groups] == [2, 1]
-    assert manager.usage == 0.75  # the fuller group's share
+    assert manager.allocate_slots(other, 12) is None  # six blocks needed, one free
+    assert manager.get_block_ids("b") == [[], []] and manager.get_num_free_blocks() == 1
     manager.free(req)
-    assert [g.pool.get_num_free_blocks() for g in manager.groups] == [7, 4] and not manager.holds_requests()
+    assert manager.get_num_free_blocks() == 9 and manager.usage == 0.0 and not manager.holds_requests()
 
 
 def test_a_prefix_hit_in_a_window_group_needs_only_the_window_before_it() -> None:
     """Blocks of 4, window 6: a hit of n blocks is usable when group 0 holds all n and group 1
     the blocks the next query (at 4n) reads; earlier ones may have been evicted, and the hit's
-    table names the null block there."""
+    table names the null block there. The groups cache the same hashes under keys of their own."""
     from core.kv.block_hash import RequestBlockHasher
 
     def request(req_id: str, n: int) -> Request:
         return Request(req_id, list(range(n)), SamplingParams(), block_hasher=RequestBlockHasher(4))
 
-    manager = KVCacheManager(num_blocks=(16, 16), block_size=4, windows=(0, 6), enable_caching=True)
+    manager = KVCacheManager(num_blocks=32, block_size=4, windows=(0, 6), enable_caching=True)
     first = request("a", 21)
-    assert manager.allocate_slots(first, 21) is not None
+    assert [ids(group) for group in manager.allocate_slots(first, 21)] == [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
     manager.free(first)
-    window_pool = manager.groups[1].pool
-    for block_id in (1, 2):  # group 1's first two blocks are evicted (keys 0..7)
-        window_pool.evict(window_pool.blocks[block_id])
+    pool = manager.block_pool
+    assert pool.get_num_cached_blocks() == 10  # five full blocks in each group
+    for block_id in (7, 8):  # group 1's first two blocks are evicted (keys 0..7)
+        pool.evict(pool.blocks[block_id])
     blocks, num_computed = manager.get_computed_blocks(request("b", 21))
-    assert num_computed == 20  # the query at 20 reads keys 15..20: group 1 needs blocks 3 and 4 only
-    assert [ids(group) for group in blocks] == [[1, 2, 3, 4, 5], [0, 0, 0, 4, 5]]
-    window_pool.evict(window_pool.blocks[4])  # keys 12..15: now a hit of 5 misses key 15 in group 1
+    assert num_computed == 20  # the query at 20 reads keys 15..20: group 1 needs its blocks 3 and 4 only
+    assert [ids(group) for group in blocks] == [[1, 2, 3, 4, 5], [0, 0, 0, 10, 11]]
+    pool.evict(pool.blocks[10])  # keys 12..15: now a hit of 5 misses key 15 in group 1
     assert manager.get_computed_blocks(request("c", 21))[1] == 0  # and no shorter hit has its window either
     second = request("d", 21)
     blocks, num_computed = manager.get_computed_blocks(second)
-    assert manager.allocate_slots(second, 1, blocks, num_computed) is not None
+    assert manager.allocate_slots(second, 21 - num_computed, blocks, num_computed) is not None
 
 
-def test_kv_groups_split_a_budget_by_what_each_group_can_use() -> None:
-    """Gemma 3 1B's layout (4 global layers, 22 local): the local group takes no more than its
-    windows can hold, the global layers share the rest; at a budget too tight for one
-    full-length request at equal shares, the global group takes its least from the others."""
+def test_layers_fall_into_groups_of_equal_size_that_share_the_cache_tensors() -> None:
+    """Gemma 3 1B's layout (a global layer after every five local ones, 26 layers): groups as
+    large as the smallest kind (its 4 global layers), the 22 local layers in six groups, the
+    last half empty; the i-th layer of every group uses cache tensor i."""
     from core.kv.kv_groups import KVCacheGroups
+    from core.model_config import ModelConfig
 
-    groups = KVCacheGroups(windows=(0, 512), layer_group=tuple(1 if i % 6 != 5 else 0 for i in range(26)))
-    assert [groups.layers_in(g) for g in (0, 1)] == [4, 22]
-    assert groups.split(2600, least=(10, 10), most=(None, 50)) == ((2600 - 22 * 50) // 4, 50)
-    assert groups.split(2600, least=(10, 10), most=(None, 500)) == (100, 100)  # an equal share fits both
-    assert groups.split(2600, least=(300, 10), most=(None, 500)) == (300, (2600 - 4 * 300) // 22)
-    too_small = groups.split(2600, least=(300, 100), most=(None, 500))
-    assert too_small == (300, 100) and groups.layer_blocks(too_small) > 2600  # the caller refuses it
+    types = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(26)]
+    config = ModelConfig.from_hf(_gemma3_config(types))
+    groups = KVCacheGroups.of(config)
+    assert groups.windows == (0, 512, 512, 512, 512, 512, 512) and groups.num_slots == 4
+    assert [i for i, g in enumerate(groups.layer_group) if g == 0] == [5, 11, 17, 23]
+    assert [i for i, g in enumerate(groups.layer_group) if g == 6] == [24, 25]
+    for group in range(groups.num_groups):  # no two layers of a group share a tensor
+        slots = [s for s, g in zip(groups.layer_slot, groups.layer_group) if g == group]
+        assert slots == list(range(len(slots)))
+    # One request alone to 32k tokens, in steps of 2,048: every block of its context in the global
+    # group, and in each local group its window, a block either side and a step's tokens.
+    assert groups.least_blocks(16, 2048, 32768) == 2048 + 6 * (-(-(511 + 2048) // 16) + 1)
+    every_layer_global = ModelConfig.from_hf(_gemma3_config(["full_attention"] * 26))
+    assert KVCacheGroups.of(every_layer_global).windows == (0,) and KVCacheGroups.of(every_layer_global).num_slots == 26
+
+
+def _gemma3_config(layer_types: list[str]) -> dict:
+    return {
+        "architectures": ["Gemma3ForCausalLM"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16,
+        "max_position_embeddings": 1024, "sliding_window": 512, "layer_types": layer_types,
+        "query_pre_attn_scalar": 16,
+    }
 
 
 def test_without_prefix_caching_nothing_is_computed() -> None:
-    manager = KVCacheManager(num_blocks=(4,), block_size=4)
+    manager = KVCacheManager(num_blocks=4, block_size=4)
     assert manager.get_computed_blocks(make_request("a", 9)) == ([], 0)
 
 
@@ -266,7 +284,7 @@ def test_the_default_cpu_budget_holds_at_least_one_full_length_request(stories_d
 
     runner = ModelRunner(EngineArgs(model=stories_dir, max_model_len=512, block_size=16).resolve())
     monkeypatch.setattr(kv_budget, "default_cpu_kv_budget", lambda: runner.kv_bytes_per_block())
-    assert runner.determine_num_blocks() == (512 // 16 + 1,)
+    assert runner.determine_num_blocks() == 512 // 16 + 1
     small = ModelRunner(EngineArgs(model=stories_dir, max_model_len=512, block_size=16,
                                    kv_cache_memory=10 * runner.kv_bytes_per_block()).resolve())
     with pytest.raises(ValueError, match="KV cache too small"):

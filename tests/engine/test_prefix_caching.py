@@ -70,7 +70,7 @@ def test_hashes_agree_on_a_shared_prefix_and_diverge_after_it() -> None:
 
 
 def test_lookup_finds_the_longest_cached_prefix() -> None:
-    manager = KVCacheManager(num_blocks=(16,), block_size=BS, enable_caching=True)
+    manager = KVCacheManager(num_blocks=16, block_size=BS, enable_caching=True)
     a = request("a", list(range(12)))
     assert admit(manager, a) == 0
     b = request("b", list(range(8)) + [99, 98, 97, 96, 95])  # shares two blocks, then differs
@@ -83,7 +83,7 @@ def test_lookup_finds_the_longest_cached_prefix() -> None:
 
 
 def test_a_miss_ends_the_hit_even_if_later_blocks_are_cached() -> None:
-    manager = KVCacheManager(num_blocks=(16,), block_size=BS, enable_caching=True)
+    manager = KVCacheManager(num_blocks=16, block_size=BS, enable_caching=True)
     admit(manager, request("a", list(range(12))))
     # Block 0 differs: blocks 1 and 2 hash differently (chained), nothing is found.
     _, num_cached = manager.get_computed_blocks(request("b", [77, 1, 2, 3] + list(range(4, 12)) + [1]))
@@ -91,7 +91,7 @@ def test_a_miss_ends_the_hit_even_if_later_blocks_are_cached() -> None:
 
 
 def test_a_fully_cached_prompt_still_computes_its_last_block() -> None:
-    manager = KVCacheManager(num_blocks=(16,), block_size=BS, enable_caching=True)
+    manager = KVCacheManager(num_blocks=16, block_size=BS, enable_caching=True)
     admit(manager, request("a", list(range(8)) + [50]))
     # Exactly two full blocks, both cached: at least one token must be computed,
     # and blocks are shared whole, so the second block is recomputed.
@@ -103,7 +103,7 @@ def test_a_fully_cached_prompt_still_computes_its_last_block() -> None:
 
 
 def test_without_prefix_caching_nothing_is_computed_or_hashed() -> None:
-    manager = KVCacheManager(num_blocks=(8,), block_size=BS, enable_caching=False)
+    manager = KVCacheManager(num_blocks=8, block_size=BS, enable_caching=False)
     a = request("a", list(range(9)))
     admit(manager, a)
     assert manager.get_computed_blocks(request("b", list(range(9)))) == ([], 0)
@@ -114,7 +114,7 @@ def test_without_prefix_caching_nothing_is_computed_or_hashed() -> None:
 
 
 def test_freed_blocks_stay_cached_and_are_evicted_least_recently_used_first() -> None:
-    manager = KVCacheManager(num_blocks=(7,), block_size=BS, enable_caching=True)  # 6 usable
+    manager = KVCacheManager(num_blocks=7, block_size=BS, enable_caching=True)  # 6 usable
     a, b, c = (request(n, [ord(n)] * 8 + [0]) for n in "abc")  # 2 full blocks + 1 partial each
     admit(manager, a)
     admit(manager, b)
@@ -132,7 +132,7 @@ def test_freed_blocks_stay_cached_and_are_evicted_least_recently_used_first() ->
 
 
 def test_eviction_order_follows_free_order_tail_blocks_first() -> None:
-    manager = KVCacheManager(num_blocks=(9,), block_size=BS, enable_caching=True)  # 8 usable
+    manager = KVCacheManager(num_blocks=9, block_size=BS, enable_caching=True)  # 8 usable
     old = request("old", [1] * 8 + [0])  # 2 full blocks + 1 partial
     new = request("new", [2] * 8 + [0])
     admit(manager, old)
@@ -152,7 +152,7 @@ def test_eviction_order_follows_free_order_tail_blocks_first() -> None:
 
 
 def test_shared_blocks_are_not_evicted_while_referenced() -> None:
-    manager = KVCacheManager(num_blocks=(9,), block_size=BS, enable_caching=True)  # 8 usable
+    manager = KVCacheManager(num_blocks=9, block_size=BS, enable_caching=True)  # 8 usable
     a = request("a", list(range(9)))
     b = request("b", list(range(8)) + [42])
     admit(manager, a)
@@ -171,7 +171,7 @@ def test_shared_blocks_are_not_evicted_while_referenced() -> None:
 
 
 def test_a_block_computed_twice_is_registered_once() -> None:
-    manager = KVCacheManager(num_blocks=(16,), block_size=BS, enable_caching=True)
+    manager = KVCacheManager(num_blocks=16, block_size=BS, enable_caching=True)
     a, b = request("a", list(range(9))), request("b", list(range(9)))
     # Both allocate before either registers: the scheduler does this when both
     # are admitted in one step before any lookup sees the other's blocks.
@@ -189,7 +189,7 @@ def test_a_block_computed_twice_is_registered_once() -> None:
 
 
 def test_cache_salt_separates_identical_prompts() -> None:
-    manager = KVCacheManager(num_blocks=(32,), block_size=BS, enable_caching=True)
+    manager = KVCacheManager(num_blocks=32, block_size=BS, enable_caching=True)
     tokens = list(range(13))
     admit(manager, request("t1", tokens, salt="tenant-1"))
     assert manager.get_computed_blocks(request("t1b", tokens, salt="tenant-1"))[1] == 12
@@ -201,7 +201,7 @@ def test_cache_salt_separates_identical_prompts() -> None:
 
 
 def test_reset_prefix_cache_is_refused_while_blocks_are_in_use() -> None:
-    manager = KVCacheManager(num_blocks=(16,), block_size=BS, enable_caching=True)
+    manager = KVCacheManager(num_blocks=16, block_size=BS, enable_caching=True)
     a = request("a", list(range(9)))
     admit(manager, a)
     assert not manager.reset_prefix_cache()

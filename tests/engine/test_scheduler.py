@@ -146,7 +146,7 @@ def test_many_requests_in_a_tiny_pool_all_finish_through_preemption() -> None:
 
 def test_pool_too_small_for_one_full_length_request_is_rejected() -> None:
     with pytest.raises(ValueError, match="cannot hold one request"):
-        Scheduler(make_config(max_model_len=17, block_size=4), num_gpu_blocks=(5,))
+        Scheduler(make_config(max_model_len=17, block_size=4), num_gpu_blocks=5)
 
 
 # ------------------------------------------------------------------ stop conditions
@@ -280,7 +280,7 @@ def test_partial_prefill_yields_no_output_and_outputs_go_to_their_client() -> No
 
 
 def test_duplicate_request_id_is_rejected() -> None:
-    scheduler = Scheduler(make_config(), (40,))
+    scheduler = Scheduler(make_config(), 40)
     scheduler.add_request(make_request("a", 3))
     with pytest.raises(ValueError, match="already"):
         scheduler.add_request(make_request("a", 3))

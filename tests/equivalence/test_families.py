@@ -26,6 +26,9 @@ from tests.support.engines import hf_greedy, tiny_config
 from tests.support.paged import assert_matches_transformers
 
 FAMILIES = {"mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+# A tight KV cache: the least each family starts with at max_model_len 64 (a Gemma 3 block holds
+# one layer, its global and two local groups drawing from one pool), ~64 tokens a layer.
+TIGHT_BLOCKS = {"mistral": 17, "gemma3": 49}
 MAX_NEW = 12
 
 
@@ -95,7 +98,7 @@ def _engine_greedy(path: str, prompts: list[list[int]], **args) -> tuple[list[li
     "engine_args",
     [
         dict(max_num_batched_tokens=16),  # chunks mixed with decodes
-        dict(max_num_batched_tokens=64, num_gpu_blocks_override=17, max_model_len=64),  # preemption
+        dict(max_num_batched_tokens=64, num_gpu_blocks_override="tight", max_model_len=64),  # preemption
         dict(speculative_config=SpeculativeConfig(
             method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3,
         )),
@@ -104,15 +107,17 @@ def _engine_greedy(path: str, prompts: list[list[int]], **args) -> tuple[list[li
 )
 def test_engine_greedy_matches_transformers(family, engine_args) -> None:
     name, hf, path = family
+    if engine_args.get("num_gpu_blocks_override") == "tight":
+        engine_args = {**engine_args, "num_gpu_blocks_override": TIGHT_BLOCKS[name]}
     prompts = _prompts(hf.config.vocab_size) + [[5, 6, 7, 8] * 6]  # a repeating one: drafts get accepted
     tokens, llm = _engine_greedy(path, prompts, **engine_args)
     try:
         assert tokens == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
         core = llm.engine.engine_core
         if "num_gpu_blocks_override" in engine_args:
-            # 16 blocks hold ~64 tokens of the ~190 the six requests reach: Gemma 3's global layers
-            # keep every block, so requests are preempted; Mistral frees what is out of its window
-            # as it goes, and fits.
+            # ~64 tokens a layer of the ~190 the six requests reach: Gemma 3's global layer keeps
+            # every block, so requests are preempted; Mistral frees what is out of its window as
+            # it goes, and fits.
             assert (core.scheduler.num_preemptions > 0) == (name == "gemma3")
         if "speculative_config" in engine_args:  # drafts were verified (and the rejected ones rolled back)
             assert core.scheduler.spec_stats.num_drafts > 0
@@ -137,26 +142,25 @@ def test_prefix_cache_hits_keep_windowed_attention_exact(family) -> None:
 
 
 def test_local_layers_keep_only_their_window(family) -> None:
-    """The local layers' pool holds what the running requests' windows can (two requests'
-    windows of 8 tokens with a block either side, one step's 16 tokens and the null block:
-    2 * (2 + 2) + 4 + 1 = 13 blocks of 4); the global layers take the rest of the budget.
-    A 52-token request then fits only because its local blocks go back as its window moves
-    (12 usable blocks hold 48 tokens), and the tokens still equal the oracle's."""
+    """Blocks leave a window's group as its requests advance, for the other groups to use: a
+    31-block pool (one block a layer: Gemma's groups are one layer each here) runs a 52-token
+    request, whose 13 blocks in the global layer and 13 in each local one would need 39
+    without that, and its tokens still equal the oracle's. Two requests at a time share it,
+    preempting when it runs short. (Mistral: every layer windowed, one group.)"""
     name, hf, path = family
     cfg = hf.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     layer_block_bytes = 2 * 4 * cfg.num_key_value_heads * head_dim * 4  # K and V, 4 tokens, float32
+    layers_a_block = 1 if name == "gemma3" else cfg.num_hidden_layers
     prompts = _prompts(cfg.vocab_size, (40, 30, 17))
     tokens, llm = _engine_greedy(
-        path, prompts, max_num_seqs=2, max_num_batched_tokens=16, kv_cache_dtype="float32",
-        kv_cache_memory=300 * layer_block_bytes,
+        path, prompts, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, kv_cache_dtype="float32",
+        kv_cache_memory=31 * layers_a_block * layer_block_bytes,
     )
     try:
-        blocks = llm.engine.engine_core.kv_group_blocks
-        if name == "gemma3":  # two local layers and a global one
-            assert blocks == (300 - 2 * 13, 13)
-        else:  # Mistral: every layer windowed, one group, the whole budget
-            assert blocks == (300 // cfg.num_hidden_layers,)
+        core = llm.engine.engine_core
+        assert core.num_gpu_blocks == 31
+        assert core.model_executor.runner.kv_groups.windows == ((0, 8, 8) if name == "gemma3" else (8,))
         assert tokens == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
     finally:
         llm.shutdown()

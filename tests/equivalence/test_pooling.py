@@ -166,8 +166,8 @@ def test_engine_config_of_encoders(st_dirs):
     with pytest.raises(ValueError, match="encoder"):
         EngineArgs(model=st_dirs["bert-mean"], quantization="q8_0").resolve()
     # A decoder pooled by MEAN keeps no prefix cache (cached tokens' states are not kept); LAST does.
-    assert not EngineArgs(model=st_dirs["llama-mean"]).resolve().enable_prefix_caching
-    assert EngineArgs(model=st_dirs["llama-last"]).resolve().enable_prefix_caching
+    assert not EngineArgs(model=st_dirs["llama-mean"]).resolve().cache_config.enable_prefix_caching
+    assert EngineArgs(model=st_dirs["llama-last"]).resolve().cache_config.enable_prefix_caching
 
 
 def test_modules_that_change_the_vector_are_refused(st_dirs, tmp_path):

@@ -164,7 +164,7 @@ class Harness:
 
     def __init__(self, config: EngineConfig, num_blocks: int, token_fn: TokenFn = default_token) -> None:
         self.config = config
-        self.scheduler = Scheduler(config, (num_blocks,))
+        self.scheduler = Scheduler(config, num_blocks)
         self.runner = FakeRunner(config.cache_config.block_size, token_fn, self.scheduler.kv_cache_manager.block_pool)
         self.steps: list[SchedulerOutput] = []
         self.results: dict[str, Result] = {}
