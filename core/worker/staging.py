@@ -210,7 +210,9 @@ class Stager:
         )
         if len(b.group_slots) > 1:
             groups = [meta] + [
-                dataclasses.replace(meta, slot_mapping=slots.to_device(num_tokens), block_tables=tables.to_device(num_reqs))
+                dataclasses.replace(
+                    meta, slot_mapping=slots.to_device(num_tokens), block_tables=tables.to_device(num_reqs)
+                )
                 for slots, tables in zip(b.group_slots[1:], b.group_tables[1:])
             ]
             meta.by_layer = [groups[group] for group in self.layer_group]
