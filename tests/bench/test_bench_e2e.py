@@ -78,7 +78,7 @@ def test_bench_sweep_compares_configs_and_reports_a_broken_one(
     assert rc == 1, out  # one configuration failed
     assert "Sweep comparison" in out and "seqs8/seqs4" in out and "broken/seqs4" in out
     assert "seqs4: output tok/s of each run: " in out
-    assert "broken: server did not start: server exited with code 2: ... python -m app: error: block_size, max_num_seqs" in out
+    assert "broken: server did not start: server exited with code 2: ... python -m app: error: max_num_seqs and" in out
     summary = json.loads((tmp_path / "sweep.json").read_text())
     by_name = {c["name"]: c for c in summary["configs"]}
     for name in ("seqs4", "seqs8"):
