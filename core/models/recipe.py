@@ -138,12 +138,11 @@ class Attention:
         qkv = qkv.view(tokens, heads + 2 * kv_heads, self.head_dim)
         kernels.rotary(qkv, heads + kv_heads, *self.rotary.tables(qkv.device, qkv.dtype), s.positions)
         k_cache, v_cache = s.kv_cache
-        meta = s.meta
         kernels.write_kv_cache(
-            qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :], k_cache, v_cache, meta.slot_mapping,
-            meta.may_pad,
+            qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :], k_cache, v_cache, s.meta.slot_mapping,
+            s.meta.may_pad,
         )
-        out = kernels.paged_attention(qkv[:, :heads], k_cache, v_cache, meta, self.scale, window=self.window)
+        out = kernels.paged_attention(qkv[:, :heads], k_cache, v_cache, s.meta, self.scale, window=self.window)
         s.attn = out.view(tokens, heads * self.head_dim)
 
 
