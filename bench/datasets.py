@@ -225,28 +225,33 @@ def sample_sharegpt(
     return requests
 
 
-def sample_requests(args: argparse.Namespace, tokenizer: Any) -> list[SampleRequest]:
-    """The requests that the dataset options describe."""
+def sample_requests(
+    args: argparse.Namespace, tokenizer: Any, num_prompts: int | None = None, seed: int | None = None,
+) -> list[SampleRequest]:
+    """The requests that the dataset options describe (``num_prompts`` and ``seed`` in place of
+    the options' when given)."""
+    num_prompts = args.num_prompts if num_prompts is None else num_prompts
+    seed = args.seed if seed is None else seed
     if args.dataset_name == "random":
         return sample_random(
-            tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
-            args.random_range_ratio, args.random_prefix_len, args.seed,
+            tokenizer, num_prompts, args.random_input_len, args.random_output_len,
+            args.random_range_ratio, args.random_prefix_len, seed,
         )
     if args.dataset_name == "prefix_repetition":
         return sample_prefix_repetition(
-            tokenizer, args.num_prompts, args.prefix_repetition_prefix_len,
+            tokenizer, num_prompts, args.prefix_repetition_prefix_len,
             args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
-            args.prefix_repetition_output_len, args.seed,
+            args.prefix_repetition_output_len, seed,
         )
     if args.dataset_name == "copy":
         passages = None
         if args.dataset_path:
             passages = [line for line in Path(args.dataset_path).read_text(encoding="utf-8").splitlines() if line.strip()]
-        return sample_copy(tokenizer, args.num_prompts, args.copy_input_len, args.copy_output_len, passages, args.seed)
+        return sample_copy(tokenizer, num_prompts, args.copy_input_len, args.copy_output_len, passages, seed)
     if args.dataset_name == "sharegpt":
         if not args.dataset_path or not Path(args.dataset_path).is_file():
             raise ValueError("--dataset-name sharegpt needs --dataset-path FILE (a ShareGPT JSON file)")
-        return sample_sharegpt(tokenizer, args.dataset_path, args.num_prompts, args.sharegpt_output_len, args.seed)
+        return sample_sharegpt(tokenizer, args.dataset_path, num_prompts, args.sharegpt_output_len, seed)
     raise ValueError(f"unknown dataset {args.dataset_name!r}")
 
 

@@ -16,6 +16,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -47,6 +48,8 @@ HELP = "benchmark a running OpenAI-compatible server (as vllm bench serve)"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BACKENDS = {"openai": "/v1/completions", "vllm": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 READY_RETRY_S = 1.0
+# The readiness check's prompt: short, and the start of no benchmark prompt.
+READY_PROMPT = "Are you ready?"
 
 
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
@@ -202,8 +205,10 @@ class Runner:
     async def send(self, client: httpx.AsyncClient, request: SampleRequest) -> RequestResult:
         return await stream_request(client, self.target.url, self.payload(request), request.prompt_len)
 
-    async def wait_until_ready(self, client: httpx.AsyncClient, request: SampleRequest) -> None:
-        """Wait until the server answers at all, then send one test request, which must succeed."""
+    async def wait_until_ready(self, client: httpx.AsyncClient) -> None:
+        """Wait until the server answers at all, then send one test request, which must succeed.
+        Its prompt is none of the run's: a server's prefix cache would otherwise serve the run's
+        first prompt from the test's blocks, and a prefill's time to first token would halve."""
         timeout = self.args.ready_check_timeout_sec
         if timeout <= 0:
             return
@@ -216,24 +221,26 @@ class Runner:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{self.target.base_url} did not answer within {timeout:.0f} s: {exc}") from None
                 await asyncio.sleep(READY_RETRY_S)
-        result = await self.send(client, request)
+        result = await self.send(client, SampleRequest(READY_PROMPT, 0, 1))
         if not result.success:
             raise RuntimeError(f"the initial test request to {self.target.url} failed: {result.error.strip()}")
 
-    async def run(self, requests: list[SampleRequest]) -> tuple[list[RequestResult], float, float]:
-        """The results in request order, the wall-clock duration, and this process's CPU seconds."""
+    async def run(
+        self, requests: list[SampleRequest], warmups: Sequence[SampleRequest] = (),
+    ) -> tuple[list[RequestResult], float, float]:
+        """The results in request order, the wall-clock duration, and this process's CPU seconds;
+        ``warmups`` are sent first and not counted."""
         args = self.args
         limit = args.max_concurrency
         async with make_http_client(limit) as client:
-            await self.wait_until_ready(client, requests[0])
+            await self.wait_until_ready(client)
             semaphore = asyncio.Semaphore(limit) if limit else contextlib.nullcontext()
 
             async def limited(request: SampleRequest) -> RequestResult:
                 async with semaphore:
                     return await self.send(client, request)
 
-            if args.num_warmups > 0:
-                warmups = [requests[i % len(requests)] for i in range(args.num_warmups)]
+            if warmups:
                 results = await asyncio.gather(*(limited(r) for r in warmups))
                 failed = sum(not r.success for r in results)
                 if failed:
@@ -292,6 +299,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     target = resolve_target(args)
     tokenizer = load_tokenizer(target.tokenizer)
     requests = sample_requests(args, tokenizer)
+    # Warm-ups of the same shape but other prompts (another seed): the run's own would be cached.
+    warmups = sample_requests(args, tokenizer, num_prompts=args.num_warmups, seed=args.seed + 1) \
+        if args.num_warmups > 0 else []
     info = run_info(args, target)
     print(f"{len(requests)} requests ({args.dataset_name}) -> {target.url}, model {target.model!r}")
 
@@ -299,7 +309,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
     load_before = os.getloadavg()[0]
     spec_before = spec_decode_counters(target.base_url)
-    outputs, duration, client_cpu = uvloop.run(Runner(target, args).run(requests))
+    outputs, duration, client_cpu = uvloop.run(Runner(target, args).run(requests, warmups))
     load_after = os.getloadavg()[0]
     spec_after = spec_decode_counters(target.base_url)
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from app.launcher import REPO
 from bench.__main__ import main as bench_main
+from tests.support.metrics import parse_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -60,6 +63,22 @@ def test_bench_serve_writes_every_key_without_failures(server_factory, random_mo
     assert 1 <= result["max_concurrent_requests"] <= NUM_PROMPTS
     assert (tmp_path / "serve-latency-cdf.png").stat().st_size > 0
     assert (tmp_path / "serve-timeline.png").stat().st_size > 0
+    # The readiness check and the warm-up share no prompt with the run: none of its prefills came
+    # from the prefix cache (every prompt was looked up: the queries cover the run's tokens).
+    counters = await_prefix_cache_queries(server.base_url, NUM_PROMPTS * INPUT_LEN)
+    assert counters["vllm:prefix_cache_hits_total"] == 0, counters
+
+
+def await_prefix_cache_queries(base_url: str, at_least: int, timeout: float = 60.0) -> dict[str, float]:
+    """The prefix cache counters of /metrics (summed over their labels), once the queries reach ``at_least``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = parse_metrics(httpx.get(base_url + "/metrics", timeout=30).text)
+        counters = {name: sum(v for (n, _), v in samples.items() if n == name)
+                    for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")}
+        if counters["vllm:prefix_cache_queries_total"] >= at_least or time.monotonic() > deadline:
+            return counters
+        time.sleep(0.1)
 
 
 def test_bench_sweep_compares_configs_and_reports_a_broken_one(
