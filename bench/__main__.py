@@ -27,6 +27,7 @@ SUBCOMMANDS = {
     "embed": "bench.embed",
     "lora": "bench.lora",
     "membw": "bench.membw",
+    "int8peak": "bench.int8peak",
     "kv-quality": "bench.kv_quality",
 }
 

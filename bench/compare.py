@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import shlex
 import statistics
 import tempfile
@@ -93,24 +94,45 @@ def process_tree_rss_mb(pid: int) -> float:
     return total / 1024
 
 
-def weight_bytes_per_token(model: str) -> int | None:
-    """The bytes of weights one stream's decode step reads, for a GGUF file: every matrix but
-    the embedding, which is looked up by row (unless the head is tied to it, reading it whole),
-    and of a mixture of experts' stacked expert tensors the share a token's k experts are."""
+def _matrices(model: str) -> dict[str, tuple[object, float]] | None:
+    """A GGUF file's matrices: name -> (tensor info, the share of it one token uses: of a mixture
+    of experts' stacked expert tensors, its k experts' share; else all)."""
     if not model.endswith(".gguf"):
         return None
-    from core.models.gguf_checkpoint import tensor_bytes
     from core.models.gguf_header import GGUFHeader
 
     with GGUFHeader(model) as header:
         arch = header.get("general.architecture")
         used, experts = header.get(f"{arch}.expert_used_count"), header.get(f"{arch}.expert_count")
         share = used / experts if used and experts else 1.0
-        matrices = {name: tensor_bytes(t) * (share if len(t.shape) == 3 else 1.0)
-                    for name, t in header.tensors.items() if len(t.shape) in (2, 3)}
-        if "output.weight" in matrices:
-            matrices.pop("token_embd.weight", None)
-        return int(sum(matrices.values()))
+        return {name: (t, share if len(t.shape) == 3 else 1.0)
+                for name, t in header.tensors.items() if len(t.shape) in (2, 3)}
+
+
+def weight_bytes_per_token(model: str) -> int | None:
+    """The bytes of weights one stream's decode step reads, for a GGUF file: every matrix but
+    the embedding, which is looked up by row (unless the head is tied to it, reading it whole),
+    and of a mixture of experts' stacked expert tensors the share a token's k experts are."""
+    from core.models.gguf_checkpoint import tensor_bytes
+
+    matrices = _matrices(model)
+    if matrices is None:
+        return None
+    sizes = {name: tensor_bytes(t) * share for name, (t, share) in matrices.items()}
+    if "output.weight" in sizes:
+        sizes.pop("token_embd.weight", None)
+    return int(sum(sizes.values()))
+
+
+def prefill_macs_per_token(model: str) -> int | None:
+    """The multiply-adds of one prompt token's products in a prefill, for a GGUF file: every matrix
+    but the embedding (looked up) and the head (a prompt samples from its last token only), a
+    mixture's experts by their share."""
+    matrices = _matrices(model)
+    if matrices is None:
+        return None
+    return int(sum(math.prod(t.shape) * share for name, (t, share) in matrices.items()
+                   if name not in ("token_embd.weight", "output.weight")))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -180,16 +202,8 @@ def run(args: argparse.Namespace) -> int:
                         runs[name].append(measure(server, args, concurrency, tokenizer_of(args.model) or args.model))
             results[concurrency] = runs
     table = comparison_table(results, args.peer_name)
-    weights = weight_bytes_per_token(args.model)
-    if weights is not None and 1 in results:
-        from bench.membw import bandwidth_fraction, measure as probe
-
-        floor = statistics.median(probe())
-        for name, rs in results[1].items():
-            tpot = _median(rs, "median_tpot_ms") / 1e3
-            table += (f"\n{name}, one stream: {weights / 1e9:.2f} GB of weights per token / TPOT = "
-                      f"{weights / tpot / 1e9:.1f} GB/s, {bandwidth_fraction(weights, tpot, floor):.0%} of the "
-                      f"{floor:.1f} GB/s that bench membw reads now")
+    if 1 in results:
+        table += probe_lines(args.model, results[1], args.random_input_len)
     print("\n" + table)
     summary = {
         "date": date, "model": args.model, "peer_cmd": args.peer_cmd, "server_args": args.server_args,
@@ -205,6 +219,32 @@ def run(args: argparse.Namespace) -> int:
     plot(results, args.peer_name, out / f"compare-{date}.png", Path(args.model).name)
     print(f"saved {out / f'compare-{date}.json'} and .png")
     return 0
+
+
+def probe_lines(model: str, one_stream: dict[str, list[dict[str, Any]]], input_len: int) -> str:
+    """One stream's decode against the memory's bandwidth (bench membw) and its prefill against the
+    int8 peak (bench int8peak), each probed now, for each server."""
+    weights, macs = weight_bytes_per_token(model), prefill_macs_per_token(model)
+    if weights is None or macs is None:
+        return ""
+    from bench.int8peak import measure as int8_probe, peak_fraction
+    from bench.membw import bandwidth_fraction, measure as membw_probe
+
+    floor = statistics.median(membw_probe())
+    peaks = int8_probe()
+    lines = ""
+    for name, rs in one_stream.items():
+        tpot = _median(rs, "median_tpot_ms") / 1e3
+        lines += (f"\n{name}, one stream: {weights / 1e9:.2f} GB of weights per token / TPOT = "
+                  f"{weights / tpot / 1e9:.1f} GB/s, {bandwidth_fraction(weights, tpot, floor):.0%} of the "
+                  f"{floor:.1f} GB/s that bench membw reads now")
+        rate = input_len / (_median(rs, "median_ttft_ms") / 1e3)
+        lines += (f"\n{name}, prefill: {input_len} tokens / TTFT = {rate:.1f} prompt tok/s x "
+                  f"{macs / 1e9:.2f} GMAC = {rate * macs / 1e9:.1f} GMAC/s")
+        if peaks:
+            peak = statistics.median(peaks)
+            lines += f", {peak_fraction(macs, rate, peak):.0%} of the {peak:.1f} GMAC/s that bench int8peak measures now"
+    return lines
 
 
 def _median(runs: list[dict[str, Any]], key: str) -> float:
