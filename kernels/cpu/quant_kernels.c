@@ -1079,8 +1079,10 @@ INLINE void full_q6_k_1(const uint8_t *tile, int64_t nb, const uint8_t *a, vf *a
 }
 
 INLINE void k_half(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, int side, __m256 *acc) {
-    if (type == TYPE_Q4_K || type == TYPE_Q5_K)
-        half_q4_k(tile, nb, a, R, side, acc, type == TYPE_Q5_K);
+    if (type == TYPE_Q4_K) /* ``five`` a constant in each call: its branches leave the inner loop */
+        half_q4_k(tile, nb, a, R, side, acc, 0);
+    else if (type == TYPE_Q5_K)
+        half_q4_k(tile, nb, a, R, side, acc, 1);
     else
         half_q6_k(tile, nb, a, R, side, acc);
 }
