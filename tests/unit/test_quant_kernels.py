@@ -11,6 +11,7 @@ each block's scale per value, times the block's weights.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -131,14 +132,20 @@ def test_products_of_many_rows_span_several_passes(n: int) -> None:
 
 
 # Each vector path of quant_kernels.c, built for a CPU that has it (the machine running the
-# tests must have its extensions: AVX-512 without VNNI needs an AVX-512 CPU, and so on).
-VARIANTS = {"portable": "-march=x86-64", "avx2": "-march=haswell", "avx512": "-march=skylake-avx512",
-            "native": "-march=native"}
+# tests must have its extensions: AVX-512 without VNNI needs an AVX-512 CPU, and so on). The
+# AVX2 + AVX-VNNI path also runs on any AVX2 CPU with its one VNNI instruction computed by AVX2
+# (tests/support/c/avxvnni_emulated.h): its own code, all of it but that instruction.
+EMULATED_VNNI = Path(__file__).resolve().parents[1] / "support" / "c" / "avxvnni_emulated.h"
+VARIANTS = {"portable": ["-march=x86-64"], "avx2": ["-march=haswell"], "avx512": ["-march=skylake-avx512"],
+            "avxvnni": ["-march=haswell", "-mavxvnni"], "avxvnni-emulated": ["-march=haswell", "-include", str(EMULATED_VNNI)],
+            "avx512vnni": ["-march=skylake-avx512", "-mavx512vnni"], "native": ["-march=native"]}
+PATHS = {"portable": 0, "avx2": 1, "avxvnni": 2, "avxvnni-emulated": 2, "avx512": 3, "avx512vnni": 4}
 
-
+AVX2 = {"avx2", "fma", "f16c"}
+AVX512 = {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}
 # What each variant's -march needs of the CPU (/proc/cpuinfo's names): without them it is not built.
-NEEDS = {"portable": set(), "avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"},
-         "native": set()}
+NEEDS = {"portable": set(), "avx2": AVX2, "avxvnni": AVX2 | {"avx_vnni"}, "avxvnni-emulated": AVX2,
+         "avx512": AVX512, "avx512vnni": AVX512 | {"avx512_vnni"}, "native": set()}
 
 
 @functools.cache
@@ -146,15 +153,17 @@ def _built(name: str):
     """The library built for variant ``name``, or None where it does not run on this CPU (built,
     and found out, once per session: a build this CPU cannot run is never cached on disk). The
     native variant is the library the kernels load."""
-    from kernels.cpu import FLAGS, LIBRARY, OPENMP_VARIANTS
+    from kernels.cpu import FLAGS, LIBRARY, OPENMP_VARIANTS, QUANT_SOURCE, SOURCE
     from kernels.cpu.library import NativeLibrary, cpu_flags
 
     if name == "native":
         return cpu.load()
     if not NEEDS[name] <= (cpu_flags() or set()):
         return None
-    flags = [VARIANTS[name] if f == "-march=native" else f for f in FLAGS]
-    return NativeLibrary(f"quant-{name}", LIBRARY.sources, flags, OPENMP_VARIANTS, LIBRARY.headers).load()
+    flags = [g for f in FLAGS for g in (VARIANTS[name] if f == "-march=native" else [f])]
+    headers = [*LIBRARY.headers, *([EMULATED_VNNI] if name == "avxvnni-emulated" else [])]  # the cache's key
+    # The products' source and the one reporting the build's extensions (built_isa) suffice.
+    return NativeLibrary(f"quant-{name}", [SOURCE, QUANT_SOURCE], flags, OPENMP_VARIANTS, headers).load()
 
 
 def _variant(name: str):
@@ -164,13 +173,14 @@ def _variant(name: str):
     return lib
 
 
-@pytest.mark.parametrize("variant", ["portable", "avx2", "avx512"])
+@pytest.mark.parametrize("variant", list(PATHS))
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_every_vector_path_computes_the_same_bits(variant: str, qtype: QuantType) -> None:
-    """The AVX-512, AVX2 and portable paths against this CPU's own build: the same packed
-    bytes, the same quantized activations, the same float32 results to the bit."""
+    """The AVX-512 (with VNNI and without), AVX2 (with AVX-VNNI and without) and portable paths
+    against this CPU's own build: the same packed bytes, the same quantized activations, the same
+    float32 results to the bit."""
     other, native = _variant(variant), _variant("native")
-    assert other.quant_vector_path() == {"portable": 0, "avx2": 1, "avx512": 3}[variant]
+    assert other.quant_vector_path() == PATHS[variant]
     m, k = 37, 512
     data = random_blocks(qtype, m, k, seed=20)
     bias = np.random.default_rng(22).standard_normal(m).astype(np.float32)
