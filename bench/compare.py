@@ -243,7 +243,8 @@ def probe_lines(model: str, one_stream: dict[str, list[dict[str, Any]]], input_l
                   f"{macs / 1e9:.2f} GMAC = {rate * macs / 1e9:.1f} GMAC/s")
         if peaks:
             peak = statistics.median(peaks)
-            lines += f", {peak_fraction(macs, rate, peak):.0%} of the {peak:.1f} GMAC/s that bench int8peak measures now"
+            lines += (f", {peak_fraction(macs, rate, peak):.0%} of the {peak:.1f} GMAC/s that bench int8peak "
+                      "measures now")
     return lines
 
 

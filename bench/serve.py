@@ -14,9 +14,9 @@ import json
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -79,7 +79,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the gaps: 1 is Poisson, <1 burstier, >1 more regular")
     g.add_argument("--max-concurrency", type=int, help="most requests in flight at once")
-    g.add_argument("--num-warmups", type=int, default=0, help="requests sent (and ignored) before the run")
+    g.add_argument("--num-warmups", type=int, default=0,
+                   help="requests sent (and ignored) before the run: the dataset's, drawn with the next seed")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS (vLLM extension)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default greedy)")

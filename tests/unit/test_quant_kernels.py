@@ -137,7 +137,8 @@ def test_products_of_many_rows_span_several_passes(n: int) -> None:
 # (tests/support/c/avxvnni_emulated.h): its own code, all of it but that instruction.
 EMULATED_VNNI = Path(__file__).resolve().parents[1] / "support" / "c" / "avxvnni_emulated.h"
 VARIANTS = {"portable": ["-march=x86-64"], "avx2": ["-march=haswell"], "avx512": ["-march=skylake-avx512"],
-            "avxvnni": ["-march=haswell", "-mavxvnni"], "avxvnni-emulated": ["-march=haswell", "-include", str(EMULATED_VNNI)],
+            "avxvnni": ["-march=haswell", "-mavxvnni"],
+            "avxvnni-emulated": ["-march=haswell", "-include", str(EMULATED_VNNI)],
             "avx512vnni": ["-march=skylake-avx512", "-mavx512vnni"], "native": ["-march=native"]}
 PATHS = {"portable": 0, "avx2": 1, "avxvnni": 2, "avxvnni-emulated": 2, "avx512": 3, "avx512vnni": 4}
 
