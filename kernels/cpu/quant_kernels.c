@@ -382,57 +382,52 @@ API int64_t quant_vector_path(void) {
 /* The int8 multiply-add peak of this build's widest instruction for it (the ceiling a prefill's
  * products are held to): ``rounds`` rounds of PEAK_CHAINS independent multiply-adds on each of
  * ``threads`` threads, no memory touched. Returns the multiply-adds done; 0 for the portable
- * build, which has no such instruction. */
+ * build, which has no such instruction. Each path names its vector, its instruction as one step
+ * of a chain (``b`` an operand kept opaque to the compiler), and the multiply-adds of a step. */
 #define PEAK_CHAINS 12
+#if defined(VEC_AVX512) && defined(__AVX512VNNI__)
+typedef __m512i peak_vec;
+#define PEAK_STEP(acc, b) _mm512_dpbusd_epi32(acc, b, b)
+#define PEAK_LANES 64
+#define PEAK_LOW(v) _mm_cvtsi128_si32(_mm512_castsi512_si128(v))
+#elif defined(VEC_AVX512)
+typedef __m512i peak_vec;
+#define PEAK_STEP(acc, b) _mm512_maddubs_epi16(acc, b)
+#define PEAK_LANES 64
+#define PEAK_LOW(v) _mm_cvtsi128_si32(_mm512_castsi512_si128(v))
+#elif defined(VEC_AVX2) && defined(__AVXVNNI__)
+typedef __m256i peak_vec;
+#define PEAK_STEP(acc, b) _mm256_dpbusd_avx_epi32(acc, b, b)
+#define PEAK_LANES 32
+#define PEAK_LOW(v) _mm_cvtsi128_si32(_mm256_castsi256_si128(v))
+#elif defined(VEC_AVX2) /* vpmaddubsw: 32 multiply-adds into 16 int16 pair sums */
+typedef __m256i peak_vec;
+#define PEAK_STEP(acc, b) _mm256_maddubs_epi16(acc, b)
+#define PEAK_LANES 32
+#define PEAK_LOW(v) _mm_cvtsi128_si32(_mm256_castsi256_si128(v))
+#endif
+
 API int64_t int8_peak_probe(int64_t rounds, int64_t threads) {
     int64_t done = 0;
     (void)threads;
+    (void)rounds;
+#ifdef PEAK_LANES
 #pragma omp parallel num_threads(threads) reduction(+ : done)
     {
-        int sink = 0;
-#if defined(__AVX512VNNI__) && defined(VEC_AVX512)
-        __m512i acc[PEAK_CHAINS], a = _mm512_set1_epi8(1), b = _mm512_set1_epi8(2);
-        for (int j = 0; j < PEAK_CHAINS; j++) acc[j] = _mm512_set1_epi32(j);
+        peak_vec acc[PEAK_CHAINS], b;
+        memset(&b, 2, sizeof b);
+        for (int j = 0; j < PEAK_CHAINS; j++) memset(&acc[j], j + 1, sizeof acc[j]);
         for (int64_t r = 0; r < rounds; r++) {
 #pragma GCC unroll 12
-            for (int j = 0; j < PEAK_CHAINS; j++) acc[j] = _mm512_dpbusd_epi32(acc[j], a, b);
-            __asm__("" : "+v"(a));
-        }
-        for (int j = 0; j < PEAK_CHAINS; j++) sink += _mm_cvtsi128_si32(_mm512_castsi512_si128(acc[j]));
-        done += rounds * PEAK_CHAINS * 64;
-#elif defined(VEC_AVX512)
-        __m512i acc[PEAK_CHAINS], b = _mm512_set1_epi8(2);
-        for (int j = 0; j < PEAK_CHAINS; j++) acc[j] = _mm512_set1_epi8((char)j);
-        for (int64_t r = 0; r < rounds; r++) {
-#pragma GCC unroll 12
-            for (int j = 0; j < PEAK_CHAINS; j++) acc[j] = _mm512_maddubs_epi16(acc[j], b);
-            __asm__("" : "+v"(b));
-        }
-        for (int j = 0; j < PEAK_CHAINS; j++) sink += _mm_cvtsi128_si32(_mm512_castsi512_si128(acc[j]));
-        done += rounds * PEAK_CHAINS * 64;
-#elif defined(VEC_AVX2) && defined(__AVXVNNI__)
-        __m256i acc[PEAK_CHAINS], a = _mm256_set1_epi8(1), b = _mm256_set1_epi8(2);
-        for (int j = 0; j < PEAK_CHAINS; j++) acc[j] = _mm256_set1_epi32(j);
-        for (int64_t r = 0; r < rounds; r++) {
-#pragma GCC unroll 12
-            for (int j = 0; j < PEAK_CHAINS; j++) acc[j] = _mm256_dpbusd_avx_epi32(acc[j], a, b);
-            __asm__("" : "+x"(a));
-        }
-        for (int j = 0; j < PEAK_CHAINS; j++) sink += _mm_cvtsi128_si32(_mm256_castsi256_si128(acc[j]));
-        done += rounds * PEAK_CHAINS * 32;
-#elif defined(VEC_AVX2) /* vpmaddubsw: 32 multiply-adds into 16 int16 pair sums */
-        __m256i acc[PEAK_CHAINS], b = _mm256_set1_epi8(2);
-        for (int j = 0; j < PEAK_CHAINS; j++) acc[j] = _mm256_set1_epi8((char)j);
-        for (int64_t r = 0; r < rounds; r++) {
-#pragma GCC unroll 12
-            for (int j = 0; j < PEAK_CHAINS; j++) acc[j] = _mm256_maddubs_epi16(acc[j], b);
+            for (int j = 0; j < PEAK_CHAINS; j++) acc[j] = PEAK_STEP(acc[j], b);
             __asm__("" : "+x"(b));
         }
-        for (int j = 0; j < PEAK_CHAINS; j++) sink += _mm_cvtsi128_si32(_mm256_castsi256_si128(acc[j]));
-        done += rounds * PEAK_CHAINS * 32;
-#endif
+        int sink = 0;
+        for (int j = 0; j < PEAK_CHAINS; j++) sink += PEAK_LOW(acc[j]);
         __asm__ volatile("" : : "r"(sink));
+        done += rounds * PEAK_CHAINS * PEAK_LANES;
     }
+#endif
     return done;
 }
 
