@@ -389,23 +389,36 @@ API int64_t quant_vector_path(void) {
 typedef __m512i peak_vec;
 #define PEAK_STEP(acc, b) _mm512_dpbusd_epi32(acc, b, b)
 #define PEAK_LANES 64
+#define PEAK_SET1(x) _mm512_set1_epi8(x)
 #define PEAK_LOW(v) _mm_cvtsi128_si32(_mm512_castsi512_si128(v))
 #elif defined(VEC_AVX512)
 typedef __m512i peak_vec;
 #define PEAK_STEP(acc, b) _mm512_maddubs_epi16(acc, b)
 #define PEAK_LANES 64
+#define PEAK_SET1(x) _mm512_set1_epi8(x)
 #define PEAK_LOW(v) _mm_cvtsi128_si32(_mm512_castsi512_si128(v))
 #elif defined(VEC_AVX2) && defined(__AVXVNNI__)
 typedef __m256i peak_vec;
 #define PEAK_STEP(acc, b) _mm256_dpbusd_avx_epi32(acc, b, b)
 #define PEAK_LANES 32
+#define PEAK_SET1(x) _mm256_set1_epi8(x)
 #define PEAK_LOW(v) _mm_cvtsi128_si32(_mm256_castsi256_si128(v))
 #elif defined(VEC_AVX2) /* vpmaddubsw: 32 multiply-adds into 16 int16 pair sums */
 typedef __m256i peak_vec;
 #define PEAK_STEP(acc, b) _mm256_maddubs_epi16(acc, b)
 #define PEAK_LANES 32
+#define PEAK_SET1(x) _mm256_set1_epi8(x)
 #define PEAK_LOW(v) _mm_cvtsi128_si32(_mm256_castsi256_si128(v))
 #endif
+
+/* One step of chain ``acc``, which then stays in its register, opaque to the compiler: no step
+ * is folded, and none waits on a load or a store (chains kept in an array went to the stack, and
+ * the probe measured the first-level cache instead of the multiply-adds). */
+#define PEAK_KEEP_STEP(acc, b)                \
+    do {                                      \
+        acc = PEAK_STEP(acc, b);              \
+        __asm__("" : "+v"(acc));              \
+    } while (0)
 
 API int64_t int8_peak_probe(int64_t rounds, int64_t threads) {
     int64_t done = 0;
@@ -414,16 +427,17 @@ API int64_t int8_peak_probe(int64_t rounds, int64_t threads) {
 #ifdef PEAK_LANES
 #pragma omp parallel num_threads(threads) reduction(+ : done)
     {
-        peak_vec acc[PEAK_CHAINS], b;
-        memset(&b, 2, sizeof b);
-        for (int j = 0; j < PEAK_CHAINS; j++) memset(&acc[j], j + 1, sizeof acc[j]);
+        peak_vec b = PEAK_SET1(2), c0 = PEAK_SET1(1), c1 = PEAK_SET1(3), c2 = PEAK_SET1(4), c3 = PEAK_SET1(5);
+        peak_vec c4 = PEAK_SET1(6), c5 = PEAK_SET1(7), c6 = PEAK_SET1(8), c7 = PEAK_SET1(9);
+        peak_vec c8 = PEAK_SET1(10), c9 = PEAK_SET1(11), c10 = PEAK_SET1(12), c11 = PEAK_SET1(13);
+        __asm__("" : "+v"(b));
         for (int64_t r = 0; r < rounds; r++) {
-#pragma GCC unroll 12
-            for (int j = 0; j < PEAK_CHAINS; j++) acc[j] = PEAK_STEP(acc[j], b);
-            __asm__("" : "+x"(b));
+            PEAK_KEEP_STEP(c0, b); PEAK_KEEP_STEP(c1, b); PEAK_KEEP_STEP(c2, b); PEAK_KEEP_STEP(c3, b);
+            PEAK_KEEP_STEP(c4, b); PEAK_KEEP_STEP(c5, b); PEAK_KEEP_STEP(c6, b); PEAK_KEEP_STEP(c7, b);
+            PEAK_KEEP_STEP(c8, b); PEAK_KEEP_STEP(c9, b); PEAK_KEEP_STEP(c10, b); PEAK_KEEP_STEP(c11, b);
         }
-        int sink = 0;
-        for (int j = 0; j < PEAK_CHAINS; j++) sink += PEAK_LOW(acc[j]);
+        int sink = PEAK_LOW(c0) + PEAK_LOW(c1) + PEAK_LOW(c2) + PEAK_LOW(c3) + PEAK_LOW(c4) + PEAK_LOW(c5) +
+                   PEAK_LOW(c6) + PEAK_LOW(c7) + PEAK_LOW(c8) + PEAK_LOW(c9) + PEAK_LOW(c10) + PEAK_LOW(c11);
         __asm__ volatile("" : : "r"(sink));
         done += rounds * PEAK_CHAINS * PEAK_LANES;
     }
