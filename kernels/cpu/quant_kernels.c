@@ -750,14 +750,20 @@ API void quantize_activations(int64_t type, const float *x, int64_t rows, int64_
  * Each adds to acc[i] (16 rows of the tile) the products with activation rows a[i], i < R,
  * over the tile's nb blocks. R is a constant where they are inlined (tile_product). */
 
-/* Prefetches the cache lines of [p, p + bytes) PF_DISTANCE ahead. */
-INLINE void prefetch_ahead(const uint8_t *p, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + PF_DISTANCE + o);
+/* Prefetches the cache lines of [p, p + bytes) PF_DISTANCE ahead, for a product of R activation
+ * rows: into the first-level cache for one row; into the second for several, whose arithmetic
+ * holds each line longer, so that lines in flight wait in the second level's many miss buffers
+ * rather than the first's few (measured: bench/README.md). */
+INLINE void prefetch_ahead(const uint8_t *p, int64_t bytes, int R) {
+    if (R == 1)
+        for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + PF_DISTANCE + o, 0, 3);
+    else
+        for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + PF_DISTANCE + o, 0, 2);
 }
 
 INLINE void tile_q8_0(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
     for (int64_t b = 0; b < nb; b++, tile += Q8_0_TILE) {
-        prefetch_ahead(tile, Q8_0_TILE);
+        prefetch_ahead(tile, Q8_0_TILE, R);
         vf d = vf_halves(tile + 512);
         vi sum[ROWS_AT_ONCE], odd[ROWS_AT_ONCE]; /* two chains each: the sums' latency overlaps */
         for (int i = 0; i < R; i++) {
@@ -784,7 +790,7 @@ INLINE void tile_q4_q5(const uint8_t *tile, int64_t nb, const uint8_t *const *a,
     const int64_t size = five ? Q5_0_TILE : Q4_0_TILE;
     const int offset = five ? 16 : 8;
     for (int64_t b = 0; b < nb; b++, tile += size) {
-        prefetch_ahead(tile, size);
+        prefetch_ahead(tile, size, R);
         vf d = vf_halves(tile + (five ? 320 : 256));
         vi sum[ROWS_AT_ONCE], high[ROWS_AT_ONCE]; /* low and high nibbles: two chains */
         for (int i = 0; i < R; i++) {
@@ -816,7 +822,7 @@ INLINE void tile_q4_q5(const uint8_t *tile, int64_t nb, const uint8_t *const *a,
 INLINE void tile_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc, int five) {
     const int64_t size = five ? Q5_K_TILE : Q4_K_TILE;
     for (int64_t b = 0; b < nb; b++, tile += size) {
-        prefetch_ahead(tile, size);
+        prefetch_ahead(tile, size, R);
         vi total[ROWS_AT_ONCE], mins[ROWS_AT_ONCE];
         for (int i = 0; i < R; i++) total[i] = mins[i] = vi_set1(0);
         for (int c = 0; c < 4; c++) {
@@ -866,7 +872,7 @@ INLINE void tile_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
 /* Q6_K: d * scale_s * (q - 32) for the 16 sub-blocks s of 16. */
 INLINE void tile_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
     for (int64_t b = 0; b < nb; b++, tile += Q6_K_TILE) {
-        prefetch_ahead(tile + Q6_K_EXTRA_DISTANCE, Q6_K_TILE);
+        prefetch_ahead(tile + Q6_K_EXTRA_DISTANCE, Q6_K_TILE, R);
         vi total[ROWS_AT_ONCE];
         for (int i = 0; i < R; i++) total[i] = vi_set1(0);
         for (int h = 0; h < 2; h++)
@@ -926,7 +932,7 @@ INLINE void half_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
     /* int16 sums of at most 8 groups of 4-bit values (8 x 2 x 15 x 127 = 30480), 4 of 5-bit ones */
     const int flush = five ? 4 : 8;
     for (int64_t b = 0; b < nb; b++, tile += size) {
-        if (!side) prefetch_ahead(tile, size);
+        if (!side) prefetch_ahead(tile, size, R);
         __m256i total[4], mins[4];
         for (int i = 0; i < R; i++) total[i] = mins[i] = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
@@ -1030,7 +1036,7 @@ INLINE void q6_offsets(const uint8_t *tile, int o, int64_t b, const uint8_t *con
 INLINE void half_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, int side, __m256 *acc) {
     const int o = 32 * side;
     for (int64_t b = 0; b < nb; b++, tile += Q6_K_TILE) {
-        if (!side) prefetch_ahead(tile + Q6_K_EXTRA_DISTANCE, Q6_K_TILE);
+        if (!side) prefetch_ahead(tile + Q6_K_EXTRA_DISTANCE, Q6_K_TILE, R);
         __m256i total[4];
         for (int i = 0; i < R; i++) total[i] = _mm256_setzero_si256();
 #pragma GCC unroll 2
@@ -1055,7 +1061,7 @@ INLINE void half_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
 INLINE void full_q6_k_1(const uint8_t *tile, int64_t nb, const uint8_t *a, vf *acc) {
     const uint8_t *const rows[1] = {a};
     for (int64_t b = 0; b < nb; b++, tile += Q6_K_TILE) {
-        prefetch_ahead(tile + Q6_K_EXTRA_DISTANCE, Q6_K_TILE);
+        prefetch_ahead(tile + Q6_K_EXTRA_DISTANCE, Q6_K_TILE, 1);
         __m256i total[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
         const int8_t *qs = ((const act_q8_k *)a)[b].qs;
 #pragma GCC unroll 2
@@ -1124,7 +1130,7 @@ INLINE void tile_float(const uint8_t *tile, int64_t k, const uint8_t *const *a, 
     for (int i = 0; i < R; i++) odd[i] = vf_zero();
     int64_t j = 0;
     for (; j + 2 <= k; j += 2, tile += 2 * size) {
-        prefetch_ahead(tile, 2 * size);
+        prefetch_ahead(tile, 2 * size, R);
         vf w = half ? vf_halves(tile) : vf_floats(tile), w2 = half ? vf_halves(tile + size) : vf_floats(tile + size);
         for (int i = 0; i < R; i++) {
             const float *x = (const float *)a[i] + j;
