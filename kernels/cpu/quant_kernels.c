@@ -118,7 +118,7 @@ static inline int32_t load_i32(const int8_t *p) {
  *
  * vi: 16 int32 lanes, one per row of a tile (a zmm, two ymm, or an array); vf: the same
  * as float32. vi_dot adds to each lane the dot product of its four unsigned bytes (at most
- * 63) with the four signed bytes broadcast from ``a4``; vi_dot_q8 does it for Q8_0's
+ * 63) with the four signed bytes at ``q``; vi_dot_q8 does it for Q8_0's
  * bytes (w + 128), whose sum comes out offset by Q8_OFFSET times the activations' sum. */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__) && defined(__F16C__)
@@ -152,17 +152,22 @@ INLINE vi vi_madd_u8_pairs(vi acc, const uint8_t *p, int32_t pair) {
 }
 #ifdef __AVX512VNNI__
 #define Q8_OFFSET 128
-INLINE vi vi_dot(vi acc, vi w, int32_t a4) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(a4)); }
-INLINE vi vi_dot_q8(vi acc, vi w, int32_t a4) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(a4)); }
+/* The four activation bytes broadcast by the instruction's own memory operand ({1to16}): GCC
+ * loads them into a register with a separate broadcast, a second instruction per product. */
+INLINE vi vi_dot(vi acc, vi w, const int8_t *q) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int8_t(*)[4])q));
+    return acc;
+}
+INLINE vi vi_dot_q8(vi acc, vi w, const int8_t *q) { return vi_dot(acc, w, q); }
 #else
 #define Q8_OFFSET 0
-INLINE vi vi_dot(vi acc, vi w, int32_t a4) {
-    vi pairs = _mm512_maddubs_epi16(w, _mm512_set1_epi32(a4));
+INLINE vi vi_dot(vi acc, vi w, const int8_t *q) {
+    vi pairs = _mm512_maddubs_epi16(w, _mm512_set1_epi32(load_i32(q)));
     return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
 }
-INLINE vi vi_dot_q8(vi acc, vi w, int32_t a4) { /* signed weights: |w| times a with w's sign */
+INLINE vi vi_dot_q8(vi acc, vi w, const int8_t *q) { /* signed weights: |w| times a with w's sign */
     vi s = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
-    vi a = _mm512_set1_epi32(a4);
+    vi a = _mm512_set1_epi32(load_i32(q));
     a = _mm512_mask_sub_epi8(a, _mm512_movepi8_mask(s), _mm512_setzero_si512(), a);
     vi pairs = _mm512_maddubs_epi16(_mm512_abs_epi8(s), a);
     return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
@@ -237,26 +242,26 @@ INLINE vi vi_madd_u8_pairs(vi acc, const uint8_t *p, int32_t pair) {
 }
 #ifdef __AVXVNNI__
 #define Q8_OFFSET 128
-INLINE vi vi_dot(vi acc, vi w, int32_t a4) {
-    __m256i a = _mm256_set1_epi32(a4);
+INLINE vi vi_dot(vi acc, vi w, const int8_t *q) {
+    __m256i a = _mm256_set1_epi32(load_i32(q));
     return (vi){_mm256_dpbusd_avx_epi32(acc.l, w.l, a), _mm256_dpbusd_avx_epi32(acc.h, w.h, a)};
 }
-INLINE vi vi_dot_q8(vi acc, vi w, int32_t a4) { return vi_dot(acc, w, a4); }
+INLINE vi vi_dot_q8(vi acc, vi w, const int8_t *q) { return vi_dot(acc, w, q); }
 #else
 #define Q8_OFFSET 0
 INLINE __m256i dot_half(__m256i acc, __m256i w, __m256i a) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)));
 }
-INLINE vi vi_dot(vi acc, vi w, int32_t a4) {
-    __m256i a = _mm256_set1_epi32(a4);
+INLINE vi vi_dot(vi acc, vi w, const int8_t *q) {
+    __m256i a = _mm256_set1_epi32(load_i32(q));
     return (vi){dot_half(acc.l, w.l, a), dot_half(acc.h, w.h, a)};
 }
 INLINE __m256i dot_q8_half(__m256i acc, __m256i w, __m256i a) {
     __m256i s = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
     return dot_half(acc, _mm256_sign_epi8(s, s), _mm256_sign_epi8(a, s));
 }
-INLINE vi vi_dot_q8(vi acc, vi w, int32_t a4) {
-    __m256i a = _mm256_set1_epi32(a4);
+INLINE vi vi_dot_q8(vi acc, vi w, const int8_t *q) {
+    __m256i a = _mm256_set1_epi32(load_i32(q));
     return (vi){dot_q8_half(acc.l, w.l, a), dot_q8_half(acc.h, w.h, a)};
 }
 #endif
@@ -326,10 +331,10 @@ INLINE vi vi_madd_u8_pairs(vi acc, const uint8_t *p, int32_t pair) {
     LANEWISE(acc.v[l] + p[2 * l] * b0 + p[2 * l + 1] * b1);
 }
 #define Q8_OFFSET 128
-INLINE vi vi_dot(vi acc, vi w, int32_t a4) {
+INLINE vi vi_dot(vi acc, vi w, const int8_t *q) {
     vi r;
     int8_t a[4];
-    memcpy(a, &a4, 4);
+    memcpy(a, q, 4);
     for (int l = 0; l < TILE; l++) {
         uint32_t x = (uint32_t)w.v[l];
         r.v[l] = acc.v[l] + (int32_t)(x & 0xff) * a[0] + (int32_t)(x >> 8 & 0xff) * a[1] +
@@ -337,7 +342,7 @@ INLINE vi vi_dot(vi acc, vi w, int32_t a4) {
     }
     return r;
 }
-INLINE vi vi_dot_q8(vi acc, vi w, int32_t a4) { return vi_dot(acc, w, a4); }
+INLINE vi vi_dot_q8(vi acc, vi w, const int8_t *q) { return vi_dot(acc, w, q); }
 INLINE vf vf_zero(void) {
     vf r = {{0}};
     return r;
@@ -774,8 +779,8 @@ INLINE void tile_q8_0(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
             vi w = vi_load(tile + 64 * g), w2 = vi_load(tile + 64 * (g + 1));
             for (int i = 0; i < R; i++) {
                 const int8_t *q = ((const act_q8_0 *)a[i])[b].qs + 4 * g;
-                sum[i] = vi_dot_q8(sum[i], w, load_i32(q));
-                odd[i] = vi_dot_q8(odd[i], w2, load_i32(q + 4));
+                sum[i] = vi_dot_q8(sum[i], w, q);
+                odd[i] = vi_dot_q8(odd[i], w2, q + 4);
                 vi_keep(&sum[i]);
                 vi_keep(&odd[i]);
             }
@@ -807,8 +812,8 @@ INLINE void tile_q4_q5(const uint8_t *tile, int64_t nb, const uint8_t *const *a,
             }
             for (int i = 0; i < R; i++) {
                 const int8_t *q = ((const act_q8_0 *)a[i])[b].qs;
-                sum[i] = vi_dot(sum[i], lo, load_i32(q + 4 * c));
-                high[i] = vi_dot(high[i], hi, load_i32(q + 16 + 4 * c));
+                sum[i] = vi_dot(sum[i], lo, q + 4 * c);
+                high[i] = vi_dot(high[i], hi, q + 16 + 4 * c);
                 vi_keep(&sum[i]);
                 vi_keep(&high[i]);
             }
@@ -840,10 +845,10 @@ INLINE void tile_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
                 }
                 for (int i = 0; i < R; i++) {
                     const int8_t *q = ((const act_q8_k *)a[i])[b].qs + c * 64 + 4 * l4;
-                    lo[i] = vi_dot(lo[i], wl, load_i32(q));
-                    hi[i] = vi_dot(hi[i], wh, load_i32(q + 32));
-                    lo2[i] = vi_dot(lo2[i], wl2, load_i32(q + 4));
-                    hi2[i] = vi_dot(hi2[i], wh2, load_i32(q + 36));
+                    lo[i] = vi_dot(lo[i], wl, q);
+                    hi[i] = vi_dot(hi[i], wh, q + 32);
+                    lo2[i] = vi_dot(lo2[i], wl2, q + 4);
+                    hi2[i] = vi_dot(hi2[i], wh2, q + 36);
                     vi_keep(&lo[i]);
                     vi_keep(&hi[i]);
                     vi_keep(&lo2[i]);
@@ -887,7 +892,7 @@ INLINE void tile_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
                                vi_or(vi_hi4(lo), vi_bits(qh, 0, 0x30)), vi_or(vi_hi4(hi), vi_bits(qh, -2, 0x30))};
                     for (int i = 0; i < R; i++) {
                         const int8_t *q = ((const act_q8_k *)a[i])[b].qs + h * 128 + 4 * g;
-                        for (int p = 0; p < 4; p++) part[p][i] = vi_dot(part[p][i], v[p], load_i32(q + 32 * p));
+                        for (int p = 0; p < 4; p++) part[p][i] = vi_dot(part[p][i], v[p], q + 32 * p);
                     }
                 }
                 for (int p = 0; p < 4; p++) {
