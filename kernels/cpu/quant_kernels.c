@@ -827,7 +827,9 @@ INLINE void tile_q4_q5(const uint8_t *tile, int64_t nb, const uint8_t *const *a,
 INLINE void tile_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc, int five) {
     const int64_t size = five ? Q5_K_TILE : Q4_K_TILE;
     for (int64_t b = 0; b < nb; b++, tile += size) {
-        prefetch_ahead(tile, size, R);
+        /* A lone row reads a Q4_K tile front to back, which the hardware's prefetcher follows on
+         * its own: a prefetch per line only takes the load port from the arithmetic. */
+        if (R > 1 || five) prefetch_ahead(tile, size, R);
         vi total[ROWS_AT_ONCE], mins[ROWS_AT_ONCE];
         for (int i = 0; i < R; i++) total[i] = mins[i] = vi_set1(0);
         for (int c = 0; c < 4; c++) {
