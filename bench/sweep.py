@@ -117,8 +117,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def serve_args_for(args: argparse.Namespace, config: ConfigRun, model_dir: str, tag: str) -> argparse.Namespace:
-    """The ``serve`` options of one run against one configuration's server."""
+# Seeds between repeats: each repeat draws its own prompts (and warm-ups, with the next seed), since
+# a server kept across repeats would serve an earlier repeat's prompts from its prefix cache.
+REPEAT_SEED_STRIDE = 1000
+
+
+def serve_args_for(args: argparse.Namespace, config: ConfigRun, model_dir: str, tag: str,
+                   repeat: int = 0) -> argparse.Namespace:
+    """The ``serve`` options of repeat ``repeat`` against one configuration's server."""
     assert config.server is not None
     ns = copy.copy(args)
     ns.base_url, ns.host, ns.port = config.server.base_url, None, None
@@ -127,6 +133,7 @@ def serve_args_for(args: argparse.Namespace, config: ConfigRun, model_dir: str, 
     ns.ready_check_timeout_sec = 60.0
     ns.label = config.name
     ns.result_filename = f"sweep-{tag}.json"
+    ns.seed = args.seed + REPEAT_SEED_STRIDE * repeat
     return ns
 
 
@@ -167,7 +174,7 @@ def frontend_cpu_s(pid: int, engines: list[int]) -> float:
     return total
 
 
-def run_once(config: ConfigRun, args: argparse.Namespace, model_dir: str, tag: str) -> None:
+def run_once(config: ConfigRun, args: argparse.Namespace, model_dir: str, tag: str, repeat: int = 0) -> None:
     """One run of the workload against the configuration's server; a failure is kept as its error."""
     print(f"\n### {config.name}: {tag}")
     assert config.server is not None and config.server.proc is not None
@@ -177,7 +184,7 @@ def run_once(config: ConfigRun, args: argparse.Namespace, model_dir: str, tag: s
         # process, or a supervisor and its API server processes).
         engines = engine_pids(config.server.log_path)
         frontend, server = frontend_cpu_s(pid, engines), process_tree_cpu_s(pid)
-        result = run_benchmark(serve_args_for(args, config, model_dir, tag))
+        result = run_benchmark(serve_args_for(args, config, model_dir, tag, repeat))
         tokens = max(result["total_output_tokens"], 1)
         result["frontend_cpu_us_per_token"] = (frontend_cpu_s(pid, engines) - frontend) * 1e6 / tokens
         result["server_cpu_us_per_token"] = (process_tree_cpu_s(pid) - server) * 1e6 / tokens
@@ -270,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
             for config in configs:
                 if not config.error:
                     run_tag = f"-run{repeat + 1}" if args.repeats > 1 else ""
-                    run_once(config, args, model_dir, f"{date}-{config.name}{run_tag}")
+                    run_once(config, args, model_dir, f"{date}-{config.name}{run_tag}", repeat)
 
     rows = table_rows(args)
     workload = (
