@@ -123,7 +123,7 @@ REPEAT_SEED_STRIDE = 1000
 
 
 def serve_args_for(args: argparse.Namespace, config: ConfigRun, model_dir: str, tag: str,
-                   repeat: int = 0) -> argparse.Namespace:
+                   repeat: int) -> argparse.Namespace:
     """The ``serve`` options of repeat ``repeat`` against one configuration's server."""
     assert config.server is not None
     ns = copy.copy(args)
@@ -174,7 +174,7 @@ def frontend_cpu_s(pid: int, engines: list[int]) -> float:
     return total
 
 
-def run_once(config: ConfigRun, args: argparse.Namespace, model_dir: str, tag: str, repeat: int = 0) -> None:
+def run_once(config: ConfigRun, args: argparse.Namespace, model_dir: str, tag: str, repeat: int) -> None:
     """One run of the workload against the configuration's server; a failure is kept as its error."""
     print(f"\n### {config.name}: {tag}")
     assert config.server is not None and config.server.proc is not None

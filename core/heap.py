@@ -28,13 +28,11 @@ def freeze_startup_heap() -> None:
     _trim_c_heap()
 
 
-def _trim_c_heap() -> bool:
-    """glibc's ``malloc_trim(0)``; False where the C library has no such call (musl, macOS)."""
+def _trim_c_heap() -> None:
+    """glibc's ``malloc_trim(0)``; nothing where the C library has no such call (musl, macOS)."""
     try:
         trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):
-        return False
+        return
     trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
     trim(0)
-    return True

@@ -118,8 +118,8 @@ static inline int32_t load_i32(const int8_t *p) {
  *
  * vi: 16 int32 lanes, one per row of a tile (a zmm, two ymm, or an array); vf: the same
  * as float32. vi_dot adds to each lane the dot product of its four unsigned bytes (at most
- * 63) with the four signed bytes at ``q``; vi_dot_q8 does it for Q8_0's
- * bytes (w + 128), whose sum comes out offset by Q8_OFFSET times the activations' sum. */
+ * 63) with the four signed bytes at ``q``; vi_dot_q8 does it for Q8_0's bytes (w + 128), whose
+ * sum comes out offset by Q8_OFFSET times the activations' sum. */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__) && defined(__F16C__)
 #define VEC_AVX512 1
