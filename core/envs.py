@@ -12,6 +12,7 @@ lists them from ``ENV_VARS``.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,8 +46,9 @@ ENV_VARS: dict[str, EnvVar] = {
                "0: dense products through torch rather than numpy's BLAS (and no CPU step program)."),
         EnvVar("RINGLLM_CPU_PREPACK", _flag, True,
                "0: no oneDNN packed copies of the weights for decode batches (saves their memory)."),
-        EnvVar("RINGLLM_CPU_PREFILL_PAIRS", int, 512 * 512,
-               "Prefill chunks of at most this many (query, key) pairs are attended by the C kernels."),
+        EnvVar("RINGLLM_CPU_PREFILL_PAIRS", int, sys.maxsize,
+               "Prefill chunks of at most this many (query, key) pairs are attended by the C kernels, longer "
+               "ones by torch's SDPA (default: no limit)."),
         EnvVar("RINGLLM_ATTENTION_BACKEND", str, "auto",
                "torch: the reference attention on every device (to bisect a GPU mismatch)."),
         EnvVar("RINGLLM_SPEC_DECODE_GATE", _flag, True,

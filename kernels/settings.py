@@ -8,6 +8,8 @@ takes effect at once.
 
 from __future__ import annotations
 
+import sys
+
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -28,9 +30,10 @@ class KernelSettings:
     # of the C step program, one thread pool serves steps of one row and of a few (speculative
     # verification), and a row's product has the same bits however many rows share the step.
     few_rows_for_one: bool = False
-    # Prefill chunks of at most this many (query, key) pairs are attended by the C kernels; longer
-    # ones by torch's SDPA, whose per-call cost only pays off there (bench/README.md).
-    prefill_pairs: int = 512 * 512
+    # Prefill chunks of at most this many (query, key) pairs are attended by the C kernels, longer
+    # ones by torch's SDPA. No limit by default: on 1k-4k-token prompts of real shapes the C kernels
+    # took 0.6-0.7x SDPA's time (bench/README.md); a limit is for comparing the two.
+    prefill_pairs: int = sys.maxsize
     # Products with quantized weights (kernels/quant.py) quantize their activations to int8 per
     # block, as llama.cpp does; off (tests only), activations stay float32 and the weights are
     # expanded instead, so a product equals the float32 one of the dequantized weights.

@@ -388,12 +388,94 @@ static inline const float *cache_row(const void *cache, int64_t kv_format, int64
     return kv_values(cache, kv_format, (block * block_size + t) * kv_row + offset, head_dim, buf);
 }
 
+/* The decode kernel reads keys and values a tile at a time: up to this many floats of one KV
+ * head's consecutive tokens in a block, widened once into a buffer on the stack that every query
+ * head of the group then reads (a float32 cache is read in place). */
+#define DECODE_TILE_FLOATS 2048
+#define DECODE_TILE_TOKENS 16
+
+/* Tokens t .. t + m - 1 of block ``block``, KV head at ``offset``, as float32 rows: returns the
+ * first row and sets *row_stride (floats from one row to the next). */
+static inline const float *cache_tile(const void *cache, int64_t kv_format, int64_t block, int64_t block_size,
+                                      int64_t t, int64_t m, int64_t kv_row, int64_t offset, int64_t head_dim,
+                                      float *buf, int64_t *row_stride) {
+    if (kv_format == KV_F32) {
+        *row_stride = kv_row;
+        return (const float *)cache + (block * block_size + t) * kv_row + offset;
+    }
+    for (int64_t x = 0; x < m; x++)
+        kv_values(cache, kv_format, (block * block_size + t + x) * kv_row + offset, head_dim, buf + x * head_dim);
+    *row_stride = head_dim;
+    return buf;
+}
+
+/* decode_group for a head_dim that is not whole vectors: a dot product per key, and the values
+ * summed into the output in memory. */
+static void decode_group_any(const float *q, float *o, const int32_t *table, int64_t len, int64_t first,
+                             int64_t kv_row, int64_t offset, int64_t group, int64_t head_dim, const void *k_cache,
+                             const void *v_cache, int64_t kv_format, int64_t block_size, float scale,
+                             float *scratch) {
+    const int64_t keys = len - first, b0 = first / block_size;
+    float buf[MAX_HEAD_DIM];
+    for (int64_t j0 = b0 * block_size, b = b0; j0 < len; j0 += block_size, b++) {
+        int64_t n = len - j0 < block_size ? len - j0 : block_size;
+        for (int64_t t = j0 < first ? first - j0 : 0; t < n; t++) {
+            const float *k = cache_row(k_cache, kv_format, table[b], block_size, t, kv_row, offset, head_dim, buf);
+            for (int64_t g = 0; g < group; g++)
+                scratch[g * keys + j0 + t - first] = dot(q + g * head_dim, k, head_dim) * scale;
+        }
+    }
+    for (int64_t g = 0; g < group; g++) softmax(scratch + g * keys, keys);
+    memset(o, 0, sizeof(float) * group * head_dim);
+    for (int64_t j0 = b0 * block_size, b = b0; j0 < len; j0 += block_size, b++) {
+        int64_t n = len - j0 < block_size ? len - j0 : block_size;
+        for (int64_t t = j0 < first ? first - j0 : 0; t < n; t++) {
+            const float *v = cache_row(v_cache, kv_format, table[b], block_size, t, kv_row, offset, head_dim, buf);
+            for (int64_t g = 0; g < group; g++) {
+                float p = scratch[g * keys + j0 + t - first];
+                float *og = o + g * head_dim;
+#pragma omp simd
+                for (int64_t i = 0; i < head_dim; i++) og[i] += p * v[i];
+            }
+        }
+    }
+}
+
+/* Lanes 0..3: the sums of a0's, a1's, a2's and a3's lanes (a transposing tree of adds, where
+ * four separate horizontal sums would each walk the lanes one by one); each lane's sum is
+ * ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)), as in vsum8. */
+static inline vfloat vsum4(vfloat a0, vfloat a1, vfloat a2, vfloat a3) {
+    const vint even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
+    const vint low = {0, 1, 8, 9, 4, 5, 12, 13}, high = {2, 3, 10, 11, 6, 7, 14, 15};
+    const vint halves = {4, 5, 6, 7, 0, 1, 2, 3};
+    vfloat t0 = __builtin_shuffle(a0, a1, even) + __builtin_shuffle(a0, a1, odd);
+    vfloat t1 = __builtin_shuffle(a2, a3, even) + __builtin_shuffle(a2, a3, odd);
+    vfloat u = __builtin_shuffle(t0, t1, low) + __builtin_shuffle(t0, t1, high);
+    return u + __builtin_shuffle(u, halves);
+}
+
+/* The sums of a[0]'s, ..., a[7]'s lanes, in that order. */
+static inline vfloat vsum8(const vfloat a[8]) {
+    const vint even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
+    const vint low = {0, 1, 8, 9, 4, 5, 12, 13}, high = {2, 3, 10, 11, 6, 7, 14, 15};
+    const vint first = {0, 1, 2, 3, 8, 9, 10, 11}, second = {4, 5, 6, 7, 12, 13, 14, 15};
+    vfloat t[4], u[2];
+    for (int i = 0; i < 4; i++)
+        t[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], even) + __builtin_shuffle(a[2 * i], a[2 * i + 1], odd);
+    for (int i = 0; i < 2; i++)
+        u[i] = __builtin_shuffle(t[2 * i], t[2 * i + 1], low) + __builtin_shuffle(t[2 * i], t[2 * i + 1], high);
+    return __builtin_shuffle(u[0], u[1], first) + __builtin_shuffle(u[0], u[1], second);
+}
+
 /* One decode's attention for the ``group`` query heads of KV head ``kh`` (see
  * paged_decode_attention). Always inlined with a constant head_dim for the
  * common sizes, so that the dot products and the value accumulation compile
- * to fixed-length vector code; each head's output is summed in registers over
- * the keys (its head_dim floats in vectors) and stored once. scratch holds
- * group * len scores. Multiply-adds may fuse (as in the prefill kernel). */
+ * to fixed-length vector code. Keys and values go by tiles (cache_tile): each
+ * is widened once for the whole group, eight keys' dot products run side by
+ * side and are summed across lanes together (vsum8), and each head's output
+ * is accumulated in registers over a tile's values, 64 dimensions at a time.
+ * scratch holds group * len scores. Multiply-adds may fuse (as in the prefill
+ * kernel). */
 static inline __attribute__((always_inline)) void decode_group(
     const float *qd, float *od, const int32_t *table, int64_t len, int64_t window, int64_t kh, int64_t kv_heads,
     int64_t group, const int64_t head_dim, const void *k_cache, const void *v_cache, int64_t kv_format,
@@ -404,70 +486,81 @@ static inline __attribute__((always_inline)) void decode_group(
     const int64_t b0 = first / block_size;
     const float *q = qd + kh * group * head_dim;
     float *o = od + kh * group * head_dim;
-    float buf[4][MAX_HEAD_DIM];
-    const int vectors_only = head_dim % VLANES == 0 && head_dim <= MAX_HEAD_DIM;
-    /* scores[g][j] = scale * q_g . k_j, walking the blocks (no division per key); four keys
-     * at a time where head_dim is whole vectors, so that four sums run side by side */
+    if (head_dim % VLANES != 0 || head_dim > MAX_HEAD_DIM) {
+        decode_group_any(q, o, table, len, first, kv_row, offset, group, head_dim, k_cache, v_cache, kv_format,
+                         block_size, scale, scratch);
+        return;
+    }
+    float buf[DECODE_TILE_FLOATS];
+    const int64_t per_tile = head_dim <= DECODE_TILE_FLOATS / DECODE_TILE_TOKENS ? DECODE_TILE_TOKENS
+                                                                                 : DECODE_TILE_FLOATS / head_dim;
+    const int64_t vectors = head_dim / VLANES;
+    /* scores[g][j] = scale * q_g . k_j */
     for (int64_t j0 = b0 * block_size, b = b0; j0 < len; j0 += block_size, b++) {
-        int64_t n = len - j0 < block_size ? len - j0 : block_size, t = j0 < first ? first - j0 : 0;
-        if (vectors_only)
-            for (; t + 4 <= n; t += 4) {
-                const float *k[4];
-                for (int x = 0; x < 4; x++)
-                    k[x] = cache_row(k_cache, kv_format, table[b], block_size, t + x, kv_row, offset, head_dim, buf[x]);
-                for (int64_t g = 0; g < group; g++) {
-                    const float *qg = q + g * head_dim;
+        const int64_t n = len - j0 < block_size ? len - j0 : block_size;
+        for (int64_t t = j0 < first ? first - j0 : 0; t < n; t += per_tile) {
+            const int64_t m = n - t < per_tile ? n - t : per_tile;
+            int64_t rs;
+            const float *k = cache_tile(k_cache, kv_format, table[b], block_size, t, m, kv_row, offset, head_dim,
+                                        buf, &rs);
+            for (int64_t g = 0; g < group; g++) {
+                const float *qg = q + g * head_dim;
+                float *sg = scratch + g * keys + j0 + t - first;
+                int64_t x = 0;
+                for (; x + 8 <= m; x += 8) { /* eight chains of multiply-adds: the FMA units' latency covered */
+                    const float *k0 = k + x * rs;
+                    vfloat a[8] = {{0}};
+                    for (int64_t c = 0; c < head_dim; c += VLANES) {
+                        vfloat qv = vload(qg + c);
+                        for (int i = 0; i < 8; i++) a[i] += qv * vload(k0 + i * rs + c);
+                    }
+                    vstore(sg + x, vsum8(a) * scale);
+                }
+                for (; x + 4 <= m; x += 4) {
+                    const float *k0 = k + x * rs;
                     vfloat a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
                     for (int64_t c = 0; c < head_dim; c += VLANES) {
                         vfloat qv = vload(qg + c);
-                        a0 += qv * vload(k[0] + c);
-                        a1 += qv * vload(k[1] + c);
-                        a2 += qv * vload(k[2] + c);
-                        a3 += qv * vload(k[3] + c);
+                        a0 += qv * vload(k0 + c);
+                        a1 += qv * vload(k0 + rs + c);
+                        a2 += qv * vload(k0 + 2 * rs + c);
+                        a3 += qv * vload(k0 + 3 * rs + c);
                     }
-                    float *sg = scratch + g * keys + j0 + t - first;
-                    sg[0] = vsum_lanes(a0) * scale;
-                    sg[1] = vsum_lanes(a1) * scale;
-                    sg[2] = vsum_lanes(a2) * scale;
-                    sg[3] = vsum_lanes(a3) * scale;
+                    vfloat sums = vsum4(a0, a1, a2, a3) * scale;
+                    for (int i = 0; i < 4; i++) sg[x + i] = sums[i];
+                }
+                /* the same tree of sums, so that a score's bits do not depend on where its tile ends */
+                for (; x < m; x++) {
+                    vfloat a = {0}, zero = {0};
+                    for (int64_t c = 0; c < head_dim; c += VLANES) a += vload(qg + c) * vload(k + x * rs + c);
+                    sg[x] = vsum4(a, zero, zero, zero)[0] * scale;
                 }
             }
-        for (; t < n; t++) {
-            const float *k = cache_row(k_cache, kv_format, table[b], block_size, t, kv_row, offset, head_dim, buf[0]);
-            for (int64_t g = 0; g < group; g++)
-                scratch[g * keys + j0 + t - first] = dot(q + g * head_dim, k, head_dim) * scale;
         }
     }
     for (int64_t g = 0; g < group; g++) softmax(scratch + g * keys, keys);
-    if (vectors_only) {
-        for (int64_t g = 0; g < group; g++) { /* out_g = sum_j p[g][j] * v_j, in registers */
-            vfloat acc[MAX_HEAD_DIM / VLANES];
-            const int64_t vectors = head_dim / VLANES;
-            for (int64_t c = 0; c < vectors; c++) acc[c] = (vfloat){0};
-            const float *p = scratch + g * keys;
-            for (int64_t j0 = b0 * block_size, b = b0; j0 < len; j0 += block_size, b++) {
-                int64_t n = len - j0 < block_size ? len - j0 : block_size;
-                for (int64_t t = j0 < first ? first - j0 : 0; t < n; t++) {
-                    const float *v =
-                        cache_row(v_cache, kv_format, table[b], block_size, t, kv_row, offset, head_dim, buf[0]);
-                    float w = p[j0 + t - first];
-                    for (int64_t c = 0; c < vectors; c++) acc[c] += w * vload(v + c * VLANES);
-                }
-            }
-            for (int64_t c = 0; c < vectors; c++) vstore(o + g * head_dim + c * VLANES, acc[c]);
-        }
-        return;
-    }
+    /* out_g = sum_j p[g][j] * v_j, summed in registers over each tile */
     memset(o, 0, sizeof(float) * group * head_dim);
-    for (int64_t j0 = b0 * block_size, b = b0; j0 < len; j0 += block_size, b++) { /* any other head_dim */
-        int64_t n = len - j0 < block_size ? len - j0 : block_size;
-        for (int64_t t = j0 < first ? first - j0 : 0; t < n; t++) {
-            const float *v = cache_row(v_cache, kv_format, table[b], block_size, t, kv_row, offset, head_dim, buf[0]);
+    for (int64_t j0 = b0 * block_size, b = b0; j0 < len; j0 += block_size, b++) {
+        const int64_t n = len - j0 < block_size ? len - j0 : block_size;
+        for (int64_t t = j0 < first ? first - j0 : 0; t < n; t += per_tile) {
+            const int64_t m = n - t < per_tile ? n - t : per_tile;
+            int64_t rs;
+            const float *v = cache_tile(v_cache, kv_format, table[b], block_size, t, m, kv_row, offset, head_dim,
+                                        buf, &rs);
             for (int64_t g = 0; g < group; g++) {
-                float p = scratch[g * keys + j0 + t - first];
+                const float *p = scratch + g * keys + j0 + t - first;
                 float *og = o + g * head_dim;
-#pragma omp simd
-                for (int64_t i = 0; i < head_dim; i++) og[i] += p * v[i];
+                for (int64_t c0 = 0; c0 < vectors; c0 += 8) {
+                    const int64_t cn = vectors - c0 < 8 ? vectors - c0 : 8;
+                    vfloat acc[8];
+                    for (int64_t c = 0; c < cn; c++) acc[c] = vload(og + (c0 + c) * VLANES);
+                    for (int64_t x = 0; x < m; x++) {
+                        const float w = p[x], *vx = v + x * rs + c0 * VLANES;
+                        for (int64_t c = 0; c < cn; c++) acc[c] += w * vload(vx + c * VLANES);
+                    }
+                    for (int64_t c = 0; c < cn; c++) vstore(og + (c0 + c) * VLANES, acc[c]);
+                }
             }
         }
     }
