@@ -409,34 +409,50 @@ static inline const float *cache_tile(const void *cache, int64_t kv_format, int6
     return buf;
 }
 
+/* A walk over the tiles of a context's tokens [first, len): runs of at most per_tile tokens that
+ * stay inside one block; b is the block's index in the table, j0 its first token, t the tile's
+ * first token in it and m its length. */
+typedef struct {
+    int64_t b, j0, t, m;
+} tile_walk;
+
+static inline tile_walk tile_walk_from(int64_t first, int64_t block_size) {
+    tile_walk w = {first / block_size, first / block_size * block_size, first % block_size, 0};
+    return w;
+}
+
+/* Moves to the next tile (the first call: to the first); 0 past the last. */
+static inline int next_tile(tile_walk *w, int64_t len, int64_t block_size, int64_t per_tile) {
+    w->t += w->m;
+    if (w->t == block_size) w->b++, w->j0 += block_size, w->t = 0;
+    if (w->j0 + w->t >= len) return 0;
+    const int64_t n = len - w->j0 < block_size ? len - w->j0 : block_size;
+    w->m = n - w->t < per_tile ? n - w->t : per_tile;
+    return 1;
+}
+
 /* decode_group for a head_dim that is not whole vectors: a dot product per key, and the values
  * summed into the output in memory. */
 static void decode_group_any(const float *q, float *o, const int32_t *table, int64_t len, int64_t first,
                              int64_t kv_row, int64_t offset, int64_t group, int64_t head_dim, const void *k_cache,
                              const void *v_cache, int64_t kv_format, int64_t block_size, float scale,
                              float *scratch) {
-    const int64_t keys = len - first, b0 = first / block_size;
+    const int64_t keys = len - first;
     float buf[MAX_HEAD_DIM];
-    for (int64_t j0 = b0 * block_size, b = b0; j0 < len; j0 += block_size, b++) {
-        int64_t n = len - j0 < block_size ? len - j0 : block_size;
-        for (int64_t t = j0 < first ? first - j0 : 0; t < n; t++) {
-            const float *k = cache_row(k_cache, kv_format, table[b], block_size, t, kv_row, offset, head_dim, buf);
-            for (int64_t g = 0; g < group; g++)
-                scratch[g * keys + j0 + t - first] = dot(q + g * head_dim, k, head_dim) * scale;
-        }
+    for (tile_walk w = tile_walk_from(first, block_size); next_tile(&w, len, block_size, 1);) {
+        const float *k = cache_row(k_cache, kv_format, table[w.b], block_size, w.t, kv_row, offset, head_dim, buf);
+        for (int64_t g = 0; g < group; g++)
+            scratch[g * keys + w.j0 + w.t - first] = dot(q + g * head_dim, k, head_dim) * scale;
     }
     for (int64_t g = 0; g < group; g++) softmax(scratch + g * keys, keys);
     memset(o, 0, sizeof(float) * group * head_dim);
-    for (int64_t j0 = b0 * block_size, b = b0; j0 < len; j0 += block_size, b++) {
-        int64_t n = len - j0 < block_size ? len - j0 : block_size;
-        for (int64_t t = j0 < first ? first - j0 : 0; t < n; t++) {
-            const float *v = cache_row(v_cache, kv_format, table[b], block_size, t, kv_row, offset, head_dim, buf);
-            for (int64_t g = 0; g < group; g++) {
-                float p = scratch[g * keys + j0 + t - first];
-                float *og = o + g * head_dim;
+    for (tile_walk w = tile_walk_from(first, block_size); next_tile(&w, len, block_size, 1);) {
+        const float *v = cache_row(v_cache, kv_format, table[w.b], block_size, w.t, kv_row, offset, head_dim, buf);
+        for (int64_t g = 0; g < group; g++) {
+            float p = scratch[g * keys + w.j0 + w.t - first];
+            float *og = o + g * head_dim;
 #pragma omp simd
-                for (int64_t i = 0; i < head_dim; i++) og[i] += p * v[i];
-            }
+            for (int64_t i = 0; i < head_dim; i++) og[i] += p * v[i];
         }
     }
 }
@@ -483,7 +499,6 @@ static inline __attribute__((always_inline)) void decode_group(
     int64_t kv_row = kv_heads * head_dim, offset = kh * head_dim;
     /* A sliding window keeps the last ``window`` keys: scores are indexed from the first of them. */
     const int64_t first = window > 0 && len > window ? len - window : 0, keys = len - first;
-    const int64_t b0 = first / block_size;
     const float *q = qd + kh * group * head_dim;
     float *o = od + kh * group * head_dim;
     if (head_dim % VLANES != 0 || head_dim > MAX_HEAD_DIM) {
@@ -496,71 +511,63 @@ static inline __attribute__((always_inline)) void decode_group(
                                                                                  : DECODE_TILE_FLOATS / head_dim;
     const int64_t vectors = head_dim / VLANES;
     /* scores[g][j] = scale * q_g . k_j */
-    for (int64_t j0 = b0 * block_size, b = b0; j0 < len; j0 += block_size, b++) {
-        const int64_t n = len - j0 < block_size ? len - j0 : block_size;
-        for (int64_t t = j0 < first ? first - j0 : 0; t < n; t += per_tile) {
-            const int64_t m = n - t < per_tile ? n - t : per_tile;
-            int64_t rs;
-            const float *k = cache_tile(k_cache, kv_format, table[b], block_size, t, m, kv_row, offset, head_dim,
-                                        buf, &rs);
-            for (int64_t g = 0; g < group; g++) {
-                const float *qg = q + g * head_dim;
-                float *sg = scratch + g * keys + j0 + t - first;
-                int64_t x = 0;
-                for (; x + 8 <= m; x += 8) { /* eight chains of multiply-adds: the FMA units' latency covered */
-                    const float *k0 = k + x * rs;
-                    vfloat a[8] = {{0}};
-                    for (int64_t c = 0; c < head_dim; c += VLANES) {
-                        vfloat qv = vload(qg + c);
-                        for (int i = 0; i < 8; i++) a[i] += qv * vload(k0 + i * rs + c);
-                    }
-                    vstore(sg + x, vsum8(a) * scale);
+    for (tile_walk w = tile_walk_from(first, block_size); next_tile(&w, len, block_size, per_tile);) {
+        int64_t rs;
+        const float *k = cache_tile(k_cache, kv_format, table[w.b], block_size, w.t, w.m, kv_row, offset, head_dim,
+                                    buf, &rs);
+        for (int64_t g = 0; g < group; g++) {
+            const float *qg = q + g * head_dim;
+            float *sg = scratch + g * keys + w.j0 + w.t - first;
+            int64_t x = 0;
+            for (; x + 8 <= w.m; x += 8) { /* eight chains of multiply-adds: the FMA units' latency covered */
+                const float *k0 = k + x * rs;
+                vfloat a[8] = {{0}};
+                for (int64_t c = 0; c < head_dim; c += VLANES) {
+                    vfloat qv = vload(qg + c);
+                    for (int i = 0; i < 8; i++) a[i] += qv * vload(k0 + i * rs + c);
                 }
-                for (; x + 4 <= m; x += 4) {
-                    const float *k0 = k + x * rs;
-                    vfloat a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-                    for (int64_t c = 0; c < head_dim; c += VLANES) {
-                        vfloat qv = vload(qg + c);
-                        a0 += qv * vload(k0 + c);
-                        a1 += qv * vload(k0 + rs + c);
-                        a2 += qv * vload(k0 + 2 * rs + c);
-                        a3 += qv * vload(k0 + 3 * rs + c);
-                    }
-                    vfloat sums = vsum4(a0, a1, a2, a3) * scale;
-                    for (int i = 0; i < 4; i++) sg[x + i] = sums[i];
+                vstore(sg + x, vsum8(a) * scale);
+            }
+            for (; x + 4 <= w.m; x += 4) {
+                const float *k0 = k + x * rs;
+                vfloat a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                for (int64_t c = 0; c < head_dim; c += VLANES) {
+                    vfloat qv = vload(qg + c);
+                    a0 += qv * vload(k0 + c);
+                    a1 += qv * vload(k0 + rs + c);
+                    a2 += qv * vload(k0 + 2 * rs + c);
+                    a3 += qv * vload(k0 + 3 * rs + c);
                 }
-                /* the same tree of sums, so that a score's bits do not depend on where its tile ends */
-                for (; x < m; x++) {
-                    vfloat a = {0}, zero = {0};
-                    for (int64_t c = 0; c < head_dim; c += VLANES) a += vload(qg + c) * vload(k + x * rs + c);
-                    sg[x] = vsum4(a, zero, zero, zero)[0] * scale;
-                }
+                vfloat sums = vsum4(a0, a1, a2, a3) * scale;
+                for (int i = 0; i < 4; i++) sg[x + i] = sums[i];
+            }
+            /* the same tree of sums, so that a score's bits do not depend on where its tile ends */
+            for (; x < w.m; x++) {
+                vfloat a = {0}, zero = {0};
+                for (int64_t c = 0; c < head_dim; c += VLANES) a += vload(qg + c) * vload(k + x * rs + c);
+                sg[x] = vsum4(a, zero, zero, zero)[0] * scale;
             }
         }
     }
     for (int64_t g = 0; g < group; g++) softmax(scratch + g * keys, keys);
     /* out_g = sum_j p[g][j] * v_j, summed in registers over each tile */
     memset(o, 0, sizeof(float) * group * head_dim);
-    for (int64_t j0 = b0 * block_size, b = b0; j0 < len; j0 += block_size, b++) {
-        const int64_t n = len - j0 < block_size ? len - j0 : block_size;
-        for (int64_t t = j0 < first ? first - j0 : 0; t < n; t += per_tile) {
-            const int64_t m = n - t < per_tile ? n - t : per_tile;
-            int64_t rs;
-            const float *v = cache_tile(v_cache, kv_format, table[b], block_size, t, m, kv_row, offset, head_dim,
-                                        buf, &rs);
-            for (int64_t g = 0; g < group; g++) {
-                const float *p = scratch + g * keys + j0 + t - first;
-                float *og = o + g * head_dim;
-                for (int64_t c0 = 0; c0 < vectors; c0 += 8) {
-                    const int64_t cn = vectors - c0 < 8 ? vectors - c0 : 8;
-                    vfloat acc[8];
-                    for (int64_t c = 0; c < cn; c++) acc[c] = vload(og + (c0 + c) * VLANES);
-                    for (int64_t x = 0; x < m; x++) {
-                        const float w = p[x], *vx = v + x * rs + c0 * VLANES;
-                        for (int64_t c = 0; c < cn; c++) acc[c] += w * vload(vx + c * VLANES);
-                    }
-                    for (int64_t c = 0; c < cn; c++) vstore(og + (c0 + c) * VLANES, acc[c]);
+    for (tile_walk w = tile_walk_from(first, block_size); next_tile(&w, len, block_size, per_tile);) {
+        int64_t rs;
+        const float *v = cache_tile(v_cache, kv_format, table[w.b], block_size, w.t, w.m, kv_row, offset, head_dim,
+                                    buf, &rs);
+        for (int64_t g = 0; g < group; g++) {
+            const float *p = scratch + g * keys + w.j0 + w.t - first;
+            float *og = o + g * head_dim;
+            for (int64_t c0 = 0; c0 < vectors; c0 += 8) {
+                const int64_t cn = vectors - c0 < 8 ? vectors - c0 : 8;
+                vfloat acc[8];
+                for (int64_t c = 0; c < cn; c++) acc[c] = vload(og + (c0 + c) * VLANES);
+                for (int64_t x = 0; x < w.m; x++) {
+                    const float wx = p[x], *vx = v + x * rs + c0 * VLANES;
+                    for (int64_t c = 0; c < cn; c++) acc[c] += wx * vload(vx + c * VLANES);
                 }
+                for (int64_t c = 0; c < cn; c++) vstore(og + (c0 + c) * VLANES, acc[c]);
             }
         }
     }

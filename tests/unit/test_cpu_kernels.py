@@ -119,6 +119,7 @@ def test_silu_mul() -> None:
         pytest.param([600, 1], [700, 45], 2, 3, 64, 16, id="long-chunk-beside-a-decode"),
         # Tiles that end at every count of keys (blocks of 13: groups of eight, four and single keys).
         pytest.param([1, 1, 1], [12, 25, 38], 2, 4, 128, 13, id="decode-tiles-of-every-remainder"),
+        pytest.param([1, 5], [30, 7], 2, 2, 12, 4, id="head-dim-not-whole-vectors"),
     ],
 )
 def test_paged_decode_attention_matches_dense(query_lens, context_lens, kv_heads, group, head_dim, block_size):
