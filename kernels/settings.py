@@ -9,7 +9,6 @@ takes effect at once.
 from __future__ import annotations
 
 import sys
-
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -31,8 +30,8 @@ class KernelSettings:
     # verification), and a row's product has the same bits however many rows share the step.
     few_rows_for_one: bool = False
     # Prefill chunks of at most this many (query, key) pairs are attended by the C kernels, longer
-    # ones by torch's SDPA. No limit by default: on 1k-4k-token prompts of real shapes the C kernels
-    # took 0.6-0.7x SDPA's time (bench/README.md); a limit is for comparing the two.
+    # ones by torch's SDPA. No limit by default: on long prompts of real shapes the C kernels beat
+    # SDPA too (bench/README.md); a limit is for comparing the two.
     prefill_pairs: int = sys.maxsize
     # Products with quantized weights (kernels/quant.py) quantize their activations to int8 per
     # block, as llama.cpp does; off (tests only), activations stay float32 and the weights are

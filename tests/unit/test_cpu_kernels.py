@@ -115,7 +115,7 @@ def test_silu_mul() -> None:
         pytest.param([40, 1, 17], [0, 9, 30], 2, 2, 8, 16, id="prefill-chunks-head-dim-8"),
         pytest.param([40, 1, 17], [0, 9, 30], 2, 2, 32, 16, id="prefill-chunks-head-dim-32"),
         pytest.param([130], [0], 4, 2, 8, 16, id="prefill-chunk-large-enough-for-threads"),
-        # A chunk of more (query, key) pairs than SDPA was once left (512 x 512), beside a decode.
+        # A chunk of more (query, key) pairs than the C kernels took before (512 x 512), beside a decode.
         pytest.param([600, 1], [700, 45], 2, 3, 64, 16, id="long-chunk-beside-a-decode"),
         # Tiles that end at every count of keys (blocks of 13: groups of eight, four and single keys).
         pytest.param([1, 1, 1], [12, 25, 38], 2, 4, 128, 13, id="decode-tiles-of-every-remainder"),
