@@ -71,3 +71,24 @@ def test_greedy_matches_transformers(hf_model, engine_args) -> None:
     tokens, preemptions = _our_greedy(path, prompts, **engine_args)
     assert tokens == expected
     assert (preemptions > 0) == ("num_gpu_blocks_override" in engine_args)
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 2], ids=["alone", "together"])
+def test_long_prompts_in_one_chunk_match_transformers(max_num_seqs, tmp_path) -> None:
+    """Prompts of more (query, key) pairs than the C kernels once took (512 x 512), each prefilled
+    in one chunk: alone (the C step program's chunk) and together (one forward pass over both);
+    head_dim 16 takes the whole-chunk kernel, 32 the one-query-at-a-time one."""
+    torch.manual_seed(99)
+    for arch in ("llama", "qwen3"):
+        config = tiny_config(arch)
+        config.max_position_embeddings = 1024
+        model = getattr(transformers, MODEL_CLASSES[arch])(config).eval().float()
+        path = tmp_path / arch
+        model.save_pretrained(path)
+        write_tokenizer(path)
+        g = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(3, config.vocab_size, (n,), generator=g).tolist() for n in (600, 530)]
+        expected = [hf_greedy(model, p, MAX_NEW) for p in prompts]
+        tokens, _ = _our_greedy(str(path), prompts, max_num_batched_tokens=2048, max_num_seqs=max_num_seqs,
+                                max_model_len=1024)
+        assert tokens == expected, arch
