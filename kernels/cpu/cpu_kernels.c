@@ -457,20 +457,9 @@ static void decode_group_any(const float *q, float *o, const int32_t *table, int
     }
 }
 
-/* Lanes 0..3: the sums of a0's, a1's, a2's and a3's lanes (a transposing tree of adds, where
- * four separate horizontal sums would each walk the lanes one by one); each lane's sum is
- * ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)), as in vsum8. */
-static inline vfloat vsum4(vfloat a0, vfloat a1, vfloat a2, vfloat a3) {
-    const vint even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
-    const vint low = {0, 1, 8, 9, 4, 5, 12, 13}, high = {2, 3, 10, 11, 6, 7, 14, 15};
-    const vint halves = {4, 5, 6, 7, 0, 1, 2, 3};
-    vfloat t0 = __builtin_shuffle(a0, a1, even) + __builtin_shuffle(a0, a1, odd);
-    vfloat t1 = __builtin_shuffle(a2, a3, even) + __builtin_shuffle(a2, a3, odd);
-    vfloat u = __builtin_shuffle(t0, t1, low) + __builtin_shuffle(t0, t1, high);
-    return u + __builtin_shuffle(u, halves);
-}
-
-/* The sums of a[0]'s, ..., a[7]'s lanes, in that order. */
+/* The sums of a[0]'s, ..., a[7]'s lanes, in that order: a transposing tree of shuffles and
+ * adds, where separate horizontal sums would each walk the lanes one by one; every lane's sum is
+ * ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)). */
 static inline vfloat vsum8(const vfloat a[8]) {
     const vint even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
     const vint low = {0, 1, 8, 9, 4, 5, 12, 13}, high = {2, 3, 10, 11, 6, 7, 14, 15};
@@ -507,8 +496,8 @@ static inline __attribute__((always_inline)) void decode_group(
         return;
     }
     float buf[DECODE_TILE_FLOATS];
-    const int64_t per_tile = head_dim <= DECODE_TILE_FLOATS / DECODE_TILE_TOKENS ? DECODE_TILE_TOKENS
-                                                                                 : DECODE_TILE_FLOATS / head_dim;
+    const int64_t per_tile = DECODE_TILE_FLOATS / head_dim < DECODE_TILE_TOKENS ? DECODE_TILE_FLOATS / head_dim
+                                                                                 : DECODE_TILE_TOKENS;
     const int64_t vectors = head_dim / VLANES;
     /* scores[g][j] = scale * q_g . k_j */
     for (tile_walk w = tile_walk_from(first, block_size); next_tile(&w, len, block_size, per_tile);) {
@@ -528,24 +517,11 @@ static inline __attribute__((always_inline)) void decode_group(
                 }
                 vstore(sg + x, vsum8(a) * scale);
             }
-            for (; x + 4 <= w.m; x += 4) {
-                const float *k0 = k + x * rs;
-                vfloat a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-                for (int64_t c = 0; c < head_dim; c += VLANES) {
-                    vfloat qv = vload(qg + c);
-                    a0 += qv * vload(k0 + c);
-                    a1 += qv * vload(k0 + rs + c);
-                    a2 += qv * vload(k0 + 2 * rs + c);
-                    a3 += qv * vload(k0 + 3 * rs + c);
-                }
-                vfloat sums = vsum4(a0, a1, a2, a3) * scale;
-                for (int i = 0; i < 4; i++) sg[x + i] = sums[i];
-            }
             /* the same tree of sums, so that a score's bits do not depend on where its tile ends */
             for (; x < w.m; x++) {
-                vfloat a = {0}, zero = {0};
-                for (int64_t c = 0; c < head_dim; c += VLANES) a += vload(qg + c) * vload(k + x * rs + c);
-                sg[x] = vsum4(a, zero, zero, zero)[0] * scale;
+                vfloat a[8] = {{0}};
+                for (int64_t c = 0; c < head_dim; c += VLANES) a[0] += vload(qg + c) * vload(k + x * rs + c);
+                sg[x] = vsum8(a)[0] * scale;
             }
         }
     }
