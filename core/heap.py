@@ -16,7 +16,6 @@ return it. ``malloc_trim`` returns it, once, when start-up is over.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import gc
 
 
@@ -29,9 +28,12 @@ def freeze_startup_heap() -> None:
 
 
 def _trim_c_heap() -> None:
-    """glibc's ``malloc_trim(0)``; nothing where the C library has no such call (musl, macOS)."""
+    """glibc's ``malloc_trim(0)``; nothing where the C library has no such call (musl, macOS).
+
+    Looked up among the symbols the process already has: ``ctypes.util.find_library`` would run
+    ``ldconfig`` in a child process, a stray process at the end of every start-up."""
     try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return
     trim.argtypes = [ctypes.c_size_t]
