@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 # The tile layout's version: part of every key, so a change of kernels/cpu/quant_kernels.c's
 # packed format makes new files rather than misreading old ones.
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: Q6_K groups of three vectors (six low bits each, the fourth part in their tops)
 MAGIC = b"RINGPACK"
 _HEADER = struct.Struct("<8sI32sQQH")  # magic, layout version, key, matrices, total bytes, source path length
 _ALIGN = 4096  # each matrix starts on a page

@@ -50,11 +50,6 @@
 #ifndef PF_DISTANCE
 #define PF_DISTANCE 8192
 #endif
-/* Q6_K's blocks are larger: as many blocks ahead as Q4_K's (within noise of 8 KB ahead on Zen 3:
- * bench/README.md; -D overrides both distances for such A/B runs). */
-#ifndef Q6_K_EXTRA_DISTANCE
-#define Q6_K_EXTRA_DISTANCE 4096
-#endif
 
 #define TYPE_F32 0
 #define TYPE_F16 1
@@ -98,7 +93,9 @@ typedef struct { float d; int32_t pairs[4]; int16_t bsums[QK_K / 16]; int8_t qs[
 #define Q5_0_TILE 352  /* 4 groups of nibble pairs | 8 masks of fifth bits (64 bits each) | 16 half scales */
 #define Q4_K_TILE 2368 /* 32 groups of nibble pairs | scales [8][16] | minimum pairs [4][16][2] | 16 d | 16 dmin */
 #define Q5_K_TILE 2880 /* Q4_K's tile | 8 groups of fifth bits (byte l of a row: bit 2c low, 2c+1 high nibble of chunk c) */
-#define Q6_K_TILE 3360 /* 32 groups of low nibble pairs | 16 groups of high bits | scales [16][16] | 16 d */
+/* Q6_K: 16 groups (h, g) of three vectors A, B, C for the four parts p of values h*128 + 32p + 4g .. +3:
+ * parts 0, 1, 2 are the low six bits of A, B, C; part 3's bits 0-1, 2-3, 4-5 are their top two. */
+#define Q6_K_TILE 3360 /* 16 groups of 3 x 64 bytes | scales [16][16] | 16 d */
 #define F32_TILE 64    /* one column: 16 floats */
 #define F16_TILE 32    /* one column: 16 halves */
 
@@ -136,10 +133,19 @@ INLINE vi vi_lo4(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
 INLINE vi vi_hi4(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f)); }
 INLINE vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
 /* Bits ``mask`` (within 0x30) of each byte from bits ``shift`` lower of ``v``: (v << shift) & mask
- * for shift in -4..4 (Q6_K's high bits: 0x30; Q5_K's fifth bit: 0x10). */
+ * for shift in -4..4 (Q5_K's fifth bit: 0x10). */
 INLINE vi vi_bits(vi v, int shift, int mask) {
     vi s = shift >= 0 ? _mm512_slli_epi16(v, shift) : _mm512_srli_epi16(v, -shift);
     return _mm512_and_si512(s, _mm512_set1_epi8((char)mask));
+}
+INLINE vi vi_low6(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x3f)); }
+/* Q6_K's fourth part: the top two bits of each byte of a, b, c as bits 0-1, 2-3, 4-5. Each
+ * ternary step keeps the bits of its first operand where the constant's are set, else the
+ * second's (0xE4: c ? a : b), so three shifts, two selects and a mask. */
+INLINE vi vi_top2s(vi a, vi b, vi c) {
+    vi low = _mm512_ternarylogic_epi32(_mm512_srli_epi16(a, 6), _mm512_srli_epi16(b, 4), _mm512_set1_epi8(0x03), 0xE4);
+    vi mid = _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(c, 2), _mm512_set1_epi8(0x0f), 0xE4);
+    return _mm512_and_si512(mid, _mm512_set1_epi8(0x3f));
 }
 /* Adds 16 to the bytes whose bit is set in ``mask`` (Q5_0's fifth bits). */
 INLINE vi vi_add16_masked(vi v, uint64_t mask) { return _mm512_mask_add_epi8(v, mask, v, _mm512_set1_epi8(16)); }
@@ -214,6 +220,14 @@ INLINE __m256i bits_half(__m256i v, int shift, int mask) {
     return _mm256_and_si256(s, _mm256_set1_epi8((char)mask));
 }
 INLINE vi vi_bits(vi v, int shift, int mask) { return (vi){bits_half(v.l, shift, mask), bits_half(v.h, shift, mask)}; }
+INLINE __m256i low6_half(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x3f)); }
+/* Q6_K's fourth part (see the tile's layout): the top two bits of each byte of a, b, c as bits
+ * 0-1, 2-3, 4-5. */
+INLINE __m256i top2s_half(__m256i a, __m256i b, __m256i c) {
+    return _mm256_or_si256(_mm256_or_si256(bits_half(a, -6, 0x03), bits_half(b, -4, 0x0c)), bits_half(c, -2, 0x30));
+}
+INLINE vi vi_low6(vi v) { return (vi){low6_half(v.l), low6_half(v.h)}; }
+INLINE vi vi_top2s(vi a, vi b, vi c) { return (vi){top2s_half(a.l, b.l, c.l), top2s_half(a.h, b.h, c.h)}; }
 /* 32 mask bits -> 32 bytes of 16 where set (byte i takes bit i). */
 INLINE __m256i bits_to_16s(uint32_t bits) {
     __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
@@ -313,6 +327,11 @@ INLINE vi vi_hi4(vi v) { LANEWISE((int32_t)(((uint32_t)v.v[l] >> 4) & 0x0f0f0f0f
 INLINE vi vi_or(vi a, vi b) { LANEWISE(a.v[l] | b.v[l]); }
 INLINE vi vi_bits(vi v, int shift, int mask) {
     LANEWISE((int32_t)((shift >= 0 ? (uint32_t)v.v[l] << shift : (uint32_t)v.v[l] >> -shift) & (0x01010101u * (uint32_t)mask)));
+}
+INLINE vi vi_low6(vi v) { LANEWISE((int32_t)((uint32_t)v.v[l] & 0x3f3f3f3fu)); }
+INLINE vi vi_top2s(vi a, vi b, vi c) {
+    LANEWISE((int32_t)(((uint32_t)a.v[l] >> 6 & 0x03030303u) | ((uint32_t)b.v[l] >> 4 & 0x0c0c0c0cu) |
+                       ((uint32_t)c.v[l] >> 2 & 0x30303030u)));
 }
 INLINE vi vi_add16_masked(vi v, uint64_t mask) {
     vi r;
@@ -505,6 +524,19 @@ static void q4_k_scale_min(const uint8_t *s, int j, uint8_t *scale, uint8_t *min
     }
 }
 
+/* A Q6_K block's 256 values as unsigned 6-bit numbers (the stored value less 32 is the weight's). */
+static void q6_k_values(const block_q6_k *b, uint8_t *q) {
+    for (int h = 0; h < 2; h++)
+        for (int l = 0; l < 32; l++) {
+            const uint8_t *ql = b->ql + h * 64, qh = b->qh[h * 32 + l];
+            uint8_t *v = q + h * 128 + l;
+            v[0] = (uint8_t)((ql[l] & 0x0f) | (qh & 3) << 4);
+            v[32] = (uint8_t)((ql[l + 32] & 0x0f) | (qh >> 2 & 3) << 4);
+            v[64] = (uint8_t)((ql[l] >> 4) | (qh >> 4 & 3) << 4);
+            v[96] = (uint8_t)((ql[l + 32] >> 4) | (qh >> 6 & 3) << 4);
+        }
+}
+
 /* One tile block from the rows' GGUF blocks (``src[r]`` NULL: a padding row of zeros). */
 static void pack_tile_block(int64_t type, const uint8_t *const *src, uint8_t *dst) {
     int64_t size = tile_block_bytes(type);
@@ -557,12 +589,17 @@ static void pack_tile_block(int64_t type, const uint8_t *const *src, uint8_t *ds
             memcpy(dst + 2336 + 2 * r, &b->dmin, 2);
         } else { /* Q6_K */
             const block_q6_k *b = (const block_q6_k *)s;
+            uint8_t q[QK_K];
+            q6_k_values(b, q);
             for (int h = 0; h < 2; h++)
-                for (int l4 = 0; l4 < 8; l4++) {
-                    memcpy(dst + (h * 16 + l4) * 64 + r * 4, b->ql + h * 64 + 4 * l4, 4);
-                    memcpy(dst + (h * 16 + 8 + l4) * 64 + r * 4, b->ql + h * 64 + 32 + 4 * l4, 4);
-                    memcpy(dst + 2048 + (h * 8 + l4) * 64 + r * 4, b->qh + h * 32 + 4 * l4, 4);
-                }
+                for (int g = 0; g < 8; g++)
+                    for (int j = 0; j < 4; j++) {
+                        const uint8_t *v = q + h * 128 + 4 * g + j; /* v[32p]: part p's value */
+                        uint8_t *group = dst + (h * 8 + g) * 192 + r * 4 + j;
+                        group[0] = (uint8_t)(v[0] | (v[96] & 3) << 6);
+                        group[64] = (uint8_t)(v[32] | (v[96] >> 2 & 3) << 6);
+                        group[128] = (uint8_t)(v[64] | (v[96] >> 4) << 6);
+                    }
             for (int j = 0; j < 16; j++) dst[3072 + j * 16 + r] = (uint8_t)b->scales[j];
             memcpy(dst + 3328 + 2 * r, &b->d, 2);
         }
@@ -636,19 +673,12 @@ static void unpack_row(int64_t type, const uint8_t *w, int64_t k, int64_t row, f
                 }
         } else { /* Q6_K */
             float d = half_to_float(load_u16(t + 3328 + 2 * r));
-            for (int h = 0; h < 2; h++)
-                for (int l = 0; l < 32; l++) {
-                    int g = l / 4, j = l % 4;
-                    uint8_t a = t[(h * 16 + g) * 64 + r * 4 + j], c = t[(h * 16 + 8 + g) * 64 + r * 4 + j];
-                    uint8_t qh = t[2048 + (h * 8 + g) * 64 + r * 4 + j];
-                    int q[4] = {(a & 0x0f) | (qh & 3) << 4, (c & 0x0f) | (qh >> 2 & 3) << 4,
-                                (a >> 4) | (qh >> 4 & 3) << 4, (c >> 4) | (qh >> 6 & 3) << 4};
-                    for (int part = 0; part < 4; part++) {
-                        int v = h * 128 + part * 32 + l;
-                        float scale = d * (float)(int8_t)t[3072 + (v / 16) * 16 + r];
-                        y[b * QK_K + v] = scale * (float)(q[part] - 32);
-                    }
-                }
+            for (int v = 0; v < QK_K; v++) {
+                int h = v / 128, p = v % 128 / 32, g = v % 32 / 4, j = v % 4;
+                const uint8_t *group = t + (h * 8 + g) * 192 + r * 4 + j;
+                int q = p < 3 ? group[64 * p] & 0x3f : group[0] >> 6 | (group[64] >> 6) << 2 | (group[128] >> 6) << 4;
+                y[b * QK_K + v] = d * (float)(int8_t)t[3072 + (v / 16) * 16 + r] * (float)(q - 32);
+            }
         }
     }
 }
@@ -879,7 +909,7 @@ INLINE void tile_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
 /* Q6_K: d * scale_s * (q - 32) for the 16 sub-blocks s of 16. */
 INLINE void tile_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
     for (int64_t b = 0; b < nb; b++, tile += Q6_K_TILE) {
-        prefetch_ahead(tile + Q6_K_EXTRA_DISTANCE, Q6_K_TILE, R);
+        if (R > 1) prefetch_ahead(tile, Q6_K_TILE, R); /* a lone row's tile is read front to back, as Q4_K's */
         vi total[ROWS_AT_ONCE];
         for (int i = 0; i < R; i++) total[i] = vi_set1(0);
         for (int h = 0; h < 2; h++)
@@ -888,10 +918,9 @@ INLINE void tile_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
                 for (int p = 0; p < 4; p++)
                     for (int i = 0; i < R; i++) part[p][i] = vi_set1(0);
                 for (int g = quad * 4; g < quad * 4 + 4; g++) {
-                    vi lo = vi_load(tile + (h * 16 + g) * 64), hi = vi_load(tile + (h * 16 + 8 + g) * 64);
-                    vi qh = vi_load(tile + 2048 + (h * 8 + g) * 64);
-                    vi v[4] = {vi_or(vi_lo4(lo), vi_bits(qh, 4, 0x30)), vi_or(vi_lo4(hi), vi_bits(qh, 2, 0x30)),
-                               vi_or(vi_hi4(lo), vi_bits(qh, 0, 0x30)), vi_or(vi_hi4(hi), vi_bits(qh, -2, 0x30))};
+                    const uint8_t *group = tile + (h * 8 + g) * 192;
+                    vi wa = vi_load(group), wb = vi_load(group + 64), wc = vi_load(group + 128);
+                    vi v[4] = {vi_low6(wa), vi_low6(wb), vi_low6(wc), vi_top2s(wa, wb, wc)};
                     for (int i = 0; i < R; i++) {
                         const int8_t *q = ((const act_q8_k *)a[i])[b].qs + h * 128 + 4 * g;
                         for (int p = 0; p < 4; p++) part[p][i] = vi_dot(part[p][i], v[p], q + 32 * p);
@@ -986,15 +1015,12 @@ INLINE void half_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
     }
 }
 
-/* One 6-bit group of Q6_K for the half tile: values h*128 + 32p + 4g .. +3 of eight rows
- * (low nibbles from the p & 1 group, high ones for p >= 2; bits 2p, 2p+1 of qh on top). */
+/* One 6-bit group of Q6_K for the half tile: values h*128 + 32p + 4g .. +3 of eight rows. */
 INLINE __m256i q6_group(const uint8_t *tile, int o, int h, int p, int g) {
-    const __m256i low = _mm256_set1_epi8(0x0f), bits = _mm256_set1_epi8(0x30);
-    __m256i n = _mm256_loadu_si256((const __m256i *)(tile + (h * 16 + (p & 1) * 8 + g) * 64 + o));
-    __m256i qh = _mm256_loadu_si256((const __m256i *)(tile + 2048 + (h * 8 + g) * 64 + o));
-    n = p < 2 ? _mm256_and_si256(n, low) : _mm256_and_si256(_mm256_srli_epi16(n, 4), low);
-    qh = p == 0 ? _mm256_slli_epi16(qh, 4) : p == 1 ? _mm256_slli_epi16(qh, 2) : p == 3 ? _mm256_srli_epi16(qh, 2) : qh;
-    return _mm256_or_si256(n, _mm256_and_si256(qh, bits));
+    const uint8_t *group = tile + (h * 8 + g) * 192 + o;
+    if (p < 3) return low6_half(_mm256_loadu_si256((const __m256i *)(group + 64 * p)));
+    return top2s_half(_mm256_loadu_si256((const __m256i *)group), _mm256_loadu_si256((const __m256i *)(group + 64)),
+                      _mm256_loadu_si256((const __m256i *)(group + 128)));
 }
 
 /* Eight int8 scales as int32 lanes holding the scale in both int16 halves (vpmaddwd's operand). */
@@ -1043,7 +1069,7 @@ INLINE void q6_offsets(const uint8_t *tile, int o, int64_t b, const uint8_t *con
 INLINE void half_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, int side, __m256 *acc) {
     const int o = 32 * side;
     for (int64_t b = 0; b < nb; b++, tile += Q6_K_TILE) {
-        if (!side) prefetch_ahead(tile + Q6_K_EXTRA_DISTANCE, Q6_K_TILE, R);
+        if (!side) prefetch_ahead(tile, Q6_K_TILE, R);
         __m256i total[4];
         for (int i = 0; i < R; i++) total[i] = _mm256_setzero_si256();
 #pragma GCC unroll 2
@@ -1068,7 +1094,6 @@ INLINE void half_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
 INLINE void full_q6_k_1(const uint8_t *tile, int64_t nb, const uint8_t *a, vf *acc) {
     const uint8_t *const rows[1] = {a};
     for (int64_t b = 0; b < nb; b++, tile += Q6_K_TILE) {
-        prefetch_ahead(tile + Q6_K_EXTRA_DISTANCE, Q6_K_TILE, 1);
         __m256i total[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
         const int8_t *qs = ((const act_q8_k *)a)[b].qs;
 #pragma GCC unroll 2
