@@ -528,7 +528,8 @@ static void q4_k_scale_min(const uint8_t *s, int j, uint8_t *scale, uint8_t *min
 static void q6_k_values(const block_q6_k *b, uint8_t *q) {
     for (int h = 0; h < 2; h++)
         for (int l = 0; l < 32; l++) {
-            const uint8_t *ql = b->ql + h * 64, qh = b->qh[h * 32 + l];
+            const uint8_t *ql = b->ql + h * 64;
+            const uint8_t qh = b->qh[h * 32 + l];
             uint8_t *v = q + h * 128 + l;
             v[0] = (uint8_t)((ql[l] & 0x0f) | (qh & 3) << 4);
             v[32] = (uint8_t)((ql[l + 32] & 0x0f) | (qh >> 2 & 3) << 4);
