@@ -1089,43 +1089,6 @@ INLINE void half_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
     }
 }
 
-/* Q6_K for one row, both sides of the tile at once: the half-tile arithmetic (scale pairs by
- * vpmaddwd, offsets once per super-block) with each activation broadcast serving 16 rows. A lone
- * decode reads the tile once, as the generic kernel does, for less than half its instructions. */
-INLINE void full_q6_k_1(const uint8_t *tile, int64_t nb, const uint8_t *a, vf *acc) {
-    const uint8_t *const rows[1] = {a};
-    for (int64_t b = 0; b < nb; b++, tile += Q6_K_TILE) {
-        __m256i total[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-        const int8_t *qs = ((const act_q8_k *)a)[b].qs;
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; h++)
-#pragma GCC unroll 4
-            for (int p = 0; p < 4; p++) /* unrolled: p picks the nibble and the shift of qh */
-#pragma GCC unroll 2
-                for (int quad = 0; quad < 2; quad++) {
-                    int s = h * 8 + 2 * p + quad;
-                    __m256i scale[2] = {scale_pairs_s8(tile + 3072 + s * 16), scale_pairs_s8(tile + 3072 + s * 16 + 8)};
-                    for (int g = quad * 4; g < quad * 4 + 4; g += 2) {
-                        const int8_t *q = qs + h * 128 + 32 * p + 4 * g;
-                        __m256i a0 = bcast4(q), a1 = bcast4(q + 4);
-                        for (int side = 0; side < 2; side++) {
-                            __m256i v0 = q6_group(tile, 32 * side, h, p, g), v1 = q6_group(tile, 32 * side, h, p, g + 1);
-                            __m256i two = _mm256_add_epi16(_mm256_maddubs_epi16(v0, a0), _mm256_maddubs_epi16(v1, a1));
-                            total[side] = _mm256_add_epi32(total[side], _mm256_madd_epi16(two, scale[side]));
-                            KEEP(total[side]);
-                        }
-                    }
-                }
-        q6_offsets(tile, 0, b, rows, 1, &total[0]);
-        q6_offsets(tile, 32, b, rows, 1, &total[1]);
-        float ad = ((const act_q8_k *)a)[b].d;
-        __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 3328)));
-        __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 3344)));
-        acc->l = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[0]), _mm256_mul_ps(d0, _mm256_set1_ps(ad)), acc->l);
-        acc->h = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[1]), _mm256_mul_ps(d1, _mm256_set1_ps(ad)), acc->h);
-    }
-}
-
 INLINE void k_half(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, int side, __m256 *acc) {
     if (type == TYPE_Q4_K) /* ``five`` a constant in each call: its branches leave the inner loop */
         half_q4_k(tile, nb, a, R, side, acc, 0);
@@ -1205,12 +1168,9 @@ static void tile_rows_generic(int64_t type, const uint8_t *tile, int64_t nb, con
 
 static void tile_rows(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
 #if defined(VEC_AVX2) && Q8_OFFSET == 0 /* AVX-VNNI's vpdpbusd serves the generic kernels better */
-    /* One row (a lone decode) streams the whole tile once through the generic kernel; the half
-     * tiles pay off from two rows on, where the arithmetic rather than memory bounds the speed. */
-    if (type == TYPE_Q6_K && R == 1) {
-        full_q6_k_1(tile, nb, a[0], acc);
-        return;
-    }
+    /* One row (a lone decode) streams the whole tile once through the generic kernel (Q6_K's too:
+     * since its layout 2, faster than a one-row kernel of half-tile arithmetic, bench/README.md);
+     * the half tiles pay off from two rows on, where the arithmetic rather than memory bounds the speed. */
     if (k_format(type) && R >= 2) {
         k_tile_rows_avx2(type, tile, nb, a, R, acc);
         return;
