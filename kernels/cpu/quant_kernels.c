@@ -132,8 +132,9 @@ INLINE vi vi_mul(vi a, vi b) { return _mm512_mullo_epi32(a, b); }
 INLINE vi vi_lo4(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
 INLINE vi vi_hi4(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f)); }
 INLINE vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
-/* Bits ``mask`` (within 0x30) of each byte from bits ``shift`` lower of ``v``: (v << shift) & mask
- * for shift in -4..4 (Q5_K's fifth bit: 0x10). */
+/* Bits ``mask`` of each byte from bits ``shift`` lower of ``v``: (v << shift) & mask, for shifts
+ * that move none of the bits kept across a byte's edge (the shift is 16-bit): Q5_K's fifth bit
+ * (0x10), Q6_K's top bits (0x03, 0x0c, 0x30 from bits 6-7). */
 INLINE vi vi_bits(vi v, int shift, int mask) {
     vi s = shift >= 0 ? _mm512_slli_epi16(v, shift) : _mm512_srli_epi16(v, -shift);
     return _mm512_and_si512(s, _mm512_set1_epi8((char)mask));
