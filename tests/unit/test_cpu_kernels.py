@@ -140,6 +140,38 @@ def test_threaded_attention_is_bitwise_the_single_thread_result(case) -> None:
     assert torch.equal(alone, shared)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+def test_a_decode_has_the_same_bits_alone_and_in_any_batch(cache_dtype) -> None:
+    """The kernel deals each decode's KV heads to the threads in ranges that depend on the batch's
+    size (one range a thread for a lone decode, whole decodes in a large batch): every query head's
+    arithmetic must not depend on that, on one thread or several."""
+    kv_heads, group, head_dim, block_size, length = 8, 3, 128, 16, 75
+    gen = _gen(3)
+    blocks = 8 * ((length + block_size - 1) // block_size)
+    k_cache = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
+    tables = torch.randperm(blocks, generator=gen).to(torch.int32).view(8, -1)
+    query = torch.randn(8, kv_heads * group, head_dim, generator=gen)
+
+    def attend(decodes: int) -> torch.Tensor:  # decodes 0 .. decodes-1, decode 0 the one compared
+        out = torch.zeros_like(query)
+        rows = torch.arange(decodes, dtype=torch.int64)
+        seq_lens = torch.full((decodes,), length, dtype=torch.int64)
+        cpu.paged_decode_attention(query, k_cache, v_cache, tables, rows, rows.clone(), seq_lens, length,
+                                   head_dim**-0.5, out)
+        return out[0]
+
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for count in (1, max(2, threads)):
+            torch.set_num_threads(count)
+            outputs += [attend(decodes) for decodes in (1, 2, 3, 8)]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outputs[0], other) for other in outputs[1:])
+
+
 @settings(max_examples=25, deadline=None)
 @given(**RANDOM_BATCHES)
 def test_paged_attention_through_the_dispatcher_random_batches(reqs, kv_heads, group, block_size, seed):
