@@ -393,9 +393,6 @@ static inline const float *cache_row(const void *cache, int64_t kv_format, int64
  * head of the group then reads (a float32 cache is read in place). */
 #define DECODE_TILE_FLOATS 2048
 #define DECODE_TILE_TOKENS 16
-#ifndef PREFETCH_ROW_BYTES
-#define PREFETCH_ROW_BYTES 512
-#endif
 
 /* Tokens t .. t + m - 1 of block ``block``, KV head at ``offset``, as float32 rows: returns the
  * first row and sets *row_stride (floats from one row to the next). */
@@ -529,16 +526,10 @@ static inline __attribute__((always_inline)) void decode_group(
     const int64_t per_tile = DECODE_TILE_FLOATS / head_dim < DECODE_TILE_TOKENS ? DECODE_TILE_FLOATS / head_dim
                                                                                  : DECODE_TILE_TOKENS;
     const int64_t vectors = head_dim / VLANES;
-    /* Rows this far apart are asked for ahead; nearer ones the hardware's prefetchers follow, and
-     * the instructions only cost (a q8_0 cache of two heads: 0.93-0.99x). */
-    const int64_t row_bytes = kv_format == KV_F32   ? kv_row * 4
-                              : kv_format == KV_F16 ? kv_row * 2
-                                                    : kv_row / Q8_0_VALUES * Q8_0_BYTES;
-    const int far = row_bytes >= PREFETCH_ROW_BYTES;
     /* scores[h][j] = scale * q_h . k_j */
     for (tile_walk w = tile_walk_from(first, block_size); next_tile(&w, len, block_size, per_tile);) {
         tile_walk ahead = w;
-        const int more = far && next_tile(&ahead, len, block_size, per_tile);
+        const int more = next_tile(&ahead, len, block_size, per_tile);
         for (int64_t kh = kh0; kh < kh1; kh++) {
             int64_t rs;
             if (more)
@@ -573,7 +564,7 @@ static inline __attribute__((always_inline)) void decode_group(
     memset(o, 0, sizeof(float) * rows * head_dim);
     for (tile_walk w = tile_walk_from(first, block_size); next_tile(&w, len, block_size, per_tile);) {
         tile_walk ahead = w;
-        const int more = far && next_tile(&ahead, len, block_size, per_tile);
+        const int more = next_tile(&ahead, len, block_size, per_tile);
         for (int64_t kh = kh0; kh < kh1; kh++) {
             int64_t rs;
             if (more)
