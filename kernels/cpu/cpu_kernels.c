@@ -451,6 +451,18 @@ static inline int next_tile(tile_walk *w, int64_t len, int64_t block_size, int64
     return 1;
 }
 
+/* KV head kh's rows of tile w as float32 (cache_tile), the same head's rows of the next tile (of
+ * a walk to ``len`` by ``per_tile``) asked for. */
+static inline __attribute__((always_inline)) const float *head_tile(
+    const void *cache, int64_t kv_format, const int32_t *table, tile_walk w, int64_t len, int64_t per_tile,
+    int64_t block_size, int64_t kv_row, int64_t kh, int64_t head_dim, float *buf, int64_t *row_stride) {
+    tile_walk ahead = w;
+    if (next_tile(&ahead, len, block_size, per_tile))
+        prefetch_tile(cache, kv_format, table[ahead.b], block_size, ahead.t, ahead.m, kv_row, kh * head_dim, head_dim);
+    return cache_tile(cache, kv_format, table[w.b], block_size, w.t, w.m, kv_row, kh * head_dim, head_dim, buf,
+                      row_stride);
+}
+
 /* decode_group for a head_dim that is not whole vectors: a dot product per key, and the values
  * summed into the output in memory. */
 static void decode_group_any(const float *q, float *o, const int32_t *table, int64_t len, int64_t first,
@@ -528,15 +540,10 @@ static inline __attribute__((always_inline)) void decode_group(
     const int64_t vectors = head_dim / VLANES;
     /* scores[h][j] = scale * q_h . k_j */
     for (tile_walk w = tile_walk_from(first, block_size); next_tile(&w, len, block_size, per_tile);) {
-        tile_walk ahead = w;
-        const int more = next_tile(&ahead, len, block_size, per_tile);
         for (int64_t kh = kh0; kh < kh1; kh++) {
             int64_t rs;
-            if (more)
-                prefetch_tile(k_cache, kv_format, table[ahead.b], block_size, ahead.t, ahead.m, kv_row, kh * head_dim,
-                              head_dim);
-            const float *k = cache_tile(k_cache, kv_format, table[w.b], block_size, w.t, w.m, kv_row, kh * head_dim,
-                                        head_dim, buf, &rs);
+            const float *k = head_tile(k_cache, kv_format, table, w, len, per_tile, block_size, kv_row, kh, head_dim,
+                                        buf, &rs);
             for (int64_t h = (kh - kh0) * group; h < (kh - kh0 + 1) * group; h++) {
                 const float *qh = q + h * head_dim;
                 float *sh = scratch + h * keys + w.j0 + w.t - first;
@@ -563,15 +570,10 @@ static inline __attribute__((always_inline)) void decode_group(
     /* out_h = sum_j p[h][j] * v_j, summed in registers over each tile */
     memset(o, 0, sizeof(float) * rows * head_dim);
     for (tile_walk w = tile_walk_from(first, block_size); next_tile(&w, len, block_size, per_tile);) {
-        tile_walk ahead = w;
-        const int more = next_tile(&ahead, len, block_size, per_tile);
         for (int64_t kh = kh0; kh < kh1; kh++) {
             int64_t rs;
-            if (more)
-                prefetch_tile(v_cache, kv_format, table[ahead.b], block_size, ahead.t, ahead.m, kv_row, kh * head_dim,
-                              head_dim);
-            const float *v = cache_tile(v_cache, kv_format, table[w.b], block_size, w.t, w.m, kv_row, kh * head_dim,
-                                        head_dim, buf, &rs);
+            const float *v = head_tile(v_cache, kv_format, table, w, len, per_tile, block_size, kv_row, kh, head_dim,
+                                        buf, &rs);
             for (int64_t h = (kh - kh0) * group; h < (kh - kh0 + 1) * group; h++) {
                 const float *p = scratch + h * keys + w.j0 + w.t - first;
                 float *oh = o + h * head_dim;
