@@ -11,7 +11,8 @@ For each concurrency and repeat, each server is started fresh and alone
 (ours, then the peer: A B A B), measured with ``bench serve``'s random
 workload (``--ignore-eos``, greedy, the same prompts for both), and stopped.
 Besides ``serve``'s metrics, the server's CPU time (every process of it, from
-/proc) is divided by the output tokens. The table gives the medians and the
+/proc) is divided by the output tokens, and for a GGUF file one stream's
+decode is set against ``bench membw`` probed just before and after each run. The table gives the medians and the
 ratio ours / peer; the result JSON and a PNG go to ``--result-dir``.
 """
 
@@ -187,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
     ours_args = ["--model", args.model, *shlex.split(args.server_args)]
     results: dict[int, dict[str, list[dict[str, Any]]]] = {}
+    weights = weight_bytes_per_token(args.model)
     with tempfile.TemporaryDirectory(prefix="ringllm-compare-") as logs:
         for concurrency in args.concurrency:
             runs: dict[str, list[dict[str, Any]]] = {"ringllm": [], args.peer_name: []}
@@ -199,7 +201,15 @@ def run(args: argparse.Namespace) -> int:
                         server = CommandServer(args.peer_cmd, concurrency, log, args.server_timeout)
                     print(f"\n### {name}, {concurrency} streams, run {repeat + 1}")
                     with server:
-                        runs[name].append(measure(server, args, concurrency, tokenizer_of(args.model) or args.model))
+                        # One stream's decode is read against the memory's bandwidth: probed with the
+                        # server up and idle, just before and just after its run (this machine's
+                        # bandwidth moves by the minute; a probe taken later misreads the run).
+                        paired = concurrency == 1 and weights is not None
+                        before = _membw() if paired else None
+                        result = measure(server, args, concurrency, tokenizer_of(args.model) or args.model)
+                        if paired:
+                            result["membw_gb_s"] = [before, _membw()]
+                        runs[name].append(result)
             results[concurrency] = runs
     table = comparison_table(results, args.peer_name)
     if 1 in results:
@@ -209,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
         "date": date, "model": args.model, "peer_cmd": args.peer_cmd, "server_args": args.server_args,
         "input_len": args.random_input_len, "output_len": args.random_output_len, "repeats": args.repeats,
         "results": {
-            str(c): {name: [{k: r.get(k) for k, _ in ROWS} for r in rs] for name, rs in runs.items()}
+            str(c): {name: [{k: r.get(k) for k in (*(key for key, _ in ROWS), "membw_gb_s")} for r in rs]
+                     for name, rs in runs.items()}
             for c, runs in results.items()
         },
         "table": table,
@@ -221,23 +232,42 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _membw() -> float:
+    """``bench membw``'s median read bandwidth now, GB/s."""
+    from bench.membw import measure as membw_probe
+
+    return statistics.median(membw_probe(tries=5))
+
+
+def bandwidth_line(name: str, weights: int, runs: list[dict[str, Any]]) -> str:
+    """One stream's decode against the bandwidth probed around each of its runs: weights per
+    token / the run's median TPOT, as a share of the mean of the probe before and after it."""
+    from bench.membw import bandwidth_fraction
+
+    rates, shares, probes = [], [], []
+    for r in runs:
+        tpot, floor = r["median_tpot_ms"] / 1e3, statistics.mean(r["membw_gb_s"])
+        rates.append(weights / tpot / 1e9)
+        shares.append(bandwidth_fraction(weights, tpot, floor))
+        probes += r["membw_gb_s"]
+    return (f"\n{name}, one stream: {weights / 1e9:.2f} GB of weights per token / TPOT = "
+            f"{statistics.median(rates):.1f} GB/s, {statistics.median(shares):.0%} of what bench membw "
+            f"read around the same run (runs {', '.join(f'{x:.0%}' for x in shares)}; "
+            f"probes {min(probes):.1f}-{max(probes):.1f} GB/s)")
+
+
 def probe_lines(model: str, one_stream: dict[str, list[dict[str, Any]]], input_len: int) -> str:
-    """One stream's decode against the memory's bandwidth (bench membw) and its prefill against the
-    int8 peak (bench int8peak), each probed now, for each server."""
+    """One stream's decode against the memory's bandwidth (bench membw, probed around each run) and
+    its prefill against the int8 peak (bench int8peak, probed now), for each server."""
     weights, macs = weight_bytes_per_token(model), prefill_macs_per_token(model)
     if weights is None or macs is None:
         return ""
     from bench.int8peak import measure as int8_probe, peak_fraction
-    from bench.membw import bandwidth_fraction, measure as membw_probe
 
-    floor = statistics.median(membw_probe())
     peaks = int8_probe()
     lines = ""
     for name, rs in one_stream.items():
-        tpot = _median(rs, "median_tpot_ms") / 1e3
-        lines += (f"\n{name}, one stream: {weights / 1e9:.2f} GB of weights per token / TPOT = "
-                  f"{weights / tpot / 1e9:.1f} GB/s, {bandwidth_fraction(weights, tpot, floor):.0%} of the "
-                  f"{floor:.1f} GB/s that bench membw reads now")
+        lines += bandwidth_line(name, weights, rs)
         rate = input_len / (_median(rs, "median_ttft_ms") / 1e3)
         lines += (f"\n{name}, prefill: {input_len} tokens / TTFT = {rate:.1f} prompt tok/s x "
                   f"{macs / 1e9:.2f} GMAC = {rate * macs / 1e9:.1f} GMAC/s")

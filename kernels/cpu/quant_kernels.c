@@ -1099,6 +1099,35 @@ INLINE void k_half(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t 
         half_q6_k(tile, nb, a, R, side, acc);
 }
 
+/* Both sides of a K-format tile for R rows, a block at a time: side 0 of a block (which asks for
+ * the blocks ahead), then side 1 from L1, so a tile read from memory streams once. Each side sums
+ * its blocks in order, as a pass over a whole side does: the same bits. */
+INLINE void k_blocks_avx2(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
+    const int64_t size = tile_block_bytes(type);
+    __m256 part[2][4];
+    for (int i = 0; i < R; i++) part[0][i] = part[1][i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, tile += size) {
+        const uint8_t *block_a[4]; /* block b of each row's activations */
+        for (int i = 0; i < R; i++) block_a[i] = a[i] + b * (int64_t)sizeof(act_q8_k);
+#pragma GCC unroll 1 /* one copy of a side's long unrolled block: two copies ran Q6_K slower */
+        for (int side = 0; side < 2; side++) k_half(type, tile, 1, block_a, R, side, part[side]);
+    }
+    for (int i = 0; i < R; i++) {
+        acc[i].l = part[0][i];
+        acc[i].h = part[1][i];
+    }
+}
+
+/* Two or three rows (a few decodes) of a K-format tile, block by block: 1.2-1.4x a side at a
+ * time (bench/README.md). Four rows, a pass over a prompt's (the tile then in the caches for the
+ * next four), stay a side at a time: calls per block slowed them. */
+static void k_few_rows_avx2(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
+    if (R == 2)
+        k_blocks_avx2(type, tile, nb, a, 2, acc);
+    else
+        k_blocks_avx2(type, tile, nb, a, 3, acc);
+}
+
 /* Both sides of a K-format tile for up to four rows (the first side's pass prefetches ahead). */
 static void k_tile_rows_avx2(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
     for (int side = 0; side < 2; side++) {
@@ -1173,7 +1202,10 @@ static void tile_rows(int64_t type, const uint8_t *tile, int64_t nb, const uint8
      * since its layout 2, faster than a one-row kernel of half-tile arithmetic, bench/README.md);
      * the half tiles pay off from two rows on, where the arithmetic rather than memory bounds the speed. */
     if (k_format(type) && R >= 2) {
-        k_tile_rows_avx2(type, tile, nb, a, R, acc);
+        if (R <= 3)
+            k_few_rows_avx2(type, tile, nb, a, R, acc);
+        else
+            k_tile_rows_avx2(type, tile, nb, a, R, acc);
         return;
     }
 #endif
