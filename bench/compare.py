@@ -12,8 +12,9 @@ For each concurrency and repeat, each server is started fresh and alone
 workload (``--ignore-eos``, greedy, the same prompts for both), and stopped.
 Besides ``serve``'s metrics, the server's CPU time (every process of it, from
 /proc) is divided by the output tokens, and for a GGUF file one stream's
-decode is set against ``bench membw`` probed just before and after each run. The table gives the medians and the
-ratio ours / peer; the result JSON and a PNG go to ``--result-dir``.
+decode is set against ``bench membw`` probed just before and after each run.
+The table gives the medians and the ratio ours / peer; the result JSON and a
+PNG go to ``--result-dir``.
 """
 
 from __future__ import annotations

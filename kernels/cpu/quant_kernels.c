@@ -1118,9 +1118,9 @@ INLINE void k_blocks_avx2(int64_t type, const uint8_t *tile, int64_t nb, const u
     }
 }
 
-/* Two or three rows (a few decodes) of a K-format tile, block by block: 1.2-1.4x a side at a
- * time (bench/README.md). Four rows, a pass over a prompt's (the tile then in the caches for the
- * next four), stay a side at a time: calls per block slowed them. */
+/* Two or three rows (a few decodes) of a K-format tile, block by block: faster than a side at a
+ * time, which reads the tile twice (bench/README.md). Four rows, a pass over a prompt's (the tile
+ * then in the caches for the next four), stay a side at a time: calls per block slowed them. */
 static void k_few_rows_avx2(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
     if (R == 2)
         k_blocks_avx2(type, tile, nb, a, 2, acc);
