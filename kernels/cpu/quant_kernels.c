@@ -787,15 +787,19 @@ API void quantize_activations(int64_t type, const float *x, int64_t rows, int64_
  * Each adds to acc[i] (16 rows of the tile) the products with activation rows a[i], i < R,
  * over the tile's nb blocks. R is a constant where they are inlined (tile_product). */
 
-/* Prefetches the cache lines of [p, p + bytes) PF_DISTANCE ahead, for a product of R activation
- * rows: into the first-level cache for one row; into the second for several, whose arithmetic
- * holds each line longer, so that lines in flight wait in the second level's many miss buffers
- * rather than the first's few (measured: bench/README.md). */
+/* Prefetches the cache lines of [p, p + bytes) PF_DISTANCE ahead into the second-level cache. */
+INLINE void prefetch_ahead_l2(const uint8_t *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + PF_DISTANCE + o, 0, 2);
+}
+
+/* The same for a product of R activation rows: into the first-level cache for one row; into the
+ * second for several, whose arithmetic holds each line longer, so that lines in flight wait in
+ * the second level's many miss buffers rather than the first's few (measured: bench/README.md). */
 INLINE void prefetch_ahead(const uint8_t *p, int64_t bytes, int R) {
     if (R == 1)
         for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + PF_DISTANCE + o, 0, 3);
     else
-        for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + PF_DISTANCE + o, 0, 2);
+        prefetch_ahead_l2(p, bytes);
 }
 
 INLINE void tile_q8_0(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
@@ -860,8 +864,13 @@ INLINE void tile_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
     const int64_t size = five ? Q5_K_TILE : Q4_K_TILE;
     for (int64_t b = 0; b < nb; b++, tile += size) {
         /* A lone row reads a Q4_K tile front to back, which the hardware's prefetcher follows on
-         * its own: a prefetch per line only takes the load port from the arithmetic. */
-        if (R > 1 || five) prefetch_ahead(tile, size, R);
+         * its own: a prefetch per line only takes the load port from the arithmetic. Q5_K's tile is
+         * read in two streams (nibbles, fifth bits): asked for ahead, into L2 even for one row
+         * (into L1, a lone row's streamed at a third of the speed of two rows'). */
+        if (five)
+            prefetch_ahead_l2(tile, size);
+        else if (R > 1)
+            prefetch_ahead(tile, size, R);
         vi total[ROWS_AT_ONCE], mins[ROWS_AT_ONCE];
         for (int i = 0; i < R; i++) total[i] = mins[i] = vi_set1(0);
         for (int c = 0; c < 4; c++) {
