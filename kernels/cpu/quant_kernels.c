@@ -866,7 +866,7 @@ INLINE void tile_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
         /* A lone row reads a Q4_K tile front to back, which the hardware's prefetcher follows on
          * its own: a prefetch per line only takes the load port from the arithmetic. Q5_K's tile is
          * read in two streams (nibbles, fifth bits): asked for ahead, into L2 even for one row
-         * (into L1, a lone row's streamed at a third of the speed of two rows'). */
+         * (into L1, a lone row's streamed well below two rows': bench/README.md). */
         if (five)
             prefetch_ahead_l2(tile, size);
         else if (R > 1)
