@@ -48,6 +48,13 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 # Other spellings --dtype accepts (vLLM's and PyTorch's).
 DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
 DEVICES = ("auto", "cpu", "cuda")
+# A step's token budget unless --max-num-batched-tokens says otherwise. On a CPU, llama.cpp's
+# micro-batch: a prompt's activations are held for every token of its chunk (and stay resident
+# once touched), prefill speed does not gain from longer chunks (the products pass over the
+# weights once per few dozen rows whatever the chunk), and other requests' decodes wait for a
+# shorter chunk. On a GPU, longer chunks keep it busy.
+CPU_STEP_BUDGET = 512
+GPU_STEP_BUDGET = 2048
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 TRANSPORTS = ("shm", "zmq")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -402,7 +409,10 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
 
     # scheduler
     max_num_seqs: Annotated[int, Knob("most requests running at once", "scheduler")] = 64
-    max_num_batched_tokens: Annotated[int, Knob("token budget of one engine step", "scheduler")] = 2048
+    max_num_batched_tokens: Annotated[int | None, Knob(
+        f"token budget of one engine step (default: {CPU_STEP_BUDGET} on a CPU, {GPU_STEP_BUDGET} on a GPU)",
+        "scheduler",
+    )] = None
     enable_chunked_prefill: Annotated[bool, Knob(
         "split long prompts over several steps, beside other requests' decodes", "scheduler"
     )] = True
@@ -529,12 +539,14 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
         model_config = checkpoint.model_config
         self._check_kv_layout(model_config)
         max_model_len = self._check_context(model_config)
-        self._check_scheduler(model_config, max_model_len)
+        scheduler = self._check_scheduler(model_config, max_model_len, scheduler)
         self._check_outputs()
-        speculative, draft_model_config = self._check_speculative(model_config, checkpoint.tokenizer)
+        speculative, draft_model_config = self._check_speculative(
+            model_config, checkpoint.tokenizer, scheduler.max_num_batched_tokens
+        )
         pooler_config = self._pooler_config(model_config, None if checkpoint.gguf else checkpoint.model)
         chunked, prefix_caching, batched_tokens = self._pooling_limits(
-            pooler_config, model_config, speculative, max_model_len
+            pooler_config, model_config, speculative, max_model_len, scheduler.max_num_batched_tokens
         )
         self._check_lora(model_config, pooler_config)
         return EngineConfig(
@@ -580,7 +592,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
         if self.kv_cache_dtype == "q8_0" and self.device == "cuda":
             raise ValueError("--kv-cache-dtype q8_0 is read by the CPU kernels only: use it with --device cpu")
         scheduler = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self._step_budget(),
             enable_chunked_prefill=self.enable_chunked_prefill, scheduling_policy=self.scheduling_policy,
             async_scheduling=self.async_scheduling,
         )
@@ -639,19 +651,33 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
         return max_model_len
 
-    def _check_scheduler(self, model_config: ModelConfig, max_model_len: int) -> None:
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len \
-                and not model_config.encoder:
-            raise ValueError(
-                "max_num_batched_tokens must be >= max_model_len without chunked prefill"
-            )
+    def _step_budget(self) -> int:
+        """The step's token budget: as given, else the default of the device the model will run on
+        (``auto``: a GPU where the machine has an NVIDIA device, which the engine then finds through torch)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        device = self.device
+        if device == "auto":
+            device = "cuda" if os.path.exists("/dev/nvidiactl") else "cpu"
+        return GPU_STEP_BUDGET if device == "cuda" else CPU_STEP_BUDGET
+
+    def _check_scheduler(
+        self, model_config: ModelConfig, max_model_len: int, scheduler: SchedulerConfig
+    ) -> SchedulerConfig:
+        """The scheduler section once the context is known: without chunked prefill a prompt
+        goes in one step, so a default budget grows to the context and a given one must hold it."""
+        if self.enable_chunked_prefill or model_config.encoder or scheduler.max_num_batched_tokens >= max_model_len:
+            return scheduler
+        if self.max_num_batched_tokens is not None:
+            raise ValueError("max_num_batched_tokens must be >= max_model_len without chunked prefill")
+        return msgspec.structs.replace(scheduler, max_num_batched_tokens=max_model_len)
 
     def _check_outputs(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
 
     def _check_speculative(
-        self, model_config: ModelConfig, tokenizer: str
+        self, model_config: ModelConfig, tokenizer: str, step_budget: int
     ) -> tuple[SpeculativeConfig | None, ModelConfig | None]:
         """The resolved speculative config, and the draft checkpoint's architecture (draft_model)."""
         speculative = self.speculative_config
@@ -662,7 +688,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
             # The proposer reads the tokens a step sampled before the next step is
             # scheduled; a batch scheduled ahead of them would carry no drafts.
             raise ValueError("--speculative-config does not work with --async-scheduling yet: choose one")
-        if speculative.num_speculative_tokens + 1 > self.max_num_batched_tokens:
+        if speculative.num_speculative_tokens + 1 > step_budget:
             raise ValueError("max_num_batched_tokens must leave room for one request's drafts and its token")
         if speculative.method != "draft_model":
             return speculative, None
@@ -674,11 +700,10 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
         model_config: ModelConfig,
         speculative: SpeculativeConfig | None,
         max_model_len: int,
+        step_budget: int,
     ) -> tuple[bool, bool, int]:
         """Chunked prefill, prefix caching and the step's token budget, as a pooling model can have them."""
-        chunked, prefix_caching, batched_tokens = (
-            self.enable_chunked_prefill, self.enable_prefix_caching, self.max_num_batched_tokens
-        )
+        chunked, prefix_caching, batched_tokens = self.enable_chunked_prefill, self.enable_prefix_caching, step_budget
         if pooler_config is None:
             return chunked, prefix_caching, batched_tokens
         if speculative is not None:

@@ -291,3 +291,25 @@ def test_each_concern_checks_its_own_section_and_every_knob_reaches_the_engine_c
                 "override_pooler_config": "pooler_config"}
     assert {"cache_config", "scheduler_config", "parallel_config", "lora_config"} <= set(sections)
     assert {f.name for f in msgspec.structs.fields(EngineArgs)} - landed == set(consumed)
+
+
+def test_the_step_budget_defaults_to_the_device_and_holds_a_prompt_without_chunked_prefill() -> None:
+    """512 tokens a step on a CPU (llama.cpp's micro-batch: a chunk's activations are held per
+    token), 2048 on a GPU; a given budget is kept. Without chunked prefill a prompt goes in one
+    step: the default grows to the context, a given budget smaller than it is refused."""
+    import msgspec
+
+    from core.config import CPU_STEP_BUDGET, GPU_STEP_BUDGET, EngineArgs
+
+    def budget(**kw: object) -> int:
+        args = EngineArgs(model=str(DEFAULT_MODEL_DIR), max_model_len=256, **kw)
+        return args.resolve().scheduler_config.max_num_batched_tokens
+
+    assert (CPU_STEP_BUDGET, GPU_STEP_BUDGET) == (512, 2048)
+    assert budget(device="cpu") == 512 and budget(device="cuda") == 2048
+    assert budget(device="cpu", max_num_batched_tokens=96) == 96
+    assert budget(device="cpu", enable_chunked_prefill=False) == 512
+    long = EngineArgs(model=str(DEFAULT_MODEL_DIR), device="cpu", enable_chunked_prefill=False, max_model_len=1024)
+    assert long.resolve().scheduler_config.max_num_batched_tokens == 1024
+    with pytest.raises(ValueError, match="must be >= max_model_len without chunked prefill"):
+        msgspec.structs.replace(long, max_num_batched_tokens=600).resolve()
