@@ -30,10 +30,20 @@ class ServerStartError(RuntimeError):
     pass
 
 
+_HANDED_OUT: set[int] = set()  # ports free_port returned in this process
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A local port nothing listens on now, and one this process has not handed out before:
+    the kernel may offer a port again as soon as the probe closes, and two servers launched side
+    by side (bench sweep) would then both bind it, the loser failing only when it starts to listen."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def healthy(base_url: str, timeout: float = 1.0) -> bool:

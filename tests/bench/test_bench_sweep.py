@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.launcher import REPO, ManagedServer
+from app.launcher import REPO, ManagedServer, free_port
 from bench.datasets import load_tokenizer, sample_requests
 from bench.sweep import ConfigRun, add_arguments, parse_config, serve_args_for
 
@@ -37,3 +37,11 @@ def test_each_repeat_draws_prompts_no_other_repeat_or_warm_up_sent(random_model_
         assert len(run) == 4 and len(warmups) == 2
         sent.append(run | warmups)
     assert all(not (sent[i] & sent[j]) for i in range(3) for j in range(i + 1, 3))
+
+
+def test_free_port_never_hands_out_a_port_twice() -> None:
+    """Servers launched side by side each get their own port: the kernel offers a just-closed
+    probe's port again often enough (several times in 200 probes here) that two servers of one
+    sweep once bound the same one, and every request went to the server that listened first."""
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
