@@ -29,7 +29,8 @@ logger = logging.getLogger("ringllm")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A bound (not yet listening) TCP socket for hypercorn to serve on."""
+    """A bound TCP socket for hypercorn to serve on: a port in use fails here, at once. It is
+    listened on once the engine is ready (app/frontend.py), so connections are refused until then."""
     family, type_, proto, _, address = socket.getaddrinfo(
         host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]

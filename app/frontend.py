@@ -109,6 +109,13 @@ async def serve(
         )
         freeze_startup_heap()
         host, port = sock.getsockname()[:2]
+        try:
+            # Bound at start, listened on only now (connections are refused while the engine
+            # boots): another server that bound the same port meanwhile may have listened first.
+            sock.listen(frontend.backlog)
+        except OSError as exc:
+            logger.error("cannot listen on %s:%s: %s", host, port, exc)
+            return 1
         hypercorn_config = HypercornConfig()
         hypercorn_config.bind = [f"fd://{sock.detach()}"]  # hypercorn owns the socket from here
         hypercorn_config.accesslog = None

@@ -5,7 +5,8 @@
 - the drain's timeout ends what is left with an error event; a second SIGINT exits at once;
 - an exception inside the model step (RINGLLM_FAULT_INJECT, read by the executor):
   ENGINE_CORE_DEAD, every stream ends with an error, /health 503, exit status 1;
-- a burst that fills the rings in both directions: nothing lost (count in = count out).
+- a burst that fills the rings in both directions: nothing lost (count in = count out);
+- a port another server listened on first while the engine booted: exit 1 with the reason.
 """
 
 from __future__ import annotations
@@ -13,11 +14,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
+import socket
+import subprocess
+import sys
 
 import httpx
 import pytest
 
+from app.launcher import REPO
 from core.worker.faults import FAULT_ENV
 from tests.support.servers import (
     Server,
@@ -134,6 +140,41 @@ async def test_the_drain_timeout_ends_the_rest_with_an_error_event_and_a_second_
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def test_a_port_another_server_listens_on_first_ends_this_one_with_the_reason_leaving_nothing() -> None:
+    """The port is bound at start and listened on once the engine is ready (connections are
+    refused while it boots). A server that bound the same port meanwhile and listened first,
+    as two started side by side on one port do, makes this one exit 1 saying so: no banner
+    claiming it is ready, no traceback, its engine and its rings gone."""
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the app binds: neither listens yet
+    squatter.bind(("127.0.0.1", 0))
+    port = squatter.getsockname()[1]
+    before = segments()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app", "--host", "127.0.0.1", "--port", str(port)], cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:  # the engine logs once the app has bound its port and spawned it
+            lines.append(line)
+            if "[engine]" in line:
+                squatter.listen()
+                break
+        lines += proc.stdout.readlines()
+        assert proc.wait(timeout=60) == 1
+    finally:
+        proc.kill()
+        squatter.close()
+    log = "".join(lines)
+    assert f"cannot listen on 127.0.0.1:{port}: [Errno 98] Address already in use" in log, log
+    assert "ringllm is ready" not in log and "Traceback" not in log, log
+    engine_pid = int(re.search(r"EngineCore 0 \(pid (\d+)\)", log).group(1))
+    wait_for(lambda: process_gone(engine_pid), "the EngineCore to exit after its server")
+    assert segments() - before == set()
 
 
 @pytest.mark.parametrize("keep_alive", [False, True], ids=["exits", "keep-alive"])
