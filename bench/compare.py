@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
 def _membw() -> float:
     """``bench membw --hugepages``' median read bandwidth now, GB/s: on huge pages, as the page
     cache holds the weights' files here (large folios), where the default's 4 KiB pages read
-    about 8 % slower and made a decode look faster than memory."""
+    slower and made a decode look faster than memory (bench/README.md)."""
     from bench.membw import measure as membw_probe
 
     return statistics.median(membw_probe(tries=5, hugepages=True))
