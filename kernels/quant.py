@@ -36,6 +36,7 @@ class QuantType(enum.IntEnum):
     Q4_0 = 2
     Q5_0 = 6
     Q8_0 = 8
+    Q3_K = 11
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
@@ -48,6 +49,7 @@ BLOCKS = {
     QuantType.Q4_0: (32, 18),
     QuantType.Q5_0: (32, 22),
     QuantType.Q8_0: (32, 34),
+    QuantType.Q3_K: (256, 110),
     QuantType.Q4_K: (256, 144),
     QuantType.Q5_K: (256, 176),
     QuantType.Q6_K: (256, 210),

@@ -1,5 +1,5 @@
 /* Products with weights kept in llama.cpp's block formats (GGUF): Q8_0, Q4_0,
- * Q5_0 (blocks of 32 values), Q4_K, Q5_K and Q6_K (super-blocks of 256).
+ * Q5_0 (blocks of 32 values), Q3_K, Q4_K, Q5_K and Q6_K (super-blocks of 256).
  *
  * As llama.cpp computes them: each activation row is quantized per block to
  * int8 with one scale (per 32 values for the 32-value formats, per 256 with
@@ -34,7 +34,7 @@
  * ``quant_matmul_f32`` is the product with float32 activations and each
  * weight row expanded to float32 first: no activation rounding, for checking
  * against a float32 reference (kernels.settings.quantize_activations off).
- * Types are the GGML type ids (GGUF's): 2 Q4_0, 6 Q5_0, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K.
+ * Types are the GGML type ids (GGUF's): 2 Q4_0, 6 Q5_0, 8 Q8_0, 11 Q3_K, 12 Q4_K, 13 Q5_K, 14 Q6_K.
  */
 
 #include <math.h>
@@ -56,6 +56,7 @@
 #define TYPE_Q4_0 2
 #define TYPE_Q5_0 6
 #define TYPE_Q8_0 8
+#define TYPE_Q3_K 11
 #define TYPE_Q4_K 12
 #define TYPE_Q5_K 13
 #define TYPE_Q6_K 14
@@ -68,6 +69,7 @@
 typedef struct { uint16_t d; uint8_t qs[QK / 2]; } block_q4_0;                  /* 18 bytes */
 typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[QK / 2]; } block_q5_0;   /* 22 bytes */
 typedef struct { uint16_t d; int8_t qs[QK]; } block_q8_0;                       /* 34 bytes */
+typedef struct { uint8_t hmask[QK_K / 8]; uint8_t qs[QK_K / 4]; uint8_t scales[12]; uint16_t d; } block_q3_k; /* 110 */
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[QK_K / 2]; } block_q4_k; /* 144 bytes */
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[QK_K / 8]; uint8_t qs[QK_K / 2]; } block_q5_k; /* 176 */
 typedef struct { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16]; uint16_t d; } block_q6_k; /* 210 */
@@ -75,6 +77,7 @@ typedef struct { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K 
 _Static_assert(sizeof(block_q4_0) == 18, "Q4_0 block");
 _Static_assert(sizeof(block_q5_0) == 22, "Q5_0 block");
 _Static_assert(sizeof(block_q8_0) == 34, "Q8_0 block");
+_Static_assert(sizeof(block_q3_k) == 110, "Q3_K block");
 _Static_assert(sizeof(block_q4_k) == 144, "Q4_K block");
 _Static_assert(sizeof(block_q5_k) == 176, "Q5_K block");
 _Static_assert(sizeof(block_q6_k) == 210, "Q6_K block");
@@ -91,6 +94,9 @@ typedef struct { float d; int32_t pairs[4]; int16_t bsums[QK_K / 16]; int8_t qs[
 #define Q8_0_TILE 544  /* 8 groups of values (w + 128 as bytes) | 16 half scales */
 #define Q4_0_TILE 288  /* 4 groups of nibble pairs | 16 half scales */
 #define Q5_0_TILE 352  /* 4 groups of nibble pairs | 8 masks of fifth bits (64 bits each) | 16 half scales */
+/* Q3_K: value v = 64p + 4g + j (p < 4, g < 16, j < 4) has its low two bits at bits 2p, 2p+1 of
+ * byte j of group g, its third bit at bit v / 32 of byte j of high-bit group g % 8. */
+#define Q3_K_TILE 1824 /* 16 groups of bit pairs | 8 groups of third bits | scales [16][16] | 16 d */
 #define Q4_K_TILE 2368 /* 32 groups of nibble pairs | scales [8][16] | minimum pairs [4][16][2] | 16 d | 16 dmin */
 #define Q5_K_TILE 2880 /* Q4_K's tile | 8 groups of fifth bits (byte l of a row: bit 2c low, 2c+1 high nibble of chunk c) */
 /* Q6_K: 16 groups (h, g) of three vectors A, B, C for the four parts p of values h*128 + 32p + 4g .. +3:
@@ -132,6 +138,7 @@ INLINE vi vi_mul(vi a, vi b) { return _mm512_mullo_epi32(a, b); }
 INLINE vi vi_lo4(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
 INLINE vi vi_hi4(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f)); }
 INLINE vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
+INLINE vi vi_sra(vi v, int n) { return _mm512_srai_epi32(v, n); }
 /* Bits ``mask`` of each byte from bits ``shift`` lower of ``v``: (v << shift) & mask, for shifts
  * that move none of the bits kept across a byte's edge (the shift is 16-bit): Q5_K's fifth bit
  * (0x10), Q6_K's top bits (0x03, 0x0c, 0x30 from bits 6-7). */
@@ -216,6 +223,7 @@ INLINE vi vi_hi4(vi v) {
     return (vi){_mm256_and_si256(_mm256_srli_epi16(v.l, 4), m), _mm256_and_si256(_mm256_srli_epi16(v.h, 4), m)};
 }
 INLINE vi vi_or(vi a, vi b) { return (vi){_mm256_or_si256(a.l, b.l), _mm256_or_si256(a.h, b.h)}; }
+INLINE vi vi_sra(vi v, int n) { return (vi){_mm256_srai_epi32(v.l, n), _mm256_srai_epi32(v.h, n)}; }
 INLINE __m256i bits_half(__m256i v, int shift, int mask) {
     __m256i s = shift >= 0 ? _mm256_slli_epi16(v, shift) : _mm256_srli_epi16(v, -shift);
     return _mm256_and_si256(s, _mm256_set1_epi8((char)mask));
@@ -326,6 +334,7 @@ INLINE vi vi_mul(vi a, vi b) { LANEWISE((int32_t)((uint32_t)a.v[l] * (uint32_t)b
 INLINE vi vi_lo4(vi v) { LANEWISE((int32_t)((uint32_t)v.v[l] & 0x0f0f0f0fu)); }
 INLINE vi vi_hi4(vi v) { LANEWISE((int32_t)(((uint32_t)v.v[l] >> 4) & 0x0f0f0f0fu)); }
 INLINE vi vi_or(vi a, vi b) { LANEWISE(a.v[l] | b.v[l]); }
+INLINE vi vi_sra(vi v, int n) { LANEWISE(v.v[l] / (1 << n)); } /* v a multiple of 2^n: exact */
 INLINE vi vi_bits(vi v, int shift, int mask) {
     LANEWISE((int32_t)((shift >= 0 ? (uint32_t)v.v[l] << shift : (uint32_t)v.v[l] >> -shift) & (0x01010101u * (uint32_t)mask)));
 }
@@ -476,7 +485,9 @@ static int float_format(int64_t type) { return type == TYPE_F32 || type == TYPE_
 
 /* Values per block: 32, 256 for the K formats, 1 for F32 and F16 (a "block" is one value). */
 API int64_t block_values(int64_t type) {
-    return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K ? QK_K : float_format(type) ? 1 : QK;
+    return type == TYPE_Q3_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K ? QK_K
+           : float_format(type)                                                          ? 1
+                                                                                         : QK;
 }
 
 /* Bytes of one GGUF block. */
@@ -487,6 +498,7 @@ API int64_t block_bytes(int64_t type) {
         case TYPE_Q4_0: return sizeof(block_q4_0);
         case TYPE_Q5_0: return sizeof(block_q5_0);
         case TYPE_Q8_0: return sizeof(block_q8_0);
+        case TYPE_Q3_K: return sizeof(block_q3_k);
         case TYPE_Q4_K: return sizeof(block_q4_k);
         case TYPE_Q5_K: return sizeof(block_q5_k);
         case TYPE_Q6_K: return sizeof(block_q6_k);
@@ -501,6 +513,7 @@ static int64_t tile_block_bytes(int64_t type) {
         case TYPE_Q4_0: return Q4_0_TILE;
         case TYPE_Q5_0: return Q5_0_TILE;
         case TYPE_Q8_0: return Q8_0_TILE;
+        case TYPE_Q3_K: return Q3_K_TILE;
         case TYPE_Q4_K: return Q4_K_TILE;
         case TYPE_Q5_K: return Q5_K_TILE;
         case TYPE_Q6_K: return Q6_K_TILE;
@@ -523,6 +536,22 @@ static void q4_k_scale_min(const uint8_t *s, int j, uint8_t *scale, uint8_t *min
         *scale = (uint8_t)((s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4));
         *min = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
     }
+}
+
+/* A Q3_K block's 256 values as unsigned 3-bit numbers (the weight's is the value less 4) and its 16
+ * scales (less 32: signed), unpacked from their twelve bytes: a scale's low four bits are a
+ * nibble of bytes 0-7, its top two a pair of bytes 8-11. */
+static void q3_k_values(const block_q3_k *b, uint8_t *q, int8_t *scales) {
+    for (int j = 0; j < 16; j++) {
+        int low = j < 8 ? b->scales[j] & 0x0f : b->scales[j - 8] >> 4, high = b->scales[8 + j % 4] >> (2 * (j / 4)) & 3;
+        scales[j] = (int8_t)((low | high << 4) - 32);
+    }
+    for (int h = 0; h < 2; h++)
+        for (int part = 0; part < 4; part++)
+            for (int l = 0; l < 32; l++) {
+                int low = b->qs[h * 32 + l] >> (2 * part) & 3, third = b->hmask[l] >> (4 * h + part) & 1;
+                q[h * 128 + part * 32 + l] = (uint8_t)(low | third << 2);
+            }
 }
 
 /* A Q6_K block's 256 values as unsigned 6-bit numbers (the stored value less 32 is the weight's). */
@@ -574,6 +603,18 @@ static void pack_tile_block(int64_t type, const uint8_t *const *src, uint8_t *ds
                     }
                 memcpy(dst + 320 + 2 * r, &b->d, 2);
             }
+        } else if (type == TYPE_Q3_K) {
+            const block_q3_k *b = (const block_q3_k *)s;
+            uint8_t q[QK_K];
+            int8_t scales[16];
+            q3_k_values(b, q, scales);
+            for (int v = 0; v < QK_K; v++) {
+                int g = v % 64 / 4, j = v % 4;
+                dst[g * 64 + r * 4 + j] |= (uint8_t)((q[v] & 3) << (2 * (v / 64)));
+                dst[1024 + (g % 8) * 64 + r * 4 + j] |= (uint8_t)((q[v] >> 2) << (v / 32));
+            }
+            for (int j = 0; j < 16; j++) dst[1536 + j * 16 + r] = (uint8_t)scales[j];
+            memcpy(dst + 1792 + 2 * r, &b->d, 2);
         } else if (type == TYPE_Q4_K || type == TYPE_Q5_K) {
             const block_q4_k *b = (const block_q4_k *)s; /* Q5_K's d, dmin and scales lie where Q4_K's do */
             const uint8_t *qs = type == TYPE_Q4_K ? b->qs : ((const block_q5_k *)s)->qs;
@@ -660,6 +701,14 @@ static void unpack_row(int64_t type, const uint8_t *w, int64_t k, int64_t row, f
                     y[b * QK + 4 * c + j] = d * (float)(lo - offset);
                     y[b * QK + 16 + 4 * c + j] = d * (float)(hi - offset);
                 }
+        } else if (type == TYPE_Q3_K) {
+            float d = half_to_float(load_u16(t + 1792 + 2 * r));
+            for (int v = 0; v < QK_K; v++) {
+                int g = v % 64 / 4, j = v % 4;
+                int low = t[g * 64 + r * 4 + j] >> (2 * (v / 64)) & 3;
+                int third = t[1024 + (g % 8) * 64 + r * 4 + j] >> (v / 32) & 1;
+                y[b * QK_K + v] = d * (float)(int8_t)t[1536 + (v / 16) * 16 + r] * (float)((low | third << 2) - 4);
+            }
         } else if (type == TYPE_Q4_K || type == TYPE_Q5_K) {
             float d = half_to_float(load_u16(t + 2304 + 2 * r)), dmin = half_to_float(load_u16(t + 2336 + 2 * r));
             for (int c = 0; c < 4; c++)
@@ -755,7 +804,9 @@ static void quantize_row_q8_k(const float *x, act_q8_k *y, int64_t k) {
     }
 }
 
-static int k_format(int64_t type) { return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K; }
+static int k_format(int64_t type) {
+    return type == TYPE_Q3_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K;
+}
 
 API int64_t activation_row_bytes(int64_t type, int64_t k) {
     return k_format(type) ? k / QK_K * (int64_t)sizeof(act_q8_k) : k / QK * (int64_t)sizeof(act_q8_0);
@@ -914,6 +965,49 @@ INLINE void tile_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
             acc[i] = vf_fma(vf_from(total[i]), vf_mul(d, vf_set1(ad)), acc[i]);
             acc[i] = vf_fma(vf_from(mins[i]), vf_mul(dmin, vf_set1(-ad)), acc[i]);
         }
+    }
+}
+
+/* Q3_K: d * scale_s * (q - 4) for the 16 sub-blocks s of 16, q a group's bit pair with its third bit.
+ * Groups g = 4k .. 4k + 3 hold sub-blocks 4p + k (values 64p + 16k .. +16) in their four bit pairs p.
+ * Pair p is multiplied where it lies, as 4^p q for p < 3 (16 q for p = 3, two bits lower): one AND,
+ * not a shift and an AND, and its third bit then lies two bits above for every p after one shift of
+ * the group's third bits. The sums come out 4^p (16) times too large, exactly: shifted back once
+ * per sub-block. At most 16 x 7 x 127 x 16 per lane, and 2 x 112 x 127 in an AVX2 int16 pair. */
+INLINE void tile_q3_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
+    static const int factor_bits[4] = {0, 2, 4, 4};
+    for (int64_t b = 0; b < nb; b++, tile += Q3_K_TILE) {
+        prefetch_ahead_l2(tile, Q3_K_TILE); /* read in two streams (pairs, third bits), as Q5_K's */
+        vi total[ROWS_AT_ONCE];
+        for (int i = 0; i < R; i++) total[i] = vi_set1(0);
+        for (int k = 0; k < 4; k++) {
+            vi part[4][ROWS_AT_ONCE];
+            for (int p = 0; p < 4; p++)
+                for (int i = 0; i < R; i++) part[p][i] = vi_set1(0);
+            for (int g = 4 * k; g < 4 * k + 4; g++) {
+                vi w = vi_load(tile + 64 * g), high = vi_load(tile + 1024 + 64 * (g % 8));
+                /* value 64p + 4g's third bit is bit 2p + g / 8: to bit 2p + 2 (bit 6 for p = 3) */
+                vi v[4] = {vi_or(vi_bits(w, 0, 0x03), vi_bits(high, 2 - g / 8, 0x04)),
+                           vi_or(vi_bits(w, 0, 0x0c), vi_bits(high, 2 - g / 8, 0x10)),
+                           vi_or(vi_bits(w, 0, 0x30), vi_bits(high, 2 - g / 8, 0x40)),
+                           vi_or(vi_bits(w, -2, 0x30), vi_bits(high, -(g / 8), 0x40))};
+                for (int i = 0; i < R; i++) {
+                    const int8_t *q = ((const act_q8_k *)a[i])[b].qs + 4 * g;
+                    for (int p = 0; p < 4; p++) part[p][i] = vi_dot(part[p][i], v[p], q + 64 * p);
+                }
+            }
+            for (int p = 0; p < 4; p++) {
+                int s = 4 * p + k;
+                vi scale = vi_s8_to_i32((const int8_t *)tile + 1536 + s * 16);
+                for (int i = 0; i < R; i++) {
+                    vi sum = factor_bits[p] ? vi_sra(part[p][i], factor_bits[p]) : part[p][i];
+                    vi centred = vi_add(sum, vi_set1(-4 * ((const act_q8_k *)a[i])[b].bsums[s]));
+                    total[i] = vi_add(total[i], vi_mul(centred, scale));
+                }
+            }
+        }
+        vf d = vf_halves(tile + 1792);
+        for (int i = 0; i < R; i++) acc[i] = vf_fma(vf_from(total[i]), vf_mul(d, vf_set1(((const act_q8_k *)a[i])[b].d)), acc[i]);
     }
 }
 
@@ -1187,6 +1281,7 @@ INLINE void tile_product(int64_t type, const uint8_t *tile, int64_t nb, const ui
         case TYPE_Q8_0: tile_q8_0(tile, nb, a, R, acc); break;
         case TYPE_Q4_0: tile_q4_q5(tile, nb, a, R, acc, 0); break;
         case TYPE_Q5_0: tile_q4_q5(tile, nb, a, R, acc, 1); break;
+        case TYPE_Q3_K: tile_q3_k(tile, nb, a, R, acc); break;
         case TYPE_Q4_K: tile_q4_k(tile, nb, a, R, acc, 0); break;
         case TYPE_Q5_K: tile_q4_k(tile, nb, a, R, acc, 1); break;
         case TYPE_Q6_K: tile_q6_k(tile, nb, a, R, acc); break;
@@ -1210,7 +1305,7 @@ static void tile_rows(int64_t type, const uint8_t *tile, int64_t nb, const uint8
     /* One row (a lone decode) streams the whole tile once through the generic kernel (Q6_K's too:
      * since its layout 2, faster than a one-row kernel of half-tile arithmetic, bench/README.md);
      * the half tiles pay off from two rows on, where the arithmetic rather than memory bounds the speed. */
-    if (k_format(type) && R >= 2) {
+    if (k_format(type) && type != TYPE_Q3_K && R >= 2) {
         if (R <= 3)
             k_few_rows_avx2(type, tile, nb, a, R, acc);
         else

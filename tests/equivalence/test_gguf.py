@@ -29,6 +29,7 @@ from core.models.loader import load_model
 from core.protocol import EngineCoreOutputs, EngineCoreRequest, SamplingParams
 from core.worker.cpu_program import NativeStepProgram
 from kernels import cpu
+from kernels.quant import QuantType
 from kernels.settings import settings
 from tests.support.gguf_files import gemma3_checkpoint, qwen_dir, write_gguf
 from tests.support.paged import single_prefill
@@ -57,22 +58,25 @@ def stories_gguf(tmp_path_factory, cache) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def qwen_gguf(tmp_path_factory, cache) -> dict[str, Path]:
-    """Qwen2 in Q8_0 (biases), and Qwen3 (q/k norms, tied) with Q4_K_M's mix of formats:
-    Q4_K and Q6_K projections beside Q8_0 ones, rows of 256 values."""
+    """Qwen2 in Q8_0 (biases), and Qwen3 (q/k norms, tied) with Q4_K_M's and Q3_K_M's mixes of
+    formats: K-format projections beside Q8_0 ones, rows of 256 values."""
     folder = tmp_path_factory.mktemp("qwen-gguf")
     files = {"qwen2-q8_0": write_gguf(qwen_dir(folder / "qwen2", "qwen2", 64, 96, 4, 2, 7), folder / "qwen2-q8_0.gguf")}
     # head_dim 128, transformers' Qwen3 default: its GGUF reader does not read the file's own.
     qwen3 = qwen_dir(folder / "qwen3", "qwen3", 256, 512, 4, 2, 8, head_dim=128)
-    overrides = {}
-    for layer in range(2):
-        for name, rows, k, qtype in [("attn_q", 512, 256, 12), ("attn_k", 256, 256, 12), ("attn_v", 256, 256, 14),
-                                     ("attn_output", 256, 512, 12), ("ffn_gate", 512, 256, 12),
-                                     ("ffn_up", 512, 256, 12), ("ffn_down", 256, 512, 14)]:
-            from kernels.quant import QuantType
-
-            data = random_blocks(QuantType(qtype), rows, k, seed=layer * 10 + qtype + rows)
-            overrides[f"blk.{layer}.{name}.weight"] = (data, qtype)
-    files["qwen3-q4_k_m"] = write_gguf(qwen3, folder / "qwen3-q4_k_m.gguf", "q8_0", overrides)
+    shapes = {"attn_q": (512, 256), "attn_k": (256, 256), "attn_v": (256, 256), "attn_output": (256, 512),
+              "ffn_gate": (512, 256), "ffn_up": (512, 256), "ffn_down": (256, 512)}
+    mixes = {  # GGML type ids: 11 Q3_K, 12 Q4_K, 13 Q5_K, 14 Q6_K (as llama-quantize mixes them)
+        "q4_k_m": dict.fromkeys(shapes, 12) | {"attn_v": 14, "ffn_down": 14},
+        "q3_k_m": dict.fromkeys(shapes, 11) | {"attn_v": 13, "attn_output": 12, "ffn_down": 12},
+    }
+    for mix, types in mixes.items():
+        overrides = {}
+        for layer in range(2):
+            for name, (rows, k) in shapes.items():
+                data = random_blocks(QuantType(types[name]), rows, k, seed=layer * 10 + types[name] + rows)
+                overrides[f"blk.{layer}.{name}.weight"] = (data, types[name])
+        files[f"qwen3-{mix}"] = write_gguf(qwen3, folder / f"qwen3-{mix}.gguf", "q8_0", overrides)
     return files
 
 
@@ -132,12 +136,13 @@ def test_float_activation_logits_equal_transformers_reading_the_same_file(qtype,
     assert (ours - expected).abs().max() <= 1e-4 * expected.abs().max()
 
 
-@pytest.mark.parametrize("name", ["qwen2-q8_0", "qwen3-q4_k_m"])
+@pytest.mark.parametrize("name", ["qwen2-q8_0", "qwen3-q4_k_m", "qwen3-q3_k_m"])
 def test_qwen_files_with_k_formats_equal_transformers(name, qwen_gguf, monkeypatch) -> None:
     monkeypatch.setattr(settings, "quantize_activations", False)
     path = qwen_gguf[name]
     types = {gguf.GGMLQuantizationType(t.ggml_type).name for t in GGUFCheckpoint(path).tensors.values()}
-    assert {"Q4_K", "Q6_K", "Q8_0"} <= types if "q4_k" in name else "Q8_0" in types
+    assert types >= {"qwen2-q8_0": {"Q8_0"}, "qwen3-q4_k_m": {"Q4_K", "Q6_K", "Q8_0"},
+                     "qwen3-q3_k_m": {"Q3_K", "Q4_K", "Q5_K", "Q8_0"}}[name]
     ids = [1, *range(40, 100)]
     ours, expected = single_prefill(_ours(path), ids), _oracle_logits(_oracle(path), ids)
     assert (ours - expected).abs().max() <= 1e-4 * expected.abs().max()
@@ -187,7 +192,7 @@ def test_the_tokenizer_from_the_files_metadata_equals_the_original(stories_gguf)
     assert (ours.bos_token_id, ours.eos_token_id) == (original.bos_token_id, original.eos_token_id)
 
 
-@pytest.mark.parametrize("name", ["qwen2-q8_0", "qwen3-q4_k_m"])
+@pytest.mark.parametrize("name", ["qwen2-q8_0", "qwen3-q4_k_m", "qwen3-q3_k_m"])
 def test_the_engine_steps_through_the_native_program_and_writes_transformers_tokens(
     name, qwen_gguf, monkeypatch
 ) -> None:

@@ -25,6 +25,6 @@ def random_blocks(qtype: QuantType, rows: int, k: int, seed: int = 0) -> np.ndar
         data[:, :, 0:2] = scale
         data[:, :, 2:4] = (rng.uniform(0.001, 0.02, (rows, k // values)).astype(np.float16)
                            .view(np.uint8).reshape(rows, -1, 2))
-    else:  # Q6_K: d last
+    else:  # Q3_K and Q6_K: d last
         data[:, :, -2:] = scale
     return data.reshape(rows, row_bytes(qtype, k))
