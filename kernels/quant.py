@@ -40,6 +40,7 @@ class QuantType(enum.IntEnum):
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    IQ4_XS = 23
 
 
 # (values, bytes) per block (a "block" of F32 or F16 is one value).
@@ -53,6 +54,7 @@ BLOCKS = {
     QuantType.Q4_K: (256, 144),
     QuantType.Q5_K: (256, 176),
     QuantType.Q6_K: (256, 210),
+    QuantType.IQ4_XS: (256, 136),
 }
 
 

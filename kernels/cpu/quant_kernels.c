@@ -1,5 +1,5 @@
 /* Products with weights kept in llama.cpp's block formats (GGUF): Q8_0, Q4_0,
- * Q5_0 (blocks of 32 values), Q3_K, Q4_K, Q5_K and Q6_K (super-blocks of 256).
+ * Q5_0 (blocks of 32 values), Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS (super-blocks of 256).
  *
  * As llama.cpp computes them: each activation row is quantized per block to
  * int8 with one scale (per 32 values for the 32-value formats, per 256 with
@@ -34,7 +34,8 @@
  * ``quant_matmul_f32`` is the product with float32 activations and each
  * weight row expanded to float32 first: no activation rounding, for checking
  * against a float32 reference (kernels.settings.quantize_activations off).
- * Types are the GGML type ids (GGUF's): 2 Q4_0, 6 Q5_0, 8 Q8_0, 11 Q3_K, 12 Q4_K, 13 Q5_K, 14 Q6_K.
+ * Types are the GGML type ids (GGUF's): 2 Q4_0, 6 Q5_0, 8 Q8_0, 11 Q3_K, 12 Q4_K, 13 Q5_K, 14 Q6_K,
+ * 23 IQ4_XS.
  */
 
 #include <math.h>
@@ -60,6 +61,7 @@
 #define TYPE_Q4_K 12
 #define TYPE_Q5_K 13
 #define TYPE_Q6_K 14
+#define TYPE_IQ4_XS 23
 
 #define QK 32    /* values per block of the 32-value formats */
 #define QK_K 256 /* values per super-block of the K formats */
@@ -73,6 +75,7 @@ typedef struct { uint8_t hmask[QK_K / 8]; uint8_t qs[QK_K / 4]; uint8_t scales[1
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[QK_K / 2]; } block_q4_k; /* 144 bytes */
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[QK_K / 8]; uint8_t qs[QK_K / 2]; } block_q5_k; /* 176 */
 typedef struct { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16]; uint16_t d; } block_q6_k; /* 210 */
+typedef struct { uint16_t d, scales_h; uint8_t scales_l[QK_K / 64]; uint8_t qs[QK_K / 2]; } block_iq4_xs; /* 136 */
 
 _Static_assert(sizeof(block_q4_0) == 18, "Q4_0 block");
 _Static_assert(sizeof(block_q5_0) == 22, "Q5_0 block");
@@ -81,6 +84,7 @@ _Static_assert(sizeof(block_q3_k) == 110, "Q3_K block");
 _Static_assert(sizeof(block_q4_k) == 144, "Q4_K block");
 _Static_assert(sizeof(block_q5_k) == 176, "Q5_K block");
 _Static_assert(sizeof(block_q6_k) == 210, "Q6_K block");
+_Static_assert(sizeof(block_iq4_xs) == 136, "IQ4_XS block");
 
 /* Quantized activations (our own layout): the scale, the block's sum (the 32-value
  * formats' offsets are subtracted through it) or the sums of each 16, and the values. */
@@ -88,6 +92,11 @@ typedef struct { float d; int32_t sum; int8_t qs[QK]; } act_q8_0;               
 /* Q8_K: ``pairs[p]`` holds the sums of sub-blocks 2p and 2p + 1 of 32 as two int16, the operand
  * that multiplies Q4_K's and Q5_K's minimum pairs (made once here, not in every product). */
 typedef struct { float d; int32_t pairs[4]; int16_t bsums[QK_K / 16]; int8_t qs[QK_K]; } act_q8_k; /* 308 bytes */
+
+/* IQ4_XS's sixteen values (llama.cpp's non-linear grid for 4-bit indices), and the same plus 128 as
+ * bytes: the unsigned operand the products look them up as (vi_dot_q8's, as Q8_0's tiles hold). */
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const uint8_t IQ4_BYTES[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
 /* A tile's block: 16 rows' values in 64-byte groups (row r's four values at bytes 4r..4r+3),
  * then the rows' scales. Offsets of each part within a tile block: */
@@ -102,6 +111,9 @@ typedef struct { float d; int32_t pairs[4]; int16_t bsums[QK_K / 16]; int8_t qs[
 /* Q6_K: 16 groups (h, g) of three vectors A, B, C for the four parts p of values h*128 + 32p + 4g .. +3:
  * parts 0, 1, 2 are the low six bits of A, B, C; part 3's bits 0-1, 2-3, 4-5 are their top two. */
 #define Q6_K_TILE 3360 /* 16 groups of 3 x 64 bytes | scales [16][16] | 16 d */
+/* IQ4_XS: group 4s + c holds bytes 16s + 4c .. +3 of each row's nibbles (sub-block s of 32: values
+ * 32s + 4c + j in the low nibbles, 32s + 16 + 4c + j in the high ones), indices into IQ4_VALUES. */
+#define IQ4_XS_TILE 2208 /* 32 groups of nibble pairs | scales [8][16] | 16 d */
 #define F32_TILE 64    /* one column: 16 floats */
 #define F16_TILE 32    /* one column: 16 halves */
 
@@ -159,6 +171,8 @@ INLINE vi vi_top2s(vi a, vi b, vi c) {
 INLINE vi vi_add16_masked(vi v, uint64_t mask) { return _mm512_mask_add_epi8(v, mask, v, _mm512_set1_epi8(16)); }
 INLINE vi vi_u8_to_i32(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 INLINE vi vi_s8_to_i32(const int8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+/* Each byte (a 4-bit index) replaced by IQ4_BYTES' entry. */
+INLINE vi vi_iq4(vi v) { return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_BYTES)), v); }
 /* Each lane: u8 pair at p[2l], p[2l+1] times the int16 pair packed in ``pair``, summed. */
 INLINE vi vi_madd_u8_pairs(vi acc, const uint8_t *p, int32_t pair) {
     vi wide = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
@@ -256,6 +270,10 @@ INLINE vi vi_u8_to_i32(const uint8_t *p) {
 INLINE vi vi_s8_to_i32(const int8_t *p) {
     return (vi){_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)),
                 _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))};
+}
+INLINE vi vi_iq4(vi v) {
+    __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_BYTES));
+    return (vi){_mm256_shuffle_epi8(table, v.l), _mm256_shuffle_epi8(table, v.h)};
 }
 INLINE vi vi_madd_u8_pairs(vi acc, const uint8_t *p, int32_t pair) {
     __m256i b = _mm256_set1_epi32(pair);
@@ -355,6 +373,10 @@ INLINE vi vi_add16_masked(vi v, uint64_t mask) {
 }
 INLINE vi vi_u8_to_i32(const uint8_t *p) { LANEWISE(p[l]); }
 INLINE vi vi_s8_to_i32(const int8_t *p) { LANEWISE(p[l]); }
+INLINE vi vi_iq4(vi v) {
+    LANEWISE((int32_t)((uint32_t)IQ4_BYTES[v.v[l] & 0x0f] | (uint32_t)IQ4_BYTES[v.v[l] >> 8 & 0x0f] << 8 |
+                       (uint32_t)IQ4_BYTES[v.v[l] >> 16 & 0x0f] << 16 | (uint32_t)IQ4_BYTES[(uint32_t)v.v[l] >> 24 & 0x0f] << 24));
+}
 INLINE vi vi_madd_u8_pairs(vi acc, const uint8_t *p, int32_t pair) {
     int16_t b0 = (int16_t)(pair & 0xffff), b1 = (int16_t)((uint32_t)pair >> 16);
     LANEWISE(acc.v[l] + p[2 * l] * b0 + p[2 * l + 1] * b1);
@@ -483,11 +505,14 @@ API int64_t int8_peak_probe(int64_t rounds, int64_t threads) {
 
 static int float_format(int64_t type) { return type == TYPE_F32 || type == TYPE_F16; }
 
+/* The formats of super-blocks of 256, whose products take Q8_K activations. */
+static int k_format(int64_t type) {
+    return type == TYPE_Q3_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K || type == TYPE_IQ4_XS;
+}
+
 /* Values per block: 32, 256 for the K formats, 1 for F32 and F16 (a "block" is one value). */
 API int64_t block_values(int64_t type) {
-    return type == TYPE_Q3_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K ? QK_K
-           : float_format(type)                                                          ? 1
-                                                                                         : QK;
+    return k_format(type) ? QK_K : float_format(type) ? 1 : QK;
 }
 
 /* Bytes of one GGUF block. */
@@ -502,6 +527,7 @@ API int64_t block_bytes(int64_t type) {
         case TYPE_Q4_K: return sizeof(block_q4_k);
         case TYPE_Q5_K: return sizeof(block_q5_k);
         case TYPE_Q6_K: return sizeof(block_q6_k);
+        case TYPE_IQ4_XS: return sizeof(block_iq4_xs);
         default: return 0;
     }
 }
@@ -517,6 +543,7 @@ static int64_t tile_block_bytes(int64_t type) {
         case TYPE_Q4_K: return Q4_K_TILE;
         case TYPE_Q5_K: return Q5_K_TILE;
         case TYPE_Q6_K: return Q6_K_TILE;
+        case TYPE_IQ4_XS: return IQ4_XS_TILE;
         default: return 0;
     }
 }
@@ -603,6 +630,14 @@ static void pack_tile_block(int64_t type, const uint8_t *const *src, uint8_t *ds
                     }
                 memcpy(dst + 320 + 2 * r, &b->d, 2);
             }
+        } else if (type == TYPE_IQ4_XS) {
+            const block_iq4_xs *b = (const block_iq4_xs *)s;
+            for (int g = 0; g < 32; g++) memcpy(dst + g * 64 + r * 4, b->qs + 4 * g, 4);
+            for (int j = 0; j < 8; j++) {
+                int low = b->scales_l[j / 2] >> (4 * (j % 2)) & 0x0f, high = b->scales_h >> (2 * j) & 3;
+                dst[2048 + j * 16 + r] = (uint8_t)(int8_t)((low | high << 4) - 32);
+            }
+            memcpy(dst + 2176 + 2 * r, &b->d, 2);
         } else if (type == TYPE_Q3_K) {
             const block_q3_k *b = (const block_q3_k *)s;
             uint8_t q[QK_K];
@@ -701,6 +736,14 @@ static void unpack_row(int64_t type, const uint8_t *w, int64_t k, int64_t row, f
                     y[b * QK + 4 * c + j] = d * (float)(lo - offset);
                     y[b * QK + 16 + 4 * c + j] = d * (float)(hi - offset);
                 }
+        } else if (type == TYPE_IQ4_XS) {
+            float d = half_to_float(load_u16(t + 2176 + 2 * r));
+            for (int v = 0; v < QK_K; v++) {
+                int s = v / 32, high = v % 32 / 16, c = v % 16 / 4, j = v % 4;
+                uint8_t q = t[(4 * s + c) * 64 + r * 4 + j];
+                float dl = d * (float)(int8_t)t[2048 + s * 16 + r];
+                y[b * QK_K + v] = dl * (float)IQ4_VALUES[high ? q >> 4 : q & 0x0f];
+            }
         } else if (type == TYPE_Q3_K) {
             float d = half_to_float(load_u16(t + 1792 + 2 * r));
             for (int v = 0; v < QK_K; v++) {
@@ -804,9 +847,6 @@ static void quantize_row_q8_k(const float *x, act_q8_k *y, int64_t k) {
     }
 }
 
-static int k_format(int64_t type) {
-    return type == TYPE_Q3_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K;
-}
 
 API int64_t activation_row_bytes(int64_t type, int64_t k) {
     return k_format(type) ? k / QK_K * (int64_t)sizeof(act_q8_k) : k / QK * (int64_t)sizeof(act_q8_0);
@@ -1007,6 +1047,39 @@ INLINE void tile_q3_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
             }
         }
         vf d = vf_halves(tile + 1792);
+        for (int i = 0; i < R; i++) acc[i] = vf_fma(vf_from(total[i]), vf_mul(d, vf_set1(((const act_q8_k *)a[i])[b].d)), acc[i]);
+    }
+}
+
+/* IQ4_XS: d * scale_s * IQ4_VALUES[q] for the 8 sub-blocks s of 32. The values are looked up as
+ * IQ4_BYTES (vi_dot_q8's operand): a sub-block's sum comes out Q8_OFFSET times its activations' sum
+ * too large, taken off where it starts. */
+INLINE void tile_iq4_xs(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
+    for (int64_t b = 0; b < nb; b++, tile += IQ4_XS_TILE) {
+        if (R > 1) prefetch_ahead(tile, IQ4_XS_TILE, R); /* a lone row's tile is read front to back */
+        vi total[ROWS_AT_ONCE];
+        for (int i = 0; i < R; i++) total[i] = vi_set1(0);
+        for (int s = 0; s < 8; s++) {
+            vi lo[ROWS_AT_ONCE], hi[ROWS_AT_ONCE]; /* low and high nibbles: two chains */
+            for (int i = 0; i < R; i++) {
+                const int16_t *bsums = ((const act_q8_k *)a[i])[b].bsums + 2 * s;
+                lo[i] = vi_set1(-Q8_OFFSET * (bsums[0] + bsums[1]));
+                hi[i] = vi_set1(0);
+            }
+            for (int c = 0; c < 4; c++) {
+                vi w = vi_load(tile + (4 * s + c) * 64), wl = vi_iq4(vi_lo4(w)), wh = vi_iq4(vi_hi4(w));
+                for (int i = 0; i < R; i++) {
+                    const int8_t *q = ((const act_q8_k *)a[i])[b].qs + 32 * s + 4 * c;
+                    lo[i] = vi_dot_q8(lo[i], wl, q);
+                    hi[i] = vi_dot_q8(hi[i], wh, q + 16);
+                    vi_keep(&lo[i]);
+                    vi_keep(&hi[i]);
+                }
+            }
+            vi scale = vi_s8_to_i32((const int8_t *)tile + 2048 + s * 16);
+            for (int i = 0; i < R; i++) total[i] = vi_add(total[i], vi_mul(vi_add(lo[i], hi[i]), scale));
+        }
+        vf d = vf_halves(tile + 2176);
         for (int i = 0; i < R; i++) acc[i] = vf_fma(vf_from(total[i]), vf_mul(d, vf_set1(((const act_q8_k *)a[i])[b].d)), acc[i]);
     }
 }
@@ -1285,6 +1358,7 @@ INLINE void tile_product(int64_t type, const uint8_t *tile, int64_t nb, const ui
         case TYPE_Q4_K: tile_q4_k(tile, nb, a, R, acc, 0); break;
         case TYPE_Q5_K: tile_q4_k(tile, nb, a, R, acc, 1); break;
         case TYPE_Q6_K: tile_q6_k(tile, nb, a, R, acc); break;
+        case TYPE_IQ4_XS: tile_iq4_xs(tile, nb, a, R, acc); break;
     }
 }
 
@@ -1305,7 +1379,7 @@ static void tile_rows(int64_t type, const uint8_t *tile, int64_t nb, const uint8
     /* One row (a lone decode) streams the whole tile once through the generic kernel (Q6_K's too:
      * since its layout 2, faster than a one-row kernel of half-tile arithmetic, bench/README.md);
      * the half tiles pay off from two rows on, where the arithmetic rather than memory bounds the speed. */
-    if (k_format(type) && type != TYPE_Q3_K && R >= 2) {
+    if ((type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K) && R >= 2) {
         if (R <= 3)
             k_few_rows_avx2(type, tile, nb, a, R, acc);
         else
