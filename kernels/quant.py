@@ -34,12 +34,15 @@ class QuantType(enum.IntEnum):
     F32 = 0
     F16 = 1
     Q4_0 = 2
+    Q4_1 = 3
     Q5_0 = 6
+    Q5_1 = 7
     Q8_0 = 8
     Q3_K = 11
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    IQ4_NL = 20
     IQ4_XS = 23
 
 
@@ -49,6 +52,9 @@ BLOCKS = {
     QuantType.F16: (1, 2),
     QuantType.Q4_0: (32, 18),
     QuantType.Q5_0: (32, 22),
+    QuantType.Q4_1: (32, 20),
+    QuantType.Q5_1: (32, 24),
+    QuantType.IQ4_NL: (32, 18),
     QuantType.Q8_0: (32, 34),
     QuantType.Q3_K: (256, 110),
     QuantType.Q4_K: (256, 144),

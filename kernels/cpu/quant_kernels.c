@@ -1,5 +1,6 @@
-/* Products with weights kept in llama.cpp's block formats (GGUF): Q8_0, Q4_0,
- * Q5_0 (blocks of 32 values), Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS (super-blocks of 256).
+/* Products with weights kept in llama.cpp's block formats (GGUF): Q8_0, Q4_0, Q5_0,
+ * Q4_1, Q5_1 and IQ4_NL (blocks of 32 values), Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS (super-blocks
+ * of 256).
  *
  * As llama.cpp computes them: each activation row is quantized per block to
  * int8 with one scale (per 32 values for the 32-value formats, per 256 with
@@ -34,8 +35,8 @@
  * ``quant_matmul_f32`` is the product with float32 activations and each
  * weight row expanded to float32 first: no activation rounding, for checking
  * against a float32 reference (kernels.settings.quantize_activations off).
- * Types are the GGML type ids (GGUF's): 2 Q4_0, 6 Q5_0, 8 Q8_0, 11 Q3_K, 12 Q4_K, 13 Q5_K, 14 Q6_K,
- * 23 IQ4_XS.
+ * Types are the GGML type ids (GGUF's): 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 11 Q3_K, 12 Q4_K,
+ * 13 Q5_K, 14 Q6_K, 20 IQ4_NL, 23 IQ4_XS.
  */
 
 #include <math.h>
@@ -55,12 +56,15 @@
 #define TYPE_F32 0
 #define TYPE_F16 1
 #define TYPE_Q4_0 2
+#define TYPE_Q4_1 3
 #define TYPE_Q5_0 6
+#define TYPE_Q5_1 7
 #define TYPE_Q8_0 8
 #define TYPE_Q3_K 11
 #define TYPE_Q4_K 12
 #define TYPE_Q5_K 13
 #define TYPE_Q6_K 14
+#define TYPE_IQ4_NL 20
 #define TYPE_IQ4_XS 23
 
 #define QK 32    /* values per block of the 32-value formats */
@@ -71,6 +75,9 @@
 typedef struct { uint16_t d; uint8_t qs[QK / 2]; } block_q4_0;                  /* 18 bytes */
 typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[QK / 2]; } block_q5_0;   /* 22 bytes */
 typedef struct { uint16_t d; int8_t qs[QK]; } block_q8_0;                       /* 34 bytes */
+/* Q4_1 (d, m, qs: 20 bytes), Q5_1 (d, m, qh[4], qs: 24) and IQ4_NL (d, qs: 18, as Q4_0) are read by
+ * offsets, as Q4_0 and Q5_0 are (pack_tile_block): d, then m, then the fifth bits, then 16 bytes of
+ * nibbles. */
 typedef struct { uint8_t hmask[QK_K / 8]; uint8_t qs[QK_K / 4]; uint8_t scales[12]; uint16_t d; } block_q3_k; /* 110 */
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[QK_K / 2]; } block_q4_k; /* 144 bytes */
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[QK_K / 8]; uint8_t qs[QK_K / 2]; } block_q5_k; /* 176 */
@@ -103,6 +110,7 @@ static const uint8_t IQ4_BYTES[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141,
 #define Q8_0_TILE 544  /* 8 groups of values (w + 128 as bytes) | 16 half scales */
 #define Q4_0_TILE 288  /* 4 groups of nibble pairs | 16 half scales */
 #define Q5_0_TILE 352  /* 4 groups of nibble pairs | 8 masks of fifth bits (64 bits each) | 16 half scales */
+/* Q4_1, Q5_1 and IQ4_NL: Q4_0's or Q5_0's tile, then 16 half minimums for the first two. */
 /* Q3_K: value v = 64p + 4g + j (p < 4, g < 16, j < 4) has its low two bits at bits 2p, 2p+1 of
  * byte j of group g, its third bit at bit v / 32 of byte j of high-bit group g % 8. */
 #define Q3_K_TILE 1824 /* 16 groups of bit pairs | 8 groups of third bits | scales [16][16] | 16 d */
@@ -510,6 +518,16 @@ static int k_format(int64_t type) {
     return type == TYPE_Q3_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K || type == TYPE_IQ4_XS;
 }
 
+/* The formats of 32 values in nibbles: Q4_0, Q5_0 (with fifth bits), Q4_1, Q5_1 (with a minimum
+ * each) and IQ4_NL (indices into IQ4_VALUES). */
+static int nibble_format(int64_t type) {
+    return type == TYPE_Q4_0 || type == TYPE_Q5_0 || type == TYPE_Q4_1 || type == TYPE_Q5_1 || type == TYPE_IQ4_NL;
+}
+static int nibble_five(int64_t type) { return type == TYPE_Q5_0 || type == TYPE_Q5_1; }
+static int nibble_min(int64_t type) { return type == TYPE_Q4_1 || type == TYPE_Q5_1; }
+/* Where a nibble tile's scales lie (its minimums 32 bytes further). */
+static int64_t nibble_scales_at(int64_t type) { return nibble_five(type) ? 320 : 256; }
+
 /* Values per block: 32, 256 for the K formats, 1 for F32 and F16 (a "block" is one value). */
 API int64_t block_values(int64_t type) {
     return k_format(type) ? QK_K : float_format(type) ? 1 : QK;
@@ -522,6 +540,9 @@ API int64_t block_bytes(int64_t type) {
         case TYPE_F16: return 2;
         case TYPE_Q4_0: return sizeof(block_q4_0);
         case TYPE_Q5_0: return sizeof(block_q5_0);
+        case TYPE_Q4_1: return 20;
+        case TYPE_Q5_1: return 24;
+        case TYPE_IQ4_NL: return 18;
         case TYPE_Q8_0: return sizeof(block_q8_0);
         case TYPE_Q3_K: return sizeof(block_q3_k);
         case TYPE_Q4_K: return sizeof(block_q4_k);
@@ -538,6 +559,9 @@ static int64_t tile_block_bytes(int64_t type) {
         case TYPE_F16: return F16_TILE;
         case TYPE_Q4_0: return Q4_0_TILE;
         case TYPE_Q5_0: return Q5_0_TILE;
+        case TYPE_IQ4_NL: return Q4_0_TILE;
+        case TYPE_Q4_1: return Q4_0_TILE + 32;
+        case TYPE_Q5_1: return Q5_0_TILE + 32;
         case TYPE_Q8_0: return Q8_0_TILE;
         case TYPE_Q3_K: return Q3_K_TILE;
         case TYPE_Q4_K: return Q4_K_TILE;
@@ -610,15 +634,13 @@ static void pack_tile_block(int64_t type, const uint8_t *const *src, uint8_t *ds
             if (s) memcpy(dst + 512 + 2 * r, &b->d, 2);
         } else if (!s) {
             continue;
-        } else if (type == TYPE_Q4_0 || type == TYPE_Q5_0) {
-            const uint8_t *qs = type == TYPE_Q4_0 ? ((const block_q4_0 *)s)->qs : ((const block_q5_0 *)s)->qs;
+        } else if (nibble_format(type)) { /* d, then m, then the fifth bits, then 16 bytes of nibbles */
+            const uint8_t *qs = s + block_bytes(type) - QK / 2;
+            int64_t scales = nibble_scales_at(type);
             for (int c = 0; c < 4; c++) memcpy(dst + c * 64 + r * 4, qs + 4 * c, 4);
-            if (type == TYPE_Q4_0) {
-                memcpy(dst + 256 + 2 * r, &((const block_q4_0 *)s)->d, 2);
-            } else {
-                const block_q5_0 *b = (const block_q5_0 *)s;
+            if (nibble_five(type)) {
                 uint32_t qh;
-                memcpy(&qh, b->qh, 4);
+                memcpy(&qh, qs - 4, 4);
                 for (int c = 0; c < 4; c++)
                     for (int j = 0; j < 4; j++) {
                         uint64_t lo = qh >> (4 * c + j) & 1, hi = qh >> (16 + 4 * c + j) & 1;
@@ -628,8 +650,9 @@ static void pack_tile_block(int64_t type, const uint8_t *const *src, uint8_t *ds
                         masks[1] |= hi << (4 * r + j);
                         memcpy(dst + 256 + 16 * c, masks, 16);
                     }
-                memcpy(dst + 320 + 2 * r, &b->d, 2);
             }
+            memcpy(dst + scales + 2 * r, s, 2);
+            if (nibble_min(type)) memcpy(dst + scales + 32 + 2 * r, s + 2, 2);
         } else if (type == TYPE_IQ4_XS) {
             const block_iq4_xs *b = (const block_iq4_xs *)s;
             for (int g = 0; g < 32; g++) memcpy(dst + g * 64 + r * 4, b->qs + 4 * g, 4);
@@ -720,21 +743,29 @@ static void unpack_row(int64_t type, const uint8_t *w, int64_t k, int64_t row, f
         } else if (type == TYPE_Q8_0) {
             float d = half_to_float(load_u16(t + 512 + 2 * r));
             for (int j = 0; j < QK; j++) y[b * QK + j] = d * (float)((int)t[(j / 4) * 64 + r * 4 + j % 4] - 128);
-        } else if (type == TYPE_Q4_0 || type == TYPE_Q5_0) {
-            float d = half_to_float(load_u16(t + (type == TYPE_Q4_0 ? 256 : 320) + 2 * r));
+        } else if (nibble_format(type)) {
+            int64_t scales = nibble_scales_at(type);
+            float d = half_to_float(load_u16(t + scales + 2 * r));
+            float m = nibble_min(type) ? half_to_float(load_u16(t + scales + 32 + 2 * r)) : 0.0f;
+            int offset = type == TYPE_Q4_0 ? 8 : type == TYPE_Q5_0 ? 16 : 0;
             for (int c = 0; c < 4; c++)
                 for (int j = 0; j < 4; j++) {
                     uint8_t q = t[c * 64 + r * 4 + j];
-                    int lo = q & 0x0f, hi = q >> 4, offset = 8;
-                    if (type == TYPE_Q5_0) {
+                    int nibbles[2] = {q & 0x0f, q >> 4};
+                    if (nibble_five(type)) {
                         uint64_t masks[2];
                         memcpy(masks, t + 256 + 16 * c, 16);
-                        lo |= (int)(masks[0] >> (4 * r + j) & 1) << 4;
-                        hi |= (int)(masks[1] >> (4 * r + j) & 1) << 4;
-                        offset = 16;
+                        for (int h = 0; h < 2; h++) nibbles[h] |= (int)(masks[h] >> (4 * r + j) & 1) << 4;
                     }
-                    y[b * QK + 4 * c + j] = d * (float)(lo - offset);
-                    y[b * QK + 16 + 4 * c + j] = d * (float)(hi - offset);
+                    for (int h = 0; h < 2; h++) {
+                        float *out = y + b * QK + 16 * h + 4 * c + j;
+                        if (type == TYPE_IQ4_NL)
+                            *out = d * (float)IQ4_VALUES[nibbles[h]];
+                        else if (nibble_min(type))
+                            *out = d * (float)nibbles[h] + m;
+                        else
+                            *out = d * (float)(nibbles[h] - offset);
+                    }
                 }
         } else if (type == TYPE_IQ4_XS) {
             float d = half_to_float(load_u16(t + 2176 + 2 * r));
@@ -917,13 +948,17 @@ INLINE void tile_q8_0(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
     }
 }
 
-/* Q4_0 and Q5_0: nibbles (plus fifth bits for Q5_0) less 8 (16). */
-INLINE void tile_q4_q5(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc, int five) {
-    const int64_t size = five ? Q5_0_TILE : Q4_0_TILE;
-    const int offset = five ? 16 : 8;
+/* The 32-value nibble formats: Q4_0 and Q5_0, nibbles (plus fifth bits for Q5_0) less 8 (16);
+ * Q4_1 and Q5_1, d * q + m (the minimum times the activations' sum); IQ4_NL, d * IQ4_VALUES[q]
+ * (looked up as IQ4_BYTES, whose offset of Q8_OFFSET per value the sum takes off). ``type`` is a
+ * constant in each call. */
+INLINE void tile_nibbles(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
+    const int five = nibble_five(type), min = nibble_min(type), grid = type == TYPE_IQ4_NL;
+    const int64_t size = tile_block_bytes(type), scales = nibble_scales_at(type);
+    const int offset = grid ? Q8_OFFSET : min ? 0 : five ? 16 : 8;
     for (int64_t b = 0; b < nb; b++, tile += size) {
         prefetch_ahead(tile, size, R);
-        vf d = vf_halves(tile + (five ? 320 : 256));
+        vf d = vf_halves(tile + scales);
         vi sum[ROWS_AT_ONCE], high[ROWS_AT_ONCE]; /* low and high nibbles: two chains */
         for (int i = 0; i < R; i++) {
             sum[i] = vi_set1(-offset * ((const act_q8_0 *)a[i])[b].sum);
@@ -937,15 +972,23 @@ INLINE void tile_q4_q5(const uint8_t *tile, int64_t nb, const uint8_t *const *a,
                 lo = vi_add16_masked(lo, masks[0]);
                 hi = vi_add16_masked(hi, masks[1]);
             }
+            if (grid) {
+                lo = vi_iq4(lo);
+                hi = vi_iq4(hi);
+            }
             for (int i = 0; i < R; i++) {
                 const int8_t *q = ((const act_q8_0 *)a[i])[b].qs;
-                sum[i] = vi_dot(sum[i], lo, q + 4 * c);
-                high[i] = vi_dot(high[i], hi, q + 16 + 4 * c);
+                sum[i] = grid ? vi_dot_q8(sum[i], lo, q + 4 * c) : vi_dot(sum[i], lo, q + 4 * c);
+                high[i] = grid ? vi_dot_q8(high[i], hi, q + 16 + 4 * c) : vi_dot(high[i], hi, q + 16 + 4 * c);
                 vi_keep(&sum[i]);
                 vi_keep(&high[i]);
             }
         }
-        for (int i = 0; i < R; i++) acc[i] = vf_fma(vf_from(vi_add(sum[i], high[i])), vf_mul(d, vf_set1(((const act_q8_0 *)a[i])[b].d)), acc[i]);
+        for (int i = 0; i < R; i++) {
+            const act_q8_0 *x = &((const act_q8_0 *)a[i])[b];
+            acc[i] = vf_fma(vf_from(vi_add(sum[i], high[i])), vf_mul(d, vf_set1(x->d)), acc[i]);
+            if (min) acc[i] = vf_fma(vf_halves(tile + scales + 32), vf_set1(x->d * (float)x->sum), acc[i]);
+        }
     }
 }
 
@@ -1352,8 +1395,11 @@ INLINE void tile_product(int64_t type, const uint8_t *tile, int64_t nb, const ui
         case TYPE_F32: tile_float(tile, nb, a, R, acc, 0); break;
         case TYPE_F16: tile_float(tile, nb, a, R, acc, 1); break;
         case TYPE_Q8_0: tile_q8_0(tile, nb, a, R, acc); break;
-        case TYPE_Q4_0: tile_q4_q5(tile, nb, a, R, acc, 0); break;
-        case TYPE_Q5_0: tile_q4_q5(tile, nb, a, R, acc, 1); break;
+        case TYPE_Q4_0: tile_nibbles(TYPE_Q4_0, tile, nb, a, R, acc); break;
+        case TYPE_Q5_0: tile_nibbles(TYPE_Q5_0, tile, nb, a, R, acc); break;
+        case TYPE_Q4_1: tile_nibbles(TYPE_Q4_1, tile, nb, a, R, acc); break;
+        case TYPE_Q5_1: tile_nibbles(TYPE_Q5_1, tile, nb, a, R, acc); break;
+        case TYPE_IQ4_NL: tile_nibbles(TYPE_IQ4_NL, tile, nb, a, R, acc); break;
         case TYPE_Q3_K: tile_q3_k(tile, nb, a, R, acc); break;
         case TYPE_Q4_K: tile_q4_k(tile, nb, a, R, acc, 0); break;
         case TYPE_Q5_K: tile_q4_k(tile, nb, a, R, acc, 1); break;

@@ -15,13 +15,13 @@ def random_blocks(qtype: QuantType, rows: int, k: int, seed: int = 0) -> np.ndar
     if qtype in (QuantType.F32, QuantType.F16):
         values = rng.standard_normal((rows, k)).astype(np.float32 if qtype == QuantType.F32 else np.float16)
         return values.view(np.uint8).reshape(rows, -1)
-    if qtype in (QuantType.Q4_0, QuantType.Q5_0, QuantType.Q8_0):
+    if qtype in (QuantType.Q4_0, QuantType.Q5_0, QuantType.Q4_1, QuantType.Q5_1, QuantType.Q8_0):
         values = rng.standard_normal((rows, k)).astype(np.float32)
         return gguf.quants.quantize(values, gguf.GGMLQuantizationType(qtype))
     values, nbytes = BLOCKS[qtype]
     data = rng.integers(0, 256, (rows, k // values, nbytes), dtype=np.uint8)
     scale = rng.uniform(0.001, 0.02, (rows, k // values)).astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
-    if qtype == QuantType.IQ4_XS:  # d first; its values reach 127 (not 15 or 31): a smaller d
+    if qtype in (QuantType.IQ4_XS, QuantType.IQ4_NL):  # d first; values reach 127 (not 15 or 31): a smaller d
         data[:, :, 0:2] = (scale.view(np.float16) / 8).view(np.uint8)
     elif qtype in (QuantType.Q4_K, QuantType.Q5_K):  # d and dmin first
         data[:, :, 0:2] = scale
