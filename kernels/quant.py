@@ -38,6 +38,7 @@ class QuantType(enum.IntEnum):
     Q5_0 = 6
     Q5_1 = 7
     Q8_0 = 8
+    Q2_K = 10
     Q3_K = 11
     Q4_K = 12
     Q5_K = 13
@@ -56,6 +57,7 @@ BLOCKS = {
     QuantType.Q5_1: (32, 24),
     QuantType.IQ4_NL: (32, 18),
     QuantType.Q8_0: (32, 34),
+    QuantType.Q2_K: (256, 84),
     QuantType.Q3_K: (256, 110),
     QuantType.Q4_K: (256, 144),
     QuantType.Q5_K: (256, 176),

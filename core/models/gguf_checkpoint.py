@@ -50,7 +50,7 @@ _PERMUTED = {"llama"}
 _NORMS_SHIFTED = {"gemma3"}
 # Tensor types served: F32, F16, BF16 and the block formats of kernels/quant.py, by GGML id.
 _FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
-_BLOCK_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K",
+_BLOCK_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K",
                 14: "Q6_K", 20: "IQ4_NL", 23: "IQ4_XS"}
 
 

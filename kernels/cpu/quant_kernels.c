@@ -1,6 +1,6 @@
 /* Products with weights kept in llama.cpp's block formats (GGUF): Q8_0, Q4_0, Q5_0,
- * Q4_1, Q5_1 and IQ4_NL (blocks of 32 values), Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS (super-blocks
- * of 256).
+ * Q4_1, Q5_1 and IQ4_NL (blocks of 32 values), Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS
+ * (super-blocks of 256).
  *
  * As llama.cpp computes them: each activation row is quantized per block to
  * int8 with one scale (per 32 values for the 32-value formats, per 256 with
@@ -35,7 +35,7 @@
  * ``quant_matmul_f32`` is the product with float32 activations and each
  * weight row expanded to float32 first: no activation rounding, for checking
  * against a float32 reference (kernels.settings.quantize_activations off).
- * Types are the GGML type ids (GGUF's): 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 11 Q3_K, 12 Q4_K,
+ * Types are the GGML type ids (GGUF's): 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 10 Q2_K, 11 Q3_K, 12 Q4_K,
  * 13 Q5_K, 14 Q6_K, 20 IQ4_NL, 23 IQ4_XS.
  */
 
@@ -60,6 +60,7 @@
 #define TYPE_Q5_0 6
 #define TYPE_Q5_1 7
 #define TYPE_Q8_0 8
+#define TYPE_Q2_K 10
 #define TYPE_Q3_K 11
 #define TYPE_Q4_K 12
 #define TYPE_Q5_K 13
@@ -78,6 +79,7 @@ typedef struct { uint16_t d; int8_t qs[QK]; } block_q8_0;                       
 /* Q4_1 (d, m, qs: 20 bytes), Q5_1 (d, m, qh[4], qs: 24) and IQ4_NL (d, qs: 18, as Q4_0) are read by
  * offsets, as Q4_0 and Q5_0 are (pack_tile_block): d, then m, then the fifth bits, then 16 bytes of
  * nibbles. */
+typedef struct { uint8_t scales[QK_K / 16]; uint8_t qs[QK_K / 4]; uint16_t d, dmin; } block_q2_k; /* 84 */
 typedef struct { uint8_t hmask[QK_K / 8]; uint8_t qs[QK_K / 4]; uint8_t scales[12]; uint16_t d; } block_q3_k; /* 110 */
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[QK_K / 2]; } block_q4_k; /* 144 bytes */
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[QK_K / 8]; uint8_t qs[QK_K / 2]; } block_q5_k; /* 176 */
@@ -87,6 +89,7 @@ typedef struct { uint16_t d, scales_h; uint8_t scales_l[QK_K / 64]; uint8_t qs[Q
 _Static_assert(sizeof(block_q4_0) == 18, "Q4_0 block");
 _Static_assert(sizeof(block_q5_0) == 22, "Q5_0 block");
 _Static_assert(sizeof(block_q8_0) == 34, "Q8_0 block");
+_Static_assert(sizeof(block_q2_k) == 84, "Q2_K block");
 _Static_assert(sizeof(block_q3_k) == 110, "Q3_K block");
 _Static_assert(sizeof(block_q4_k) == 144, "Q4_K block");
 _Static_assert(sizeof(block_q5_k) == 176, "Q5_K block");
@@ -114,6 +117,8 @@ static const uint8_t IQ4_BYTES[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141,
 /* Q3_K: value v = 64p + 4g + j (p < 4, g < 16, j < 4) has its low two bits at bits 2p, 2p+1 of
  * byte j of group g, its third bit at bit v / 32 of byte j of high-bit group g % 8. */
 #define Q3_K_TILE 1824 /* 16 groups of bit pairs | 8 groups of third bits | scales [16][16] | 16 d */
+/* Q2_K: Q3_K's bit pairs; each sub-block's scale (low nibble) and minimum (high) in one byte, as the file has them. */
+#define Q2_K_TILE 1344 /* 16 groups of bit pairs | scales and minimums [16][16] | 16 d | 16 dmin */
 #define Q4_K_TILE 2368 /* 32 groups of nibble pairs | scales [8][16] | minimum pairs [4][16][2] | 16 d | 16 dmin */
 #define Q5_K_TILE 2880 /* Q4_K's tile | 8 groups of fifth bits (byte l of a row: bit 2c low, 2c+1 high nibble of chunk c) */
 /* Q6_K: 16 groups (h, g) of three vectors A, B, C for the four parts p of values h*128 + 32p + 4g .. +3:
@@ -515,7 +520,8 @@ static int float_format(int64_t type) { return type == TYPE_F32 || type == TYPE_
 
 /* The formats of super-blocks of 256, whose products take Q8_K activations. */
 static int k_format(int64_t type) {
-    return type == TYPE_Q3_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K || type == TYPE_IQ4_XS;
+    return type == TYPE_Q2_K || type == TYPE_Q3_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K ||
+           type == TYPE_IQ4_XS;
 }
 
 /* The formats of 32 values in nibbles: Q4_0, Q5_0 (with fifth bits), Q4_1, Q5_1 (with a minimum
@@ -544,6 +550,7 @@ API int64_t block_bytes(int64_t type) {
         case TYPE_Q5_1: return 24;
         case TYPE_IQ4_NL: return 18;
         case TYPE_Q8_0: return sizeof(block_q8_0);
+        case TYPE_Q2_K: return sizeof(block_q2_k);
         case TYPE_Q3_K: return sizeof(block_q3_k);
         case TYPE_Q4_K: return sizeof(block_q4_k);
         case TYPE_Q5_K: return sizeof(block_q5_k);
@@ -563,6 +570,7 @@ static int64_t tile_block_bytes(int64_t type) {
         case TYPE_Q4_1: return Q4_0_TILE + 32;
         case TYPE_Q5_1: return Q5_0_TILE + 32;
         case TYPE_Q8_0: return Q8_0_TILE;
+        case TYPE_Q2_K: return Q2_K_TILE;
         case TYPE_Q3_K: return Q3_K_TILE;
         case TYPE_Q4_K: return Q4_K_TILE;
         case TYPE_Q5_K: return Q5_K_TILE;
@@ -661,6 +669,15 @@ static void pack_tile_block(int64_t type, const uint8_t *const *src, uint8_t *ds
                 dst[2048 + j * 16 + r] = (uint8_t)(int8_t)((low | high << 4) - 32);
             }
             memcpy(dst + 2176 + 2 * r, &b->d, 2);
+        } else if (type == TYPE_Q2_K) {
+            const block_q2_k *b = (const block_q2_k *)s;
+            for (int v = 0; v < QK_K; v++) { /* value h*128 + 32p + l: bits 2p of byte 32h + l */
+                int g = v % 64 / 4, j = v % 4, pair = b->qs[v / 128 * 32 + v % 32] >> (2 * (v % 128 / 32)) & 3;
+                dst[g * 64 + r * 4 + j] |= (uint8_t)(pair << (2 * (v / 64)));
+            }
+            for (int j = 0; j < 16; j++) dst[1024 + j * 16 + r] = b->scales[j];
+            memcpy(dst + 1280 + 2 * r, &b->d, 2);
+            memcpy(dst + 1312 + 2 * r, &b->dmin, 2);
         } else if (type == TYPE_Q3_K) {
             const block_q3_k *b = (const block_q3_k *)s;
             uint8_t q[QK_K];
@@ -774,6 +791,12 @@ static void unpack_row(int64_t type, const uint8_t *w, int64_t k, int64_t row, f
                 uint8_t q = t[(4 * s + c) * 64 + r * 4 + j];
                 float dl = d * (float)(int8_t)t[2048 + s * 16 + r];
                 y[b * QK_K + v] = dl * (float)IQ4_VALUES[high ? q >> 4 : q & 0x0f];
+            }
+        } else if (type == TYPE_Q2_K) {
+            float d = half_to_float(load_u16(t + 1280 + 2 * r)), dmin = half_to_float(load_u16(t + 1312 + 2 * r));
+            for (int v = 0; v < QK_K; v++) {
+                int pair = t[v % 64 / 4 * 64 + r * 4 + v % 4] >> (2 * (v / 64)) & 3, both = t[1024 + (v / 16) * 16 + r];
+                y[b * QK_K + v] = d * (float)(both & 0x0f) * (float)pair - dmin * (float)(both >> 4);
             }
         } else if (type == TYPE_Q3_K) {
             float d = half_to_float(load_u16(t + 1792 + 2 * r));
@@ -1094,6 +1117,46 @@ INLINE void tile_q3_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
     }
 }
 
+/* Q2_K: d * scale_s * q - dmin * min_s for the 16 sub-blocks s of 16, q a group's bit pair, multiplied
+ * where it lies as Q3_K's (pair 3 two bits lower: 64 times three would overflow AVX2's int16 pairs);
+ * the minimums times the activations' sums of 16. */
+INLINE void tile_q2_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
+    static const int factor_bits[4] = {0, 2, 4, 4};
+    for (int64_t b = 0; b < nb; b++, tile += Q2_K_TILE) {
+        if (R > 1) prefetch_ahead(tile, Q2_K_TILE, R); /* a lone row's tile is read front to back */
+        vi total[ROWS_AT_ONCE], mins[ROWS_AT_ONCE];
+        for (int i = 0; i < R; i++) total[i] = mins[i] = vi_set1(0);
+        for (int k = 0; k < 4; k++) {
+            vi part[4][ROWS_AT_ONCE];
+            for (int p = 0; p < 4; p++)
+                for (int i = 0; i < R; i++) part[p][i] = vi_set1(0);
+            for (int g = 4 * k; g < 4 * k + 4; g++) {
+                vi w = vi_load(tile + 64 * g);
+                vi v[4] = {vi_bits(w, 0, 0x03), vi_bits(w, 0, 0x0c), vi_bits(w, 0, 0x30), vi_bits(w, -2, 0x30)};
+                for (int i = 0; i < R; i++) {
+                    const int8_t *q = ((const act_q8_k *)a[i])[b].qs + 4 * g;
+                    for (int p = 0; p < 4; p++) part[p][i] = vi_dot(part[p][i], v[p], q + 64 * p);
+                }
+            }
+            for (int p = 0; p < 4; p++) {
+                int s = 4 * p + k;
+                vi both = vi_u8_to_i32(tile + 1024 + s * 16), scale = vi_lo4(both), min = vi_hi4(both);
+                for (int i = 0; i < R; i++) {
+                    vi sum = factor_bits[p] ? vi_sra(part[p][i], factor_bits[p]) : part[p][i];
+                    total[i] = vi_add(total[i], vi_mul(sum, scale));
+                    mins[i] = vi_add(mins[i], vi_mul(min, vi_set1(((const act_q8_k *)a[i])[b].bsums[s])));
+                }
+            }
+        }
+        vf d = vf_halves(tile + 1280), dmin = vf_halves(tile + 1312);
+        for (int i = 0; i < R; i++) {
+            float ad = ((const act_q8_k *)a[i])[b].d;
+            acc[i] = vf_fma(vf_from(total[i]), vf_mul(d, vf_set1(ad)), acc[i]);
+            acc[i] = vf_fma(vf_from(mins[i]), vf_mul(dmin, vf_set1(-ad)), acc[i]);
+        }
+    }
+}
+
 /* IQ4_XS: d * scale_s * IQ4_VALUES[q] for the 8 sub-blocks s of 32. The values are looked up as
  * IQ4_BYTES (vi_dot_q8's operand): a sub-block's sum comes out Q8_OFFSET times its activations' sum
  * too large, taken off where it starts. */
@@ -1400,6 +1463,7 @@ INLINE void tile_product(int64_t type, const uint8_t *tile, int64_t nb, const ui
         case TYPE_Q4_1: tile_nibbles(TYPE_Q4_1, tile, nb, a, R, acc); break;
         case TYPE_Q5_1: tile_nibbles(TYPE_Q5_1, tile, nb, a, R, acc); break;
         case TYPE_IQ4_NL: tile_nibbles(TYPE_IQ4_NL, tile, nb, a, R, acc); break;
+        case TYPE_Q2_K: tile_q2_k(tile, nb, a, R, acc); break;
         case TYPE_Q3_K: tile_q3_k(tile, nb, a, R, acc); break;
         case TYPE_Q4_K: tile_q4_k(tile, nb, a, R, acc, 0); break;
         case TYPE_Q5_K: tile_q4_k(tile, nb, a, R, acc, 1); break;

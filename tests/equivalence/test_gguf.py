@@ -1,8 +1,8 @@
 """GGUF files served as they are, against transformers reading the same files (the oracle).
 
 The files are written here with the gguf package (tests/support/gguf_files.py):
-stories260K in Q8_0, Q4_0, Q5_0 and F32, and small Qwen2/Qwen3 models, four of them
-with the projections' formats of Q4_K_M, Q3_K_M and IQ4_XS files and the 32-value formats
+stories260K in Q8_0, Q4_0, Q5_0 and F32, and small Qwen2/Qwen3 models, five of them
+with the projections' formats of Q4_K_M, Q3_K_M, Q2_K and IQ4_XS files and the 32-value formats
 llama-quantize falls back to (IQ4_NL, Q5_1, Q4_1). transformers
 dequantizes a GGUF file with the gguf package and runs its own model: with our
 activations left in float32 (a test-only kernel setting) the logits must agree to
@@ -60,7 +60,7 @@ def stories_gguf(tmp_path_factory, cache) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def qwen_gguf(tmp_path_factory, cache) -> dict[str, Path]:
     """Qwen2 in Q8_0 (biases), and Qwen3 (q/k norms, tied) with the projections' formats of Q4_K_M,
-    Q3_K_M and IQ4_XS files, and of the 32-value formats llama-quantize falls back to where rows are
+    Q3_K_M, Q2_K and IQ4_XS files, and of the 32-value formats llama-quantize falls back to where rows are
     not of 256 (IQ4_NL, Q5_1) and Q4_1, beside Q8_0 ones."""
     folder = tmp_path_factory.mktemp("qwen-gguf")
     files = {"qwen2-q8_0": write_gguf(qwen_dir(folder / "qwen2", "qwen2", 64, 96, 4, 2, 7), folder / "qwen2-q8_0.gguf")}
@@ -68,9 +68,10 @@ def qwen_gguf(tmp_path_factory, cache) -> dict[str, Path]:
     qwen3 = qwen_dir(folder / "qwen3", "qwen3", 256, 512, 4, 2, 8, head_dim=128)
     shapes = {"attn_q": (512, 256), "attn_k": (256, 256), "attn_v": (256, 256), "attn_output": (256, 512),
               "ffn_gate": (512, 256), "ffn_up": (512, 256), "ffn_down": (256, 512)}
-    mixes = {  # GGML type ids: 3 Q4_1, 7 Q5_1, 11 Q3_K, 12 Q4_K, 13 Q5_K, 14 Q6_K, 20 IQ4_NL, 23 IQ4_XS
+    mixes = {  # GGML type ids: 3 Q4_1, 7 Q5_1, 10 Q2_K, 11 Q3_K, 12 Q4_K, 13 Q5_K, 14 Q6_K, 20 IQ4_NL, 23 IQ4_XS
         "q4_k_m": dict.fromkeys(shapes, 12) | {"attn_v": 14, "ffn_down": 14},
         "q3_k_m": dict.fromkeys(shapes, 11) | {"attn_v": 13, "attn_output": 12, "ffn_down": 12},
+        "q2_k": dict.fromkeys(shapes, 10) | {"attn_v": 11, "ffn_down": 11},
         "iq4_xs": dict.fromkeys(shapes, 23),
         # llama-quantize's formats for rows not of 256: IQ4_NL for Q3_K and IQ4_XS, Q5_1 for Q5_K
         "iq4_nl": dict.fromkeys(shapes, 20) | {"attn_v": 7, "ffn_down": 3},
@@ -141,13 +142,15 @@ def test_float_activation_logits_equal_transformers_reading_the_same_file(qtype,
     assert (ours - expected).abs().max() <= 1e-4 * expected.abs().max()
 
 
-@pytest.mark.parametrize("name", ["qwen2-q8_0", "qwen3-q4_k_m", "qwen3-q3_k_m", "qwen3-iq4_xs", "qwen3-iq4_nl"])
+@pytest.mark.parametrize("name", ["qwen2-q8_0", "qwen3-q4_k_m", "qwen3-q3_k_m", "qwen3-q2_k", "qwen3-iq4_xs",
+                                  "qwen3-iq4_nl"])
 def test_qwen_files_with_k_formats_equal_transformers(name, qwen_gguf, monkeypatch) -> None:
     monkeypatch.setattr(settings, "quantize_activations", False)
     path = qwen_gguf[name]
     types = {gguf.GGMLQuantizationType(t.ggml_type).name for t in GGUFCheckpoint(path).tensors.values()}
     assert types >= {"qwen2-q8_0": {"Q8_0"}, "qwen3-q4_k_m": {"Q4_K", "Q6_K", "Q8_0"},
                      "qwen3-q3_k_m": {"Q3_K", "Q4_K", "Q5_K", "Q8_0"}, "qwen3-iq4_xs": {"IQ4_XS", "Q8_0"},
+                     "qwen3-q2_k": {"Q2_K", "Q3_K", "Q8_0"},
                      "qwen3-iq4_nl": {"IQ4_NL", "Q5_1", "Q4_1", "Q8_0"}}[name]
     ids = [1, *range(40, 100)]
     ours, expected = single_prefill(_ours(path), ids), _oracle_logits(_oracle(path), ids)
@@ -198,7 +201,8 @@ def test_the_tokenizer_from_the_files_metadata_equals_the_original(stories_gguf)
     assert (ours.bos_token_id, ours.eos_token_id) == (original.bos_token_id, original.eos_token_id)
 
 
-@pytest.mark.parametrize("name", ["qwen2-q8_0", "qwen3-q4_k_m", "qwen3-q3_k_m", "qwen3-iq4_xs", "qwen3-iq4_nl"])
+@pytest.mark.parametrize("name", ["qwen2-q8_0", "qwen3-q4_k_m", "qwen3-q3_k_m", "qwen3-q2_k", "qwen3-iq4_xs",
+                                  "qwen3-iq4_nl"])
 def test_the_engine_steps_through_the_native_program_and_writes_transformers_tokens(
     name, qwen_gguf, monkeypatch
 ) -> None:

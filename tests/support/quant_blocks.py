@@ -23,6 +23,10 @@ def random_blocks(qtype: QuantType, rows: int, k: int, seed: int = 0) -> np.ndar
     scale = rng.uniform(0.001, 0.02, (rows, k // values)).astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
     if qtype in (QuantType.IQ4_XS, QuantType.IQ4_NL):  # d first; values reach 127 (not 15 or 31): a smaller d
         data[:, :, 0:2] = (scale.view(np.float16) / 8).view(np.uint8)
+    elif qtype == QuantType.Q2_K:  # d and dmin last
+        data[:, :, -4:-2] = scale
+        data[:, :, -2:] = (rng.uniform(0.001, 0.02, (rows, k // values)).astype(np.float16)
+                           .view(np.uint8).reshape(rows, -1, 2))
     elif qtype in (QuantType.Q4_K, QuantType.Q5_K):  # d and dmin first
         data[:, :, 0:2] = scale
         data[:, :, 2:4] = (rng.uniform(0.001, 0.02, (rows, k // values)).astype(np.float16)

@@ -79,10 +79,11 @@ def test_truncated_inside_the_header(tmp_path: Path, good: Path) -> None:
 
 
 def test_a_type_not_served_is_named_with_its_tensor(tmp_path: Path) -> None:
-    q2k = np.zeros((4, 84), np.uint8)  # Q2_K: 84 bytes per 256 values
-    bad = _small_file(tmp_path / "q2k.gguf", tensors={"blk.0.ffn_up.weight": (q2k, gguf.GGMLQuantizationType.Q2_K, None)})
+    iq3 = np.zeros((4, 98), np.uint8)  # IQ3_XXS: 98 bytes per 256 values
+    bad = _small_file(tmp_path / "iq3.gguf",
+                      tensors={"blk.0.ffn_up.weight": (iq3, gguf.GGMLQuantizationType.IQ3_XXS, None)})
     message = _refused(bad)
-    assert "blk.0.ffn_up.weight" in message and "Q2_K" in message and "Q4_K" in message
+    assert "blk.0.ffn_up.weight" in message and "IQ3_XXS" in message and "Q4_K" in message
 
 
 def test_an_unknown_type_id(tmp_path: Path, good: Path) -> None:

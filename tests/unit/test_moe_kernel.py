@@ -88,7 +88,8 @@ def _run(kernel: ExpertKernel, x: torch.Tensor, router: torch.Tensor, quantize: 
 
 
 FORMATS = [(QuantType.F32, QuantType.F32), (QuantType.Q8_0, QuantType.Q8_0), (QuantType.Q4_K, QuantType.Q6_K),
-           (QuantType.Q5_K, QuantType.Q4_K), (QuantType.Q3_K, QuantType.Q4_K), (QuantType.IQ4_XS, QuantType.Q6_K)]
+           (QuantType.Q5_K, QuantType.Q4_K), (QuantType.Q3_K, QuantType.Q4_K), (QuantType.Q2_K, QuantType.Q3_K),
+           (QuantType.IQ4_XS, QuantType.Q6_K)]
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe-unnormalized"])
