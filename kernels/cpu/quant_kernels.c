@@ -597,6 +597,12 @@ static void q4_k_scale_min(const uint8_t *s, int j, uint8_t *scale, uint8_t *min
     }
 }
 
+/* Q2_K's and Q3_K's bit-pair plane (Q3_K_TILE): value v's pair, set in a zeroed tile block and read. */
+static void put_pair(uint8_t *tile, int r, int v, int pair) {
+    tile[v % 64 / 4 * 64 + r * 4 + v % 4] |= (uint8_t)(pair << (2 * (v / 64)));
+}
+static int pair_at(const uint8_t *tile, int r, int v) { return tile[v % 64 / 4 * 64 + r * 4 + v % 4] >> (2 * (v / 64)) & 3; }
+
 /* A Q3_K block's 256 values as unsigned 3-bit numbers (the weight's is the value less 4) and its 16
  * scales (less 32: signed), unpacked from their twelve bytes: a scale's low four bits are a
  * nibble of bytes 0-7, its top two a pair of bytes 8-11. */
@@ -671,10 +677,8 @@ static void pack_tile_block(int64_t type, const uint8_t *const *src, uint8_t *ds
             memcpy(dst + 2176 + 2 * r, &b->d, 2);
         } else if (type == TYPE_Q2_K) {
             const block_q2_k *b = (const block_q2_k *)s;
-            for (int v = 0; v < QK_K; v++) { /* value h*128 + 32p + l: bits 2p of byte 32h + l */
-                int g = v % 64 / 4, j = v % 4, pair = b->qs[v / 128 * 32 + v % 32] >> (2 * (v % 128 / 32)) & 3;
-                dst[g * 64 + r * 4 + j] |= (uint8_t)(pair << (2 * (v / 64)));
-            }
+            for (int v = 0; v < QK_K; v++) /* value h*128 + 32p + l: bits 2p of byte 32h + l */
+                put_pair(dst, r, v, b->qs[v / 128 * 32 + v % 32] >> (2 * (v % 128 / 32)) & 3);
             for (int j = 0; j < 16; j++) dst[1024 + j * 16 + r] = b->scales[j];
             memcpy(dst + 1280 + 2 * r, &b->d, 2);
             memcpy(dst + 1312 + 2 * r, &b->dmin, 2);
@@ -684,9 +688,8 @@ static void pack_tile_block(int64_t type, const uint8_t *const *src, uint8_t *ds
             int8_t scales[16];
             q3_k_values(b, q, scales);
             for (int v = 0; v < QK_K; v++) {
-                int g = v % 64 / 4, j = v % 4;
-                dst[g * 64 + r * 4 + j] |= (uint8_t)((q[v] & 3) << (2 * (v / 64)));
-                dst[1024 + (g % 8) * 64 + r * 4 + j] |= (uint8_t)((q[v] >> 2) << (v / 32));
+                put_pair(dst, r, v, q[v] & 3);
+                dst[1024 + v % 32 / 4 * 64 + r * 4 + v % 4] |= (uint8_t)((q[v] >> 2) << (v / 32));
             }
             for (int j = 0; j < 16; j++) dst[1536 + j * 16 + r] = (uint8_t)scales[j];
             memcpy(dst + 1792 + 2 * r, &b->d, 2);
@@ -795,16 +798,14 @@ static void unpack_row(int64_t type, const uint8_t *w, int64_t k, int64_t row, f
         } else if (type == TYPE_Q2_K) {
             float d = half_to_float(load_u16(t + 1280 + 2 * r)), dmin = half_to_float(load_u16(t + 1312 + 2 * r));
             for (int v = 0; v < QK_K; v++) {
-                int pair = t[v % 64 / 4 * 64 + r * 4 + v % 4] >> (2 * (v / 64)) & 3, both = t[1024 + (v / 16) * 16 + r];
-                y[b * QK_K + v] = d * (float)(both & 0x0f) * (float)pair - dmin * (float)(both >> 4);
+                int both = t[1024 + (v / 16) * 16 + r];
+                y[b * QK_K + v] = d * (float)(both & 0x0f) * (float)pair_at(t, r, v) - dmin * (float)(both >> 4);
             }
         } else if (type == TYPE_Q3_K) {
             float d = half_to_float(load_u16(t + 1792 + 2 * r));
             for (int v = 0; v < QK_K; v++) {
-                int g = v % 64 / 4, j = v % 4;
-                int low = t[g * 64 + r * 4 + j] >> (2 * (v / 64)) & 3;
-                int third = t[1024 + (g % 8) * 64 + r * 4 + j] >> (v / 32) & 1;
-                y[b * QK_K + v] = d * (float)(int8_t)t[1536 + (v / 16) * 16 + r] * (float)((low | third << 2) - 4);
+                int third = t[1024 + v % 32 / 4 * 64 + r * 4 + v % 4] >> (v / 32) & 1;
+                y[b * QK_K + v] = d * (float)(int8_t)t[1536 + (v / 16) * 16 + r] * (float)((pair_at(t, r, v) | third << 2) - 4);
             }
         } else if (type == TYPE_Q4_K || type == TYPE_Q5_K) {
             float d = half_to_float(load_u16(t + 2304 + 2 * r)), dmin = half_to_float(load_u16(t + 2336 + 2 * r));
