@@ -1016,6 +1016,18 @@ INLINE void tile_nibbles(int64_t type, const uint8_t *tile, int64_t nb, const ui
     }
 }
 
+/* A K-format block's sums into the accumulators: d times the scaled sums less dmin times the
+ * minimums' (the 16 rows' d and dmin as halves at ``d`` and ``dmin``), times the activations' scale. */
+INLINE void add_block(vf *acc, const vi *total, const vi *mins, const uint8_t *d, const uint8_t *dmin,
+                      const uint8_t *const *a, int64_t b, int R) {
+    vf vd = vf_halves(d), vdmin = vf_halves(dmin);
+    for (int i = 0; i < R; i++) {
+        float ad = ((const act_q8_k *)a[i])[b].d;
+        acc[i] = vf_fma(vf_from(total[i]), vf_mul(vd, vf_set1(ad)), acc[i]);
+        acc[i] = vf_fma(vf_from(mins[i]), vf_mul(vdmin, vf_set1(-ad)), acc[i]);
+    }
+}
+
 /* Q4_K and Q5_K: d * scale_s * q - dmin * min_s for the 8 sub-blocks s of 32 (Q5_K's q with its
  * fifth bit). */
 INLINE void tile_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc, int five) {
@@ -1066,12 +1078,7 @@ INLINE void tile_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
         for (int p = 0; p < 4; p++)
             for (int i = 0; i < R; i++)
                 mins[i] = vi_madd_u8_pairs(mins[i], tile + 2176 + p * 32, ((const act_q8_k *)a[i])[b].pairs[p]);
-        vf d = vf_halves(tile + 2304), dmin = vf_halves(tile + 2336);
-        for (int i = 0; i < R; i++) {
-            float ad = ((const act_q8_k *)a[i])[b].d;
-            acc[i] = vf_fma(vf_from(total[i]), vf_mul(d, vf_set1(ad)), acc[i]);
-            acc[i] = vf_fma(vf_from(mins[i]), vf_mul(dmin, vf_set1(-ad)), acc[i]);
-        }
+        add_block(acc, total, mins, tile + 2304, tile + 2336, a, b, R);
     }
 }
 
@@ -1149,12 +1156,7 @@ INLINE void tile_q2_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
                 }
             }
         }
-        vf d = vf_halves(tile + 1280), dmin = vf_halves(tile + 1312);
-        for (int i = 0; i < R; i++) {
-            float ad = ((const act_q8_k *)a[i])[b].d;
-            acc[i] = vf_fma(vf_from(total[i]), vf_mul(d, vf_set1(ad)), acc[i]);
-            acc[i] = vf_fma(vf_from(mins[i]), vf_mul(dmin, vf_set1(-ad)), acc[i]);
-        }
+        add_block(acc, total, mins, tile + 1280, tile + 1312, a, b, R);
     }
 }
 
