@@ -20,17 +20,16 @@ def random_blocks(qtype: QuantType, rows: int, k: int, seed: int = 0) -> np.ndar
         return gguf.quants.quantize(values, gguf.GGMLQuantizationType(qtype))
     values, nbytes = BLOCKS[qtype]
     data = rng.integers(0, 256, (rows, k // values, nbytes), dtype=np.uint8)
-    scale = rng.uniform(0.001, 0.02, (rows, k // values)).astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
+
+    def halves(low: float = 0.001, high: float = 0.02) -> np.ndarray:
+        return rng.uniform(low, high, (rows, k // values)).astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
+
     if qtype in (QuantType.IQ4_XS, QuantType.IQ4_NL):  # d first; values reach 127 (not 15 or 31): a smaller d
-        data[:, :, 0:2] = (scale.view(np.float16) / 8).view(np.uint8)
+        data[:, :, 0:2] = halves(0.000125, 0.0025)
     elif qtype == QuantType.Q2_K:  # d and dmin last
-        data[:, :, -4:-2] = scale
-        data[:, :, -2:] = (rng.uniform(0.001, 0.02, (rows, k // values)).astype(np.float16)
-                           .view(np.uint8).reshape(rows, -1, 2))
+        data[:, :, -4:-2], data[:, :, -2:] = halves(), halves()
     elif qtype in (QuantType.Q4_K, QuantType.Q5_K):  # d and dmin first
-        data[:, :, 0:2] = scale
-        data[:, :, 2:4] = (rng.uniform(0.001, 0.02, (rows, k // values)).astype(np.float16)
-                           .view(np.uint8).reshape(rows, -1, 2))
+        data[:, :, 0:2], data[:, :, 2:4] = halves(), halves()
     else:  # Q3_K and Q6_K: d last
-        data[:, :, -2:] = scale
+        data[:, :, -2:] = halves()
     return data.reshape(rows, row_bytes(qtype, k))
