@@ -1334,15 +1334,17 @@ INLINE void q6_sub_block(const uint8_t *tile, int o, int64_t b, const uint8_t *c
     }
 }
 
-/* total -= 32 * sum over the 16 sub-blocks s of scale_s * (the activations' sum over s), eight
- * vpmaddwd a row: the scales of sub-blocks 2j and 2j + 1 as int16 pairs, against the
- * activations' sums of the same pair (two consecutive int16 of bsums). */
-INLINE void q6_offsets(const uint8_t *tile, int o, int64_t b, const uint8_t *const *a, int R, __m256i *total) {
+/* total -= 2^shift * sum over the 16 sub-blocks s of scale_s * (the activations' sum over s), eight
+ * vpmaddwd a row: the int8 scales at ``scales`` (Q6_K's, shift 5; Q3_K's, shift 2) of sub-blocks 2j
+ * and 2j + 1 as int16 pairs, against the activations' sums of the same pair (two consecutive int16
+ * of bsums). */
+INLINE void k_offsets(const uint8_t *scales, int shift, int o, int64_t b, const uint8_t *const *a, int R,
+                      __m256i *total) {
     __m256i corr[4];
     for (int i = 0; i < R; i++) corr[i] = _mm256_setzero_si256();
     for (int j = 0; j < 8; j++) {
-        __m128i even = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(tile + 3072 + (2 * j) * 16 + o / 4)));
-        __m128i odd = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(tile + 3072 + (2 * j + 1) * 16 + o / 4)));
+        __m128i even = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(scales + (2 * j) * 16 + o / 4)));
+        __m128i odd = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(scales + (2 * j + 1) * 16 + o / 4)));
         __m256i pairs = _mm256_set_m128i(_mm_unpackhi_epi16(even, odd), _mm_unpacklo_epi16(even, odd));
         for (int i = 0; i < R; i++) {
             int32_t sums;
@@ -1350,7 +1352,7 @@ INLINE void q6_offsets(const uint8_t *tile, int o, int64_t b, const uint8_t *con
             corr[i] = _mm256_add_epi32(corr[i], _mm256_madd_epi16(pairs, _mm256_set1_epi32(sums)));
         }
     }
-    for (int i = 0; i < R; i++) total[i] = _mm256_sub_epi32(total[i], _mm256_slli_epi32(corr[i], 5));
+    for (int i = 0; i < R; i++) total[i] = _mm256_sub_epi32(total[i], _mm256_slli_epi32(corr[i], shift));
 }
 
 INLINE void half_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, int side, __m256 *acc) {
@@ -1368,8 +1370,45 @@ INLINE void half_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
                 q6_sub_block(tile, o, b, a, R, h, 2, quad, total);
                 q6_sub_block(tile, o, b, a, R, h, 3, quad, total);
             }
-        q6_offsets(tile, o, b, a, R, total);
+        k_offsets(tile + 3072, 5, o, b, a, R, total);
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 3328 + 16 * side)));
+        for (int i = 0; i < R; i++)
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[i]), _mm256_mul_ps(d, _mm256_set1_ps(((const act_q8_k *)a[i])[b].d)), acc[i]);
+    }
+}
+
+/* Q3_K for the half tile: a sub-block's four groups of 3-bit values (bit pair and third bit, unscaled)
+ * summed in int16 (4 x 2 x 7 x 127 = 7112) and scaled by one vpmaddwd; the values' offset of 4 taken
+ * off once per super-block. */
+INLINE void half_q3_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, int side, __m256 *acc) {
+    const int o = 32 * side;
+    for (int64_t b = 0; b < nb; b++, tile += Q3_K_TILE) {
+        if (!side) prefetch_ahead(tile, Q3_K_TILE, R);
+        __m256i total[4];
+        for (int i = 0; i < R; i++) total[i] = _mm256_setzero_si256();
+        for (int k = 0; k < 4; k++) {
+            __m256i sum[4][4]; /* [p][row] */
+            for (int p = 0; p < 4; p++)
+                for (int i = 0; i < R; i++) sum[p][i] = _mm256_setzero_si256();
+            for (int g = 4 * k; g < 4 * k + 4; g++) {
+                __m256i w = _mm256_loadu_si256((const __m256i *)(tile + 64 * g + o));
+                __m256i high = _mm256_loadu_si256((const __m256i *)(tile + 1024 + 64 * (g % 8) + o));
+                for (int p = 0; p < 4; p++) {
+                    __m256i v = _mm256_or_si256(bits_half(w, -2 * p, 0x03), bits_half(high, 2 - (2 * p + g / 8), 0x04));
+                    for (int i = 0; i < R; i++) {
+                        const int8_t *q = ((const act_q8_k *)a[i])[b].qs + 64 * p + 4 * g;
+                        sum[p][i] = _mm256_add_epi16(sum[p][i], _mm256_maddubs_epi16(v, bcast4(q)));
+                        KEEP(sum[p][i]);
+                    }
+                }
+            }
+            for (int p = 0; p < 4; p++) {
+                __m256i scale = scale_pairs_s8(tile + 1536 + (4 * p + k) * 16 + o / 4);
+                for (int i = 0; i < R; i++) total[i] = _mm256_add_epi32(total[i], _mm256_madd_epi16(sum[p][i], scale));
+            }
+        }
+        k_offsets(tile + 1536, 2, o, b, a, R, total);
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 1792 + 16 * side)));
         for (int i = 0; i < R; i++)
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[i]), _mm256_mul_ps(d, _mm256_set1_ps(((const act_q8_k *)a[i])[b].d)), acc[i]);
     }
@@ -1380,6 +1419,8 @@ INLINE void k_half(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t 
         half_q4_k(tile, nb, a, R, side, acc, 0);
     else if (type == TYPE_Q5_K)
         half_q4_k(tile, nb, a, R, side, acc, 1);
+    else if (type == TYPE_Q3_K)
+        half_q3_k(tile, nb, a, R, side, acc);
     else
         half_q6_k(tile, nb, a, R, side, acc);
 }
@@ -1492,7 +1533,7 @@ static void tile_rows(int64_t type, const uint8_t *tile, int64_t nb, const uint8
     /* One row (a lone decode) streams the whole tile once through the generic kernel (Q6_K's too:
      * since its layout 2, faster than a one-row kernel of half-tile arithmetic, bench/README.md);
      * the half tiles pay off from two rows on, where the arithmetic rather than memory bounds the speed. */
-    if ((type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K) && R >= 2) {
+    if ((type == TYPE_Q3_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K) && R >= 2) {
         if (R <= 3)
             k_few_rows_avx2(type, tile, nb, a, R, acc);
         else
