@@ -20,8 +20,8 @@
  * weights PF_DISTANCE bytes ahead of its arithmetic: without it a lone decode,
  * which reads every weight once, streams at a fraction of the memory's speed.
  *
- * On AVX2 without VNNI the K formats' products of two rows or more take each
- * tile as two halves of eight rows (one ymm each), summing a sub-block's
+ * On AVX2 without VNNI the products of two rows or more of Q3_K, Q4_K, Q5_K
+ * and Q6_K take each tile as two halves of eight rows (one ymm each), summing a sub-block's
  * vpmaddubsw products in int16 lanes before one vpmaddwd by its scale; the
  * generic kernels widen every product to int32 (twice the multiplies).
  *
@@ -1232,7 +1232,8 @@ INLINE void tile_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
  * 32s..32s+31 of each 64-byte group, one ymm. A Q4_K sub-block's eight groups are summed in
  * the int16 lanes of vpmaddubsw's output before one vpmaddwd by the sub-block's scale (at most
  * 8 x 2 x 15 x 127 = 30480: no saturation), where the generic kernel widens every group; Q6_K's
- * 6-bit values allow two groups (2 x 2 x 63 x 127 = 32004). The integers are the generic
+ * 6-bit values allow two groups (2 x 2 x 63 x 127 = 32004), Q3_K's 3-bit ones a sub-block's four.
+ * Q2_K, IQ4_XS and the 32-value formats take the generic kernels. The integers are the generic
  * kernel's exactly, and the float operations per output the same, so the bits are too. */
 
 INLINE __m256i bcast4(const int8_t *p) { return _mm256_set1_epi32(load_i32(p)); }
