@@ -526,13 +526,13 @@ static int k_format(int64_t type) {
 
 /* The formats of 32 values in nibbles: Q4_0, Q5_0 (with fifth bits), Q4_1, Q5_1 (with a minimum
  * each) and IQ4_NL (indices into IQ4_VALUES). */
-static int nibble_format(int64_t type) {
+INLINE int nibble_format(int64_t type) {
     return type == TYPE_Q4_0 || type == TYPE_Q5_0 || type == TYPE_Q4_1 || type == TYPE_Q5_1 || type == TYPE_IQ4_NL;
 }
-static int nibble_five(int64_t type) { return type == TYPE_Q5_0 || type == TYPE_Q5_1; }
-static int nibble_min(int64_t type) { return type == TYPE_Q4_1 || type == TYPE_Q5_1; }
+INLINE int nibble_five(int64_t type) { return type == TYPE_Q5_0 || type == TYPE_Q5_1; }
+INLINE int nibble_min(int64_t type) { return type == TYPE_Q4_1 || type == TYPE_Q5_1; }
 /* Where a nibble tile's scales lie (its minimums 32 bytes further). */
-static int64_t nibble_scales_at(int64_t type) { return nibble_five(type) ? 320 : 256; }
+INLINE int64_t nibble_scales_at(int64_t type) { return nibble_five(type) ? 320 : 256; }
 
 /* Values per block: 32, 256 for the K formats, 1 for F32 and F16 (a "block" is one value). */
 API int64_t block_values(int64_t type) {
@@ -978,7 +978,7 @@ INLINE void tile_q8_0(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
  * constant in each call. */
 INLINE void tile_nibbles(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
     const int five = nibble_five(type), min = nibble_min(type), grid = type == TYPE_IQ4_NL;
-    const int64_t size = tile_block_bytes(type), scales = nibble_scales_at(type);
+    const int64_t scales = nibble_scales_at(type), size = scales + (min ? 64 : 32);
     const int offset = grid ? Q8_OFFSET : min ? 0 : five ? 16 : 8;
     for (int64_t b = 0; b < nb; b++, tile += size) {
         prefetch_ahead(tile, size, R);
