@@ -88,7 +88,9 @@ def scale_rows(x: torch.Tensor, factor: float) -> torch.Tensor:
     """x * factor (in place on the C path; factor rounded to x's dtype, as Gemma scales its embeddings)."""
     if cpu.usable(x) and x.is_contiguous():
         return cpu.scale_rows(x, factor)
-    return x * torch.tensor(factor, dtype=x.dtype, device=x.device)
+    # A Python scalar, not a device tensor: nothing is copied to the device, so a CUDA graph can
+    # capture it (the rounded factor is exact in the float32 the product is computed in).
+    return x * float(torch.tensor(factor, dtype=x.dtype))
 
 
 def write_kv_cache(

@@ -11,12 +11,16 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
+import transformers
 
 from core.client import SyncMPClient
 from core.config import EngineArgs
 from core.protocol import EngineCoreRequest, SamplingParams
+from core.models.random_model import write_tokenizer
 from core.worker.cuda_graphs import DecodeGraphs
-from tests.support.engines import BASE, CHUNKED, generate, greedy, tokens
+from tests.support.engines import (
+    BASE, CHUNKED, MAX_NEW, generate, greedy, hf_greedy, shared_prefix_prompts, tiny_config, tokens,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -71,6 +75,27 @@ def test_bfloat16_decodes_match_float32_closely(llama, reference):  # noqa: F811
     (results,), _ = generate(path, prompts, greedy(max_tokens=3), **{**GPU, "dtype": "bfloat16"})
     agree = sum(got[0] == want[0] for got, want in zip(tokens(results), expected))
     assert agree >= len(prompts) - 1
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral"])
+def test_windowed_and_expert_families_give_the_greedy_tokens_of_transformers(family, tmp_path):
+    """Sliding windows through the Triton kernels and CUDA graphs (Gemma 3's local layers in a
+    KV-cache group of their own), and mixtures of experts (torch's grouped experts, eager):
+    chunked prompts, then the same prompts again with prefix-cache hits."""
+    torch.manual_seed(1234)
+    hf = transformers.AutoModelForCausalLM.from_config(tiny_config(family)).eval().float()
+    with torch.no_grad():  # routers sharp enough that the top k are clear choices
+        for name, p in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(20)
+    hf.save_pretrained(tmp_path)
+    write_tokenizer(tmp_path)
+    prompts = shared_prefix_prompts(hf.config.vocab_size)
+    expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    (first, again), _ = generate(str(tmp_path), prompts, passes=2, **GPU, **CHUNKED)
+    assert tokens(first) == expected
+    assert tokens(again) == expected
+    assert again[0].num_cached_tokens >= 44  # its 44-token prefix (and more) from the first pass
 
 
 def test_kv_cache_fills_the_memory_utilization_share(tmp_path):
