@@ -1,8 +1,9 @@
 """One of two data-parallel engines killed with SIGKILL, on real servers (stories260K).
 
-Only the dead engine's streams fail (with an error event naming the engine), the other engine's
-complete, new requests are served, /health names the dead engine; with
---restart-dead-engines it comes back under the same index and takes requests again.
+Only the dead engine's streams fail (with an error event naming the engine), those running
+and those waiting in it while the engines are paused; the other engine's complete, new
+requests are served, /health names the dead engine; with --restart-dead-engines it comes
+back under the same index and takes requests again.
 Nothing is left in /dev/shm afterwards.
 """
 
@@ -38,7 +39,9 @@ def _engine_pids(server) -> dict[int, int]:
 class _Stream(threading.Thread):
     """Reads one streamed completion to its end: its finish reason, tokens, or error."""
 
-    def __init__(self, base: str, rank: int) -> None:
+    def __init__(self, base: str, rank: int, running: bool = True) -> None:
+        """``running``: return once it has its first token (else once its response has begun:
+        a request sent while the engines are paused waits in its engine)."""
         super().__init__(daemon=True)
         self.client = httpx.Client(base_url=base, timeout=60)
         self.response = self.client.send(
@@ -47,7 +50,7 @@ class _Stream(threading.Thread):
         )
         assert self.response.status_code == 200
         self.lines = self.response.iter_lines()
-        while not next(self.lines).startswith("data: "):  # running: it has its first token
+        while running and not next(self.lines).startswith("data: "):
             pass
         self.tokens = 0
         self.finish: str | None = None
@@ -84,19 +87,26 @@ def test_a_killed_engine_fails_only_its_own_requests(server_factory) -> None:
     pids = _engine_pids(server)
     assert sorted(pids) == [0, 1]
 
-    # Requests on both engines, frozen mid-generation (pause "keep") so none can end first.
-    streams = [_Stream(base, rank) for rank in (0, 1) for _ in range(3)]
+    # On each engine two requests mid-generation, frozen there by pause "keep", and one sent
+    # while paused, waiting in its engine: none of the waiting ones can have ended first.
+    running = {rank: [_Stream(base, rank) for _ in range(2)] for rank in (0, 1)}
     assert httpx.post(base + "/pause", params={"mode": "keep"}, timeout=10).status_code == 200
-    for stream in streams:
+    waiting = {rank: _Stream(base, rank, running=False) for rank in (0, 1)}
+    streams = {rank: [*running[rank], waiting[rank]] for rank in (0, 1)}
+    for stream in streams[0] + streams[1]:
         stream.start()
     os.kill(pids[1], signal.SIGKILL)
-    for stream in streams[3:]:
+    for stream in streams[1]:
         stream.join(timeout=60)
         assert not stream.is_alive(), "a stream of the dead engine is still open"
+        if stream is not waiting[1] and stream.finish == "length":
+            # It ran to its end before the pause took effect (the engine outpaced the client).
+            assert stream.error is None and stream.tokens == BODY["max_tokens"]
+            continue
         assert stream.error is not None, "a stream of the dead engine ended without an error"
         assert "engine 1 died" in stream.error["message"]
     assert httpx.post(base + "/resume", timeout=10).status_code == 200
-    for stream in streams[:3]:
+    for stream in streams[0]:
         stream.join(timeout=60)
         assert stream.error is None and stream.finish == "length" and stream.tokens == BODY["max_tokens"]
 
