@@ -1232,8 +1232,9 @@ INLINE void tile_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
  * 32s..32s+31 of each 64-byte group, one ymm. A Q4_K sub-block's eight groups are summed in
  * the int16 lanes of vpmaddubsw's output before one vpmaddwd by the sub-block's scale (at most
  * 8 x 2 x 15 x 127 = 30480: no saturation), where the generic kernel widens every group; Q6_K's
- * 6-bit values allow two groups (2 x 2 x 63 x 127 = 32004), Q3_K's 3-bit ones a sub-block's four.
- * Q2_K, IQ4_XS and the 32-value formats take the generic kernels. The integers are the generic
+ * 6-bit values allow two groups (2 x 2 x 63 x 127 = 32004), Q3_K's 3-bit and Q2_K's 2-bit ones a
+ * sub-block's four. IQ4_XS (signed values of up to 127: one group fills an int16) and the 32-value
+ * formats take the generic kernels. The integers are the generic
  * kernel's exactly, and the float operations per output the same, so the bits are too. */
 
 INLINE __m256i bcast4(const int8_t *p) { return _mm256_set1_epi32(load_i32(p)); }
@@ -1335,24 +1336,36 @@ INLINE void q6_sub_block(const uint8_t *tile, int o, int64_t b, const uint8_t *c
     }
 }
 
-/* total -= 2^shift * sum over the 16 sub-blocks s of scale_s * (the activations' sum over s), eight
- * vpmaddwd a row: the int8 scales at ``scales`` (Q6_K's, shift 5; Q3_K's, shift 2) of sub-blocks 2j
- * and 2j + 1 as int16 pairs, against the activations' sums of the same pair (two consecutive int16
- * of bsums). */
+/* Eight rows' bytes of sub-block s at ``scales`` as int16: signed (Q3_K's and Q6_K's int8 scales), or
+ * the high nibbles (Q2_K's minimums). */
+INLINE __m128i sub_block_bytes(const uint8_t *scales, int s, int o, int high_nibbles) {
+    __m128i v = _mm_loadl_epi64((const __m128i *)(scales + s * 16 + o / 4));
+    return high_nibbles ? _mm_srli_epi16(_mm_cvtepu8_epi16(v), 4) : _mm_cvtepi8_epi16(v);
+}
+
+/* sums[i] = the sum over the 16 sub-blocks s of byte_s * (row i's activation sum over s), eight
+ * vpmaddwd a row: the bytes (sub_block_bytes) of sub-blocks 2j and 2j + 1 as int16 pairs, against
+ * the activations' sums of the same pair (two consecutive int16 of bsums). */
+INLINE void sub_block_sums(const uint8_t *scales, int high_nibbles, int o, int64_t b, const uint8_t *const *a,
+                           int R, __m256i *sums) {
+    for (int i = 0; i < R; i++) sums[i] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) {
+        __m128i even = sub_block_bytes(scales, 2 * j, o, high_nibbles), odd = sub_block_bytes(scales, 2 * j + 1, o, high_nibbles);
+        __m256i pairs = _mm256_set_m128i(_mm_unpackhi_epi16(even, odd), _mm_unpacklo_epi16(even, odd));
+        for (int i = 0; i < R; i++) {
+            int32_t both;
+            memcpy(&both, ((const act_q8_k *)a[i])[b].bsums + 2 * j, 4);
+            sums[i] = _mm256_add_epi32(sums[i], _mm256_madd_epi16(pairs, _mm256_set1_epi32(both)));
+        }
+    }
+}
+
+/* total -= 2^shift * the sum over the sub-blocks of scale_s * (the activations' sum over s): the
+ * values' offset (Q6_K's 32, shift 5; Q3_K's 4, shift 2). */
 INLINE void k_offsets(const uint8_t *scales, int shift, int o, int64_t b, const uint8_t *const *a, int R,
                       __m256i *total) {
     __m256i corr[4];
-    for (int i = 0; i < R; i++) corr[i] = _mm256_setzero_si256();
-    for (int j = 0; j < 8; j++) {
-        __m128i even = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(scales + (2 * j) * 16 + o / 4)));
-        __m128i odd = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(scales + (2 * j + 1) * 16 + o / 4)));
-        __m256i pairs = _mm256_set_m128i(_mm_unpackhi_epi16(even, odd), _mm_unpacklo_epi16(even, odd));
-        for (int i = 0; i < R; i++) {
-            int32_t sums;
-            memcpy(&sums, ((const act_q8_k *)a[i])[b].bsums + 2 * j, 4);
-            corr[i] = _mm256_add_epi32(corr[i], _mm256_madd_epi16(pairs, _mm256_set1_epi32(sums)));
-        }
-    }
+    sub_block_sums(scales, 0, o, b, a, R, corr);
     for (int i = 0; i < R; i++) total[i] = _mm256_sub_epi32(total[i], _mm256_slli_epi32(corr[i], shift));
 }
 
@@ -1415,6 +1428,47 @@ INLINE void half_q3_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
     }
 }
 
+/* Q2_K for the half tile: Q3_K's bit pairs without the third bit (a sub-block's four groups in int16:
+ * 4 x 2 x 3 x 127 = 3048), scaled by the low nibbles of the scale bytes; the minimums (their high
+ * nibbles) times the activations' sums of 16. */
+INLINE void half_q2_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, int side, __m256 *acc) {
+    const int o = 32 * side;
+    const __m256i low = _mm256_set1_epi32(0x000f000f);
+    for (int64_t b = 0; b < nb; b++, tile += Q2_K_TILE) {
+        if (!side) prefetch_ahead(tile, Q2_K_TILE, R);
+        __m256i total[4], mins[4];
+        for (int i = 0; i < R; i++) total[i] = _mm256_setzero_si256();
+        for (int k = 0; k < 4; k++) {
+            __m256i sum[4][4]; /* [p][row] */
+            for (int p = 0; p < 4; p++)
+                for (int i = 0; i < R; i++) sum[p][i] = _mm256_setzero_si256();
+            for (int g = 4 * k; g < 4 * k + 4; g++) {
+                __m256i w = _mm256_loadu_si256((const __m256i *)(tile + 64 * g + o));
+                for (int p = 0; p < 4; p++) {
+                    __m256i v = bits_half(w, -2 * p, 0x03);
+                    for (int i = 0; i < R; i++) {
+                        const int8_t *q = ((const act_q8_k *)a[i])[b].qs + 64 * p + 4 * g;
+                        sum[p][i] = _mm256_add_epi16(sum[p][i], _mm256_maddubs_epi16(v, bcast4(q)));
+                        KEEP(sum[p][i]);
+                    }
+                }
+            }
+            for (int p = 0; p < 4; p++) {
+                __m256i scale = _mm256_and_si256(scale_pairs(tile + 1024 + (4 * p + k) * 16 + o / 4), low);
+                for (int i = 0; i < R; i++) total[i] = _mm256_add_epi32(total[i], _mm256_madd_epi16(sum[p][i], scale));
+            }
+        }
+        sub_block_sums(tile + 1024, 1, o, b, a, R, mins);
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 1280 + 16 * side)));
+        __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 1312 + 16 * side)));
+        for (int i = 0; i < R; i++) {
+            float ad = ((const act_q8_k *)a[i])[b].d;
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[i]), _mm256_mul_ps(d, _mm256_set1_ps(ad)), acc[i]);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins[i]), _mm256_mul_ps(dmin, _mm256_set1_ps(-ad)), acc[i]);
+        }
+    }
+}
+
 INLINE void k_half(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, int side, __m256 *acc) {
     if (type == TYPE_Q4_K) /* ``five`` a constant in each call: its branches leave the inner loop */
         half_q4_k(tile, nb, a, R, side, acc, 0);
@@ -1422,6 +1476,8 @@ INLINE void k_half(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t 
         half_q4_k(tile, nb, a, R, side, acc, 1);
     else if (type == TYPE_Q3_K)
         half_q3_k(tile, nb, a, R, side, acc);
+    else if (type == TYPE_Q2_K)
+        half_q2_k(tile, nb, a, R, side, acc);
     else
         half_q6_k(tile, nb, a, R, side, acc);
 }
@@ -1534,7 +1590,8 @@ static void tile_rows(int64_t type, const uint8_t *tile, int64_t nb, const uint8
     /* One row (a lone decode) streams the whole tile once through the generic kernel (Q6_K's too:
      * since its layout 2, faster than a one-row kernel of half-tile arithmetic, bench/README.md);
      * the half tiles pay off from two rows on, where the arithmetic rather than memory bounds the speed. */
-    if ((type == TYPE_Q3_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K) && R >= 2) {
+    if ((type == TYPE_Q2_K || type == TYPE_Q3_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K) &&
+        R >= 2) {
         if (R <= 3)
             k_few_rows_avx2(type, tile, nb, a, R, acc);
         else
