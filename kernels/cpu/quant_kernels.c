@@ -1233,8 +1233,8 @@ INLINE void tile_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
  * the int16 lanes of vpmaddubsw's output before one vpmaddwd by the sub-block's scale (at most
  * 8 x 2 x 15 x 127 = 30480: no saturation), where the generic kernel widens every group; Q6_K's
  * 6-bit values allow two groups (2 x 2 x 63 x 127 = 32004), Q3_K's 3-bit and Q2_K's 2-bit ones a
- * sub-block's four. IQ4_XS (signed values of up to 127: one group fills an int16) and the 32-value
- * formats take the generic kernels. The integers are the generic
+ * sub-block's four; the 32-value nibble formats a block's four. IQ4_XS, IQ4_NL and Q8_0 (signed
+ * values of up to 127: one group fills an int16 lane) take the generic kernels. The integers are the generic
  * kernel's exactly, and the float operations per output the same, so the bits are too. */
 
 INLINE __m256i bcast4(const int8_t *p) { return _mm256_set1_epi32(load_i32(p)); }
@@ -1469,8 +1469,66 @@ INLINE void half_q2_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
     }
 }
 
-INLINE void k_half(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, int side, __m256 *acc) {
-    if (type == TYPE_Q4_K) /* ``five`` a constant in each call: its branches leave the inner loop */
+/* The 32-value nibble formats (Q4_0, Q5_0, Q4_1, Q5_1) for the half tile: a block's four groups of low
+ * nibbles, and of high ones, each with its fifth bits, summed in int16 apart (4 x 2 x 31 x 127 = 31496)
+ * and widened once a block; the offset through the activations' block sum, as the generic kernel. */
+INLINE void half_nibbles(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, int side,
+                         __m256 *acc) {
+    const int five = nibble_five(type), min = nibble_min(type), o = 32 * side;
+    const int64_t scales = nibble_scales_at(type), size = scales + (min ? 64 : 32);
+    const int offset = min ? 0 : five ? 16 : 8;
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++, tile += size) {
+        if (!side) prefetch_ahead(tile, size, R);
+        __m256i lo[4], hi[4];
+        for (int i = 0; i < R; i++) lo[i] = hi[i] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            __m256i w = _mm256_loadu_si256((const __m256i *)(tile + 64 * c + o));
+            __m256i wl = _mm256_and_si256(w, low), wh = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+            if (five) { /* bit 4r + j of each mask: row r's value j of the group */
+                uint64_t masks[2];
+                memcpy(masks, tile + 256 + 16 * c, 16);
+                wl = _mm256_or_si256(wl, bits_to_16s((uint32_t)(masks[0] >> o)));
+                wh = _mm256_or_si256(wh, bits_to_16s((uint32_t)(masks[1] >> o)));
+            }
+            for (int i = 0; i < R; i++) {
+                const int8_t *q = ((const act_q8_0 *)a[i])[b].qs + 4 * c;
+                lo[i] = _mm256_add_epi16(lo[i], _mm256_maddubs_epi16(wl, bcast4(q)));
+                hi[i] = _mm256_add_epi16(hi[i], _mm256_maddubs_epi16(wh, bcast4(q + 16)));
+                KEEP(lo[i]);
+                KEEP(hi[i]);
+            }
+        }
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + scales + 16 * side)));
+        for (int i = 0; i < R; i++) {
+            const act_q8_0 *x = &((const act_q8_0 *)a[i])[b];
+            __m256i total = _mm256_add_epi32(_mm256_set1_epi32(-offset * x->sum), _mm256_madd_epi16(lo[i], ones));
+            total = _mm256_add_epi32(total, _mm256_madd_epi16(hi[i], ones));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(x->d)), acc[i]);
+            if (min) {
+                __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + scales + 32 + 16 * side)));
+                acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->d * (float)x->sum), acc[i]);
+            }
+        }
+    }
+}
+
+/* The formats with half-tile kernels, for two rows and more. */
+INLINE int has_half_tiles(int64_t type) {
+    return (k_format(type) && type != TYPE_IQ4_XS) || (nibble_format(type) && type != TYPE_IQ4_NL);
+}
+
+INLINE void half_tile(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, int side, __m256 *acc) {
+    if (nibble_format(type)) { /* the type a constant in each call, as ``five`` below */
+        if (type == TYPE_Q4_0)
+            half_nibbles(TYPE_Q4_0, tile, nb, a, R, side, acc);
+        else if (type == TYPE_Q5_0)
+            half_nibbles(TYPE_Q5_0, tile, nb, a, R, side, acc);
+        else if (type == TYPE_Q4_1)
+            half_nibbles(TYPE_Q4_1, tile, nb, a, R, side, acc);
+        else
+            half_nibbles(TYPE_Q5_1, tile, nb, a, R, side, acc);
+    } else if (type == TYPE_Q4_K) /* ``five`` a constant in each call: its branches leave the inner loop */
         half_q4_k(tile, nb, a, R, side, acc, 0);
     else if (type == TYPE_Q5_K)
         half_q4_k(tile, nb, a, R, side, acc, 1);
@@ -1482,18 +1540,18 @@ INLINE void k_half(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t 
         half_q6_k(tile, nb, a, R, side, acc);
 }
 
-/* Both sides of a K-format tile for R rows, a block at a time: side 0 of a block (which asks for
+/* Both sides of a tile for R rows, a block at a time: side 0 of a block (which asks for
  * the blocks ahead), then side 1 from L1, so a tile read from memory streams once. Each side sums
  * its blocks in order, as a pass over a whole side does: the same bits. */
-INLINE void k_blocks_avx2(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
-    const int64_t size = tile_block_bytes(type);
+INLINE void half_tile_blocks(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
+    const int64_t size = tile_block_bytes(type), act = k_format(type) ? sizeof(act_q8_k) : sizeof(act_q8_0);
     __m256 part[2][4];
     for (int i = 0; i < R; i++) part[0][i] = part[1][i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, tile += size) {
         const uint8_t *block_a[4]; /* block b of each row's activations */
-        for (int i = 0; i < R; i++) block_a[i] = a[i] + b * (int64_t)sizeof(act_q8_k);
+        for (int i = 0; i < R; i++) block_a[i] = a[i] + b * act;
 #pragma GCC unroll 1 /* one copy of a side's long unrolled block: two copies ran Q6_K slower */
-        for (int side = 0; side < 2; side++) k_half(type, tile, 1, block_a, R, side, part[side]);
+        for (int side = 0; side < 2; side++) half_tile(type, tile, 1, block_a, R, side, part[side]);
     }
     for (int i = 0; i < R; i++) {
         acc[i].l = part[0][i];
@@ -1503,24 +1561,25 @@ INLINE void k_blocks_avx2(int64_t type, const uint8_t *tile, int64_t nb, const u
 
 /* Two or three rows (a few decodes) of a K-format tile, block by block: faster than a side at a
  * time, which reads the tile twice (bench/README.md). Four rows, a pass over a prompt's (the tile
- * then in the caches for the next four), stay a side at a time: calls per block slowed them. */
-static void k_few_rows_avx2(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
+ * then in the caches for the next four), stay a side at a time: calls per block slowed them, as
+ * they slow the 32-value formats' small blocks at any count. */
+static void half_tile_few_rows(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
     if (R == 2)
-        k_blocks_avx2(type, tile, nb, a, 2, acc);
+        half_tile_blocks(type, tile, nb, a, 2, acc);
     else
-        k_blocks_avx2(type, tile, nb, a, 3, acc);
+        half_tile_blocks(type, tile, nb, a, 3, acc);
 }
 
-/* Both sides of a K-format tile for up to four rows (the first side's pass prefetches ahead). */
-static void k_tile_rows_avx2(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
+/* Both sides of a tile for up to four rows (the first side's pass prefetches ahead). */
+static void half_tile_rows(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
     for (int side = 0; side < 2; side++) {
         __m256 part[4];
         for (int i = 0; i < R; i++) part[i] = _mm256_setzero_ps();
         switch (R) {
-            case 1: k_half(type, tile, nb, a, 1, side, part); break;
-            case 2: k_half(type, tile, nb, a, 2, side, part); break;
-            case 3: k_half(type, tile, nb, a, 3, side, part); break;
-            default: k_half(type, tile, nb, a, 4, side, part); break;
+            case 1: half_tile(type, tile, nb, a, 1, side, part); break;
+            case 2: half_tile(type, tile, nb, a, 2, side, part); break;
+            case 3: half_tile(type, tile, nb, a, 3, side, part); break;
+            default: half_tile(type, tile, nb, a, 4, side, part); break;
         }
         for (int i = 0; i < R; i++) {
             if (side)
@@ -1590,12 +1649,11 @@ static void tile_rows(int64_t type, const uint8_t *tile, int64_t nb, const uint8
     /* One row (a lone decode) streams the whole tile once through the generic kernel (Q6_K's too:
      * since its layout 2, faster than a one-row kernel of half-tile arithmetic, bench/README.md);
      * the half tiles pay off from two rows on, where the arithmetic rather than memory bounds the speed. */
-    if ((type == TYPE_Q2_K || type == TYPE_Q3_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K) &&
-        R >= 2) {
-        if (R <= 3)
-            k_few_rows_avx2(type, tile, nb, a, R, acc);
+    if (has_half_tiles(type) && R >= 2) {
+        if (R <= 3 && k_format(type))
+            half_tile_few_rows(type, tile, nb, a, R, acc);
         else
-            k_tile_rows_avx2(type, tile, nb, a, R, acc);
+            half_tile_rows(type, tile, nb, a, R, acc);
         return;
     }
 #endif
