@@ -1391,51 +1391,18 @@ INLINE void half_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
     }
 }
 
-/* Q3_K for the half tile: a sub-block's four groups of 3-bit values (bit pair and third bit, unscaled)
- * summed in int16 (4 x 2 x 7 x 127 = 7112) and scaled by one vpmaddwd; the values' offset of 4 taken
- * off once per super-block. */
-INLINE void half_q3_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, int side, __m256 *acc) {
+/* Q3_K (``three``) and Q2_K for the half tile: a sub-block's four groups of bit pairs (Q3_K's with their
+ * third bits), unscaled, summed in int16 (at most 4 x 2 x 7 x 127 = 7112) and scaled by one vpmaddwd.
+ * Q3_K's scales are int8 and its values' offset of 4 is taken off once per super-block; Q2_K's scales
+ * are the low nibbles of its scale bytes, and its minimums (the high nibbles) multiply the
+ * activations' sums of 16. */
+INLINE void half_pairs(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, int side, __m256 *acc,
+                       int three) {
     const int o = 32 * side;
-    for (int64_t b = 0; b < nb; b++, tile += Q3_K_TILE) {
-        if (!side) prefetch_ahead(tile, Q3_K_TILE, R);
-        __m256i total[4];
-        for (int i = 0; i < R; i++) total[i] = _mm256_setzero_si256();
-        for (int k = 0; k < 4; k++) {
-            __m256i sum[4][4]; /* [p][row] */
-            for (int p = 0; p < 4; p++)
-                for (int i = 0; i < R; i++) sum[p][i] = _mm256_setzero_si256();
-            for (int g = 4 * k; g < 4 * k + 4; g++) {
-                __m256i w = _mm256_loadu_si256((const __m256i *)(tile + 64 * g + o));
-                __m256i high = _mm256_loadu_si256((const __m256i *)(tile + 1024 + 64 * (g % 8) + o));
-                for (int p = 0; p < 4; p++) {
-                    __m256i v = _mm256_or_si256(bits_half(w, -2 * p, 0x03), bits_half(high, 2 - (2 * p + g / 8), 0x04));
-                    for (int i = 0; i < R; i++) {
-                        const int8_t *q = ((const act_q8_k *)a[i])[b].qs + 64 * p + 4 * g;
-                        sum[p][i] = _mm256_add_epi16(sum[p][i], _mm256_maddubs_epi16(v, bcast4(q)));
-                        KEEP(sum[p][i]);
-                    }
-                }
-            }
-            for (int p = 0; p < 4; p++) {
-                __m256i scale = scale_pairs_s8(tile + 1536 + (4 * p + k) * 16 + o / 4);
-                for (int i = 0; i < R; i++) total[i] = _mm256_add_epi32(total[i], _mm256_madd_epi16(sum[p][i], scale));
-            }
-        }
-        k_offsets(tile + 1536, 2, o, b, a, R, total);
-        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 1792 + 16 * side)));
-        for (int i = 0; i < R; i++)
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[i]), _mm256_mul_ps(d, _mm256_set1_ps(((const act_q8_k *)a[i])[b].d)), acc[i]);
-    }
-}
-
-/* Q2_K for the half tile: Q3_K's bit pairs without the third bit (a sub-block's four groups in int16:
- * 4 x 2 x 3 x 127 = 3048), scaled by the low nibbles of the scale bytes; the minimums (their high
- * nibbles) times the activations' sums of 16. */
-INLINE void half_q2_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, int side, __m256 *acc) {
-    const int o = 32 * side;
+    const int64_t size = three ? Q3_K_TILE : Q2_K_TILE, scales = three ? 1536 : 1024;
     const __m256i low = _mm256_set1_epi32(0x000f000f);
-    for (int64_t b = 0; b < nb; b++, tile += Q2_K_TILE) {
-        if (!side) prefetch_ahead(tile, Q2_K_TILE, R);
+    for (int64_t b = 0; b < nb; b++, tile += size) {
+        if (!side) prefetch_ahead(tile, size, R);
         __m256i total[4], mins[4];
         for (int i = 0; i < R; i++) total[i] = _mm256_setzero_si256();
         for (int k = 0; k < 4; k++) {
@@ -1444,8 +1411,10 @@ INLINE void half_q2_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
                 for (int i = 0; i < R; i++) sum[p][i] = _mm256_setzero_si256();
             for (int g = 4 * k; g < 4 * k + 4; g++) {
                 __m256i w = _mm256_loadu_si256((const __m256i *)(tile + 64 * g + o));
+                __m256i high = three ? _mm256_loadu_si256((const __m256i *)(tile + 1024 + 64 * (g % 8) + o)) : w;
                 for (int p = 0; p < 4; p++) {
                     __m256i v = bits_half(w, -2 * p, 0x03);
+                    if (three) v = _mm256_or_si256(v, bits_half(high, 2 - (2 * p + g / 8), 0x04));
                     for (int i = 0; i < R; i++) {
                         const int8_t *q = ((const act_q8_k *)a[i])[b].qs + 64 * p + 4 * g;
                         sum[p][i] = _mm256_add_epi16(sum[p][i], _mm256_maddubs_epi16(v, bcast4(q)));
@@ -1454,17 +1423,22 @@ INLINE void half_q2_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
                 }
             }
             for (int p = 0; p < 4; p++) {
-                __m256i scale = _mm256_and_si256(scale_pairs(tile + 1024 + (4 * p + k) * 16 + o / 4), low);
+                const uint8_t *at = tile + scales + (4 * p + k) * 16 + o / 4;
+                __m256i scale = three ? scale_pairs_s8(at) : _mm256_and_si256(scale_pairs(at), low);
                 for (int i = 0; i < R; i++) total[i] = _mm256_add_epi32(total[i], _mm256_madd_epi16(sum[p][i], scale));
             }
         }
-        sub_block_sums(tile + 1024, 1, o, b, a, R, mins);
-        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 1280 + 16 * side)));
+        if (three)
+            k_offsets(tile + scales, 2, o, b, a, R, total);
+        else
+            sub_block_sums(tile + scales, 1, o, b, a, R, mins);
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + (three ? 1792 : 1280) + 16 * side)));
         __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 1312 + 16 * side)));
         for (int i = 0; i < R; i++) {
             float ad = ((const act_q8_k *)a[i])[b].d;
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[i]), _mm256_mul_ps(d, _mm256_set1_ps(ad)), acc[i]);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins[i]), _mm256_mul_ps(dmin, _mm256_set1_ps(-ad)), acc[i]);
+            if (!three)
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins[i]), _mm256_mul_ps(dmin, _mm256_set1_ps(-ad)), acc[i]);
         }
     }
 }
@@ -1533,9 +1507,9 @@ INLINE void half_tile(int64_t type, const uint8_t *tile, int64_t nb, const uint8
     else if (type == TYPE_Q5_K)
         half_q4_k(tile, nb, a, R, side, acc, 1);
     else if (type == TYPE_Q3_K)
-        half_q3_k(tile, nb, a, R, side, acc);
+        half_pairs(tile, nb, a, R, side, acc, 1);
     else if (type == TYPE_Q2_K)
-        half_q2_k(tile, nb, a, R, side, acc);
+        half_pairs(tile, nb, a, R, side, acc, 0);
     else
         half_q6_k(tile, nb, a, R, side, acc);
 }
