@@ -15,8 +15,8 @@ import transformers
 
 from core.client import SyncMPClient
 from core.config import EngineArgs
-from core.protocol import EngineCoreRequest, SamplingParams
 from core.models.random_model import write_tokenizer
+from core.protocol import EngineCoreRequest, SamplingParams
 from core.worker.cuda_graphs import DecodeGraphs
 from tests.support.engines import (
     BASE, CHUNKED, MAX_NEW, generate, greedy, hf_greedy, shared_prefix_prompts, tiny_config, tokens,
