@@ -1533,14 +1533,12 @@ INLINE void half_tile_blocks(int64_t type, const uint8_t *tile, int64_t nb, cons
     }
 }
 
-/* One to three rows (a few decodes) of a K-format tile, block by block: faster than a side at a
+/* Two or three rows (a few decodes) of a K-format tile, block by block: faster than a side at a
  * time, which reads the tile twice (bench/README.md). Four rows, a pass over a prompt's (the tile
  * then in the caches for the next four), stay a side at a time: calls per block slowed them, as
  * they slow the 32-value formats' small blocks at any count. */
 static void half_tile_few_rows(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
-    if (R == 1)
-        half_tile_blocks(type, tile, nb, a, 1, acc);
-    else if (R == 2)
+    if (R == 2)
         half_tile_blocks(type, tile, nb, a, 2, acc);
     else
         half_tile_blocks(type, tile, nb, a, 3, acc);
@@ -1624,9 +1622,8 @@ static void tile_rows(int64_t type, const uint8_t *tile, int64_t nb, const uint8
 #if defined(VEC_AVX2) && Q8_OFFSET == 0 /* AVX-VNNI's vpdpbusd serves the generic kernels better */
     /* One row (a lone decode) streams the whole tile once through the generic kernel (Q6_K's too:
      * since its layout 2, faster than a one-row kernel of half-tile arithmetic, bench/README.md);
-     * the half tiles pay off from two rows on, where the arithmetic rather than memory bounds the
-     * speed, and for Q2_K's lone row already, block by block (its generic kernel's shifts bound it). */
-    if (has_half_tiles(type) && (R >= 2 || type == TYPE_Q2_K)) {
+     * the half tiles pay off from two rows on, where the arithmetic rather than memory bounds the speed. */
+    if (has_half_tiles(type) && R >= 2) {
         if (R <= 3 && k_format(type))
             half_tile_few_rows(type, tile, nb, a, R, acc);
         else
