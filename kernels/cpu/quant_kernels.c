@@ -1228,14 +1228,15 @@ INLINE void tile_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
 }
 
 #if defined(VEC_AVX2) && Q8_OFFSET == 0
-/* The K formats on AVX2, half a tile at a time: rows 8s..8s+7 of a tile (side s) are bytes
- * 32s..32s+31 of each 64-byte group, one ymm. A Q4_K sub-block's eight groups are summed in
- * the int16 lanes of vpmaddubsw's output before one vpmaddwd by the sub-block's scale (at most
- * 8 x 2 x 15 x 127 = 30480: no saturation), where the generic kernel widens every group; Q6_K's
- * 6-bit values allow two groups (2 x 2 x 63 x 127 = 32004), Q3_K's 3-bit and Q2_K's 2-bit ones a
- * sub-block's four; the 32-value nibble formats a block's four. IQ4_XS, IQ4_NL and Q8_0 (signed
- * values of up to 127: one group fills an int16 lane) take the generic kernels. The integers are the generic
- * kernel's exactly, and the float operations per output the same, so the bits are too. */
+/* The K formats and the 32-value nibble formats on AVX2, half a tile at a time: rows 8s..8s+7 of a
+ * tile (side s) are bytes 32s..32s+31 of each 64-byte group, one ymm. A Q4_K sub-block's eight
+ * groups are summed in the int16 lanes of vpmaddubsw's output before one vpmaddwd by the
+ * sub-block's scale (at most 8 x 2 x 15 x 127 = 30480: no saturation), where the generic kernel
+ * widens every group; Q6_K's 6-bit values allow two groups (2 x 2 x 63 x 127 = 32004), Q3_K's
+ * 3-bit and Q2_K's 2-bit ones a sub-block's four, the nibble formats a block's four. IQ4_XS,
+ * IQ4_NL and Q8_0 (signed values of up to 127: one group fills an int16 lane) take the generic
+ * kernels. The integers are the generic kernel's exactly, and the float operations per output
+ * the same, so the bits are too. */
 
 INLINE __m256i bcast4(const int8_t *p) { return _mm256_set1_epi32(load_i32(p)); }
 
