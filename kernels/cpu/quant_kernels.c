@@ -20,10 +20,11 @@
  * weights PF_DISTANCE bytes ahead of its arithmetic: without it a lone decode,
  * which reads every weight once, streams at a fraction of the memory's speed.
  *
- * On AVX2 without VNNI the products of two rows or more of Q3_K, Q4_K, Q5_K
- * and Q6_K take each tile as two halves of eight rows (one ymm each), summing a sub-block's
- * vpmaddubsw products in int16 lanes before one vpmaddwd by its scale; the
- * generic kernels widen every product to int32 (twice the multiplies).
+ * On AVX2 without VNNI the products of two rows or more of Q2_K to Q6_K and of
+ * the 32-value nibble formats take each tile as two halves of eight rows (one ymm
+ * each), summing a sub-block's vpmaddubsw products in int16 lanes before one
+ * vpmaddwd by its scale; the generic kernels widen every product to int32 (twice
+ * the multiplies).
  *
  * The vector code is chosen when this file is compiled, for the CPU that
  * compiles it (``-march=native``; kernels/cpu/library.py): AVX-512 (with
@@ -533,6 +534,8 @@ INLINE int nibble_five(int64_t type) { return type == TYPE_Q5_0 || type == TYPE_
 INLINE int nibble_min(int64_t type) { return type == TYPE_Q4_1 || type == TYPE_Q5_1; }
 /* Where a nibble tile's scales lie (its minimums 32 bytes further). */
 INLINE int64_t nibble_scales_at(int64_t type) { return nibble_five(type) ? 320 : 256; }
+/* What Q4_0's and Q5_0's values are less than their nibbles (with the fifth bit); 0 for the others. */
+INLINE int nibble_offset(int64_t type) { return type == TYPE_Q4_0 ? 8 : type == TYPE_Q5_0 ? 16 : 0; }
 
 /* Values per block: 32, 256 for the K formats, 1 for F32 and F16 (a "block" is one value). */
 API int64_t block_values(int64_t type) {
@@ -767,7 +770,7 @@ static void unpack_row(int64_t type, const uint8_t *w, int64_t k, int64_t row, f
             int64_t scales = nibble_scales_at(type);
             float d = half_to_float(load_u16(t + scales + 2 * r));
             float m = nibble_min(type) ? half_to_float(load_u16(t + scales + 32 + 2 * r)) : 0.0f;
-            int offset = type == TYPE_Q4_0 ? 8 : type == TYPE_Q5_0 ? 16 : 0;
+            int offset = nibble_offset(type);
             for (int c = 0; c < 4; c++)
                 for (int j = 0; j < 4; j++) {
                     uint8_t q = t[c * 64 + r * 4 + j];
@@ -979,7 +982,7 @@ INLINE void tile_q8_0(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
 INLINE void tile_nibbles(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
     const int five = nibble_five(type), min = nibble_min(type), grid = type == TYPE_IQ4_NL;
     const int64_t scales = nibble_scales_at(type), size = scales + (min ? 64 : 32);
-    const int offset = grid ? Q8_OFFSET : min ? 0 : five ? 16 : 8;
+    const int offset = grid ? Q8_OFFSET : nibble_offset(type);
     for (int64_t b = 0; b < nb; b++, tile += size) {
         prefetch_ahead(tile, size, R);
         vf d = vf_halves(tile + scales);
@@ -1008,10 +1011,11 @@ INLINE void tile_nibbles(int64_t type, const uint8_t *tile, int64_t nb, const ui
                 vi_keep(&high[i]);
             }
         }
+        vf m = min ? vf_halves(tile + scales + 32) : vf_zero();
         for (int i = 0; i < R; i++) {
             const act_q8_0 *x = &((const act_q8_0 *)a[i])[b];
             acc[i] = vf_fma(vf_from(vi_add(sum[i], high[i])), vf_mul(d, vf_set1(x->d)), acc[i]);
-            if (min) acc[i] = vf_fma(vf_halves(tile + scales + 32), vf_set1(x->d * (float)x->sum), acc[i]);
+            if (min) acc[i] = vf_fma(m, vf_set1(x->d * (float)x->sum), acc[i]);
         }
     }
 }
@@ -1434,7 +1438,7 @@ INLINE void half_pairs(const uint8_t *tile, int64_t nb, const uint8_t *const *a,
         else
             sub_block_sums(tile + scales, 1, o, b, a, R, mins);
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + (three ? 1792 : 1280) + 16 * side)));
-        __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 1312 + 16 * side)));
+        __m256 dmin = three ? _mm256_setzero_ps() : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 1312 + 16 * side)));
         for (int i = 0; i < R; i++) {
             float ad = ((const act_q8_k *)a[i])[b].d;
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[i]), _mm256_mul_ps(d, _mm256_set1_ps(ad)), acc[i]);
@@ -1451,7 +1455,7 @@ INLINE void half_nibbles(int64_t type, const uint8_t *tile, int64_t nb, const ui
                          __m256 *acc) {
     const int five = nibble_five(type), min = nibble_min(type), o = 32 * side;
     const int64_t scales = nibble_scales_at(type), size = scales + (min ? 64 : 32);
-    const int offset = min ? 0 : five ? 16 : 8;
+    const int offset = nibble_offset(type);
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < nb; b++, tile += size) {
         if (!side) prefetch_ahead(tile, size, R);
@@ -1475,15 +1479,14 @@ INLINE void half_nibbles(int64_t type, const uint8_t *tile, int64_t nb, const ui
             }
         }
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + scales + 16 * side)));
+        __m256 m = min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + scales + 32 + 16 * side)))
+                       : _mm256_setzero_ps();
         for (int i = 0; i < R; i++) {
             const act_q8_0 *x = &((const act_q8_0 *)a[i])[b];
             __m256i total = _mm256_add_epi32(_mm256_set1_epi32(-offset * x->sum), _mm256_madd_epi16(lo[i], ones));
             total = _mm256_add_epi32(total, _mm256_madd_epi16(hi[i], ones));
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(x->d)), acc[i]);
-            if (min) {
-                __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + scales + 32 + 16 * side)));
-                acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->d * (float)x->sum), acc[i]);
-            }
+            if (min) acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->d * (float)x->sum), acc[i]);
         }
     }
 }
