@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import json
+import mmap
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -57,3 +59,61 @@ def test_the_memory_a_tokenizer_freed_while_loading_is_returned_at_the_end_of_st
     grown, returned = rss["loaded"] - rss["start"], rss["loaded"] - rss["frozen"]
     assert returned > grown / 3, rss  # most of what loading took was its garbage
     assert rss["ids"] == [9906, 1917]  # and the tokenizer still works
+
+
+PAGE_OUT = """
+import json, mmap, os, re, sys
+from core.heap import page_out_libraries
+
+def resident_kib(path):
+    kib, current = 0, None
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            current = head[5] if len(head) > 5 else None
+        elif head[0] == "Rss:" and current == path:
+            kib += int(head[1])
+    return kib
+
+maps = {}
+for path in sys.argv[1:]:
+    with open(path, "rb") as f:
+        maps[path] = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    sum(maps[path][i] for i in range(0, len(maps[path]), mmap.PAGESIZE))  # every page resident
+before = {path: resident_kib(path) for path in maps}
+page_out_libraries()
+print(json.dumps({"before": before, "after": {path: resident_kib(path) for path in maps}}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="residency is read from /proc")
+def test_start_up_hands_back_the_pages_of_shared_libraries_and_keeps_other_files(tmp_path: Path) -> None:
+    """A file named as a shared library and a weights file, both mapped read-only and read through:
+    the library's pages leave, the weights' stay (a model served from a mapping must not fault)."""
+    library, weights = tmp_path / "libstartup.so.1", tmp_path / "weights.bin"
+    for path in (library, weights):
+        with open(path, "wb") as f:
+            f.write(os.urandom(4 << 20))
+            f.flush()
+            os.fsync(f.fileno())  # clean pages: the kernel reclaims them without writing back
+    proc = subprocess.run([sys.executable, "-c", PAGE_OUT, str(library), str(weights)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rss = json.loads(proc.stdout.splitlines()[-1])
+    if not kernel_pages_out():
+        pytest.skip("this kernel has no MADV_PAGEOUT (Linux 5.4 and later)")
+    assert rss["before"][str(library)] >= 4096 and rss["before"][str(weights)] >= 4096, rss
+    assert rss["after"][str(library)] < rss["before"][str(library)] / 4, rss
+    assert rss["after"][str(weights)] == rss["before"][str(weights)], rss
+
+
+def kernel_pages_out() -> bool:
+    """Whether madvise accepts MADV_PAGEOUT here (EINVAL on kernels before 5.4)."""
+    area = mmap.mmap(-1, mmap.PAGESIZE)
+    try:
+        area.madvise(21)
+        return True
+    except OSError:
+        return False
+    finally:
+        area.close()
