@@ -30,7 +30,7 @@ import time
 from bench.step_engine import MAX_MODEL_LEN, stories_engine
 from core.protocol import EngineCoreRequest, SamplingParams, StructuredOutputsParams
 
-HELP = "decode step cost with 0/50/100% JSON-schema requests, and TTFT of a fresh vs a cached schema"
+HELP = "decode step cost with 0/50/100%% JSON-schema requests, and TTFT of a fresh vs a cached schema"
 # Hundreds of digits before it may end: no request finishes while it is timed.
 LONG_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 600}
 CASES = {"0%": 0.0, "50%": 0.5, "100%": 1.0}
