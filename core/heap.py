@@ -36,7 +36,7 @@ _SHARED_LIBRARY = re.compile(r"\.so(\.\d+)*$")
 
 def freeze_startup_heap() -> None:
     """Collect once, exempt every surviving object from future collections, and hand the C
-    heap's free pages back to the system."""
+    heap's free pages and the libraries' start-up code back to the system."""
     gc.collect()
     gc.freeze()
     _trim_c_heap()

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from app.launcher import REPO
-from bench.__main__ import SUBCOMMANDS
+from bench.__main__ import SUBCOMMANDS, make_parser
 
 
 def test_the_command_help_lists_every_subcommand() -> None:
@@ -22,8 +22,6 @@ def test_the_command_help_lists_every_subcommand() -> None:
 
 @pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
 def test_each_subcommand_help_renders(name: str) -> None:
-    from bench.__main__ import make_parser
-
     parser = make_parser()
     with pytest.raises(SystemExit) as exit_info:
         parser.parse_args([name, "--help"])
