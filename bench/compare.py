@@ -83,17 +83,30 @@ def process_tree_cpu_s(pid: int) -> float:
     return total
 
 
-def process_tree_rss_mb(pid: int) -> float:
-    """Resident memory of ``pid`` and its descendants, MB (VmRSS: file-mapped weights included)."""
+def _tree_kib(pid: int, path: str, field: str) -> int:
+    """The sum of one /proc field (in kB) over ``pid`` and its descendants."""
     total = 0
     for p in process_tree(pid):
         try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
+            for line in Path(f"/proc/{p}/{path}").read_text().splitlines():
+                if line.startswith(field):
                     total += int(line.split()[1])
         except (FileNotFoundError, ProcessLookupError):
             continue
-    return total / 1024
+    return total
+
+
+def process_tree_rss_mb(pid: int) -> float:
+    """Resident memory of ``pid`` and its descendants, MiB (VmRSS: file-mapped weights included;
+    a page that several of them map counts once in each)."""
+    return _tree_kib(pid, "status", "VmRSS:") / 1024
+
+
+def process_tree_pss_mb(pid: int) -> float:
+    """Proportional set size of ``pid`` and its descendants, MiB: every resident page once, a page
+    shared by n processes counted 1/n in each. Of a multi-process server this is the memory it
+    holds; the sum of RSS counts each shared library's pages and the IPC rings once per process."""
+    return _tree_kib(pid, "smaps_rollup", "Pss:") / 1024
 
 
 def _matrices(model: str) -> dict[str, tuple[object, float]] | None:
@@ -171,6 +184,7 @@ def measure(server: ManagedServer, args: argparse.Namespace, concurrency: int, t
     cpu = process_tree_cpu_s(server.proc.pid) - before
     result["server_cpu_ms_per_token"] = cpu * 1e3 / max(result["total_output_tokens"], 1)
     result["server_rss_mb"] = process_tree_rss_mb(server.proc.pid)
+    result["server_pss_mb"] = process_tree_pss_mb(server.proc.pid)
     result["startup_s"] = server.ready_s
     return result
 
@@ -181,7 +195,8 @@ ROWS = [
     ("median_ttft_ms", "median TTFT ms"),
     ("server_cpu_ms_per_token", "server CPU ms/token"),
     ("startup_s", "start-up s"),
-    ("server_rss_mb", "RSS MB after the run"),
+    ("server_rss_mb", "RSS MiB after the run"),
+    ("server_pss_mb", "PSS MiB after the run"),
 ]
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from app.launcher import REPO, ManagedServer, ServerStartError
-from bench.compare import process_cpu_s, process_tree_cpu_s, process_tree_rss_mb
+from bench.compare import process_cpu_s, process_tree_cpu_s, process_tree_pss_mb, process_tree_rss_mb
 from bench.report import percentile_key, save_result
 from bench.serve import BACKENDS, add_workload_arguments, run_benchmark, tokenizer_of
 
@@ -47,7 +47,8 @@ THROUGHPUT_ROWS = [
     ("client_cpu_s", "Benchmark client CPU (s)", False),
     ("frontend_cpu_us_per_token", "Frontend CPU per output token (us)", False),
     ("server_cpu_us_per_token", "Server CPU per output token, engine included (us)", False),
-    ("server_rss_mb", "Server RSS after the run (MB)", False),
+    ("server_rss_mb", "Server RSS after the run (MiB)", False),
+    ("server_pss_mb", "Server PSS after the run (MiB)", False),
     ("spec_decode_acceptance_rate", "Speculative decoding acceptance rate (%)", True),
     ("spec_decode_acceptance_length", "Speculative decoding acceptance length", True),
 ]
@@ -190,6 +191,7 @@ def run_once(config: ConfigRun, args: argparse.Namespace, model_dir: str, tag: s
         result["frontend_cpu_us_per_token"] = (frontend_cpu_s(pid, engines) - frontend) * 1e6 / tokens
         result["server_cpu_us_per_token"] = (process_tree_cpu_s(pid) - server) * 1e6 / tokens
         result["server_rss_mb"] = process_tree_rss_mb(pid)  # the server stays up: what its runs so far left
+        result["server_pss_mb"] = process_tree_pss_mb(pid)
         config.results.append(result)
     except (ValueError, RuntimeError, OSError) as exc:
         config.error = f"benchmark failed: {exc}"

@@ -96,7 +96,7 @@ def test_bench_sweep_compares_configs_and_reports_a_broken_one(
     out = capsys.readouterr().out
     assert rc == 1, out  # one configuration failed
     assert "Sweep comparison" in out and "seqs8/seqs4" in out and "broken/seqs4" in out
-    assert "seqs4: output tok/s of each run: " in out and "Server RSS after the run (MB)" in out
+    assert "seqs4: output tok/s of each run: " in out and "Server RSS after the run (MiB)" in out and "Server PSS after the run (MiB)" in out
     assert "broken: server did not start: server exited with code 2: ... python -m app: error: max_num_seqs and" in out
     summary = json.loads((tmp_path / "sweep.json").read_text())
     by_name = {c["name"]: c for c in summary["configs"]}
@@ -106,6 +106,8 @@ def test_bench_sweep_compares_configs_and_reports_a_broken_one(
         assert by_name[name]["runs"] == 2
         # The RSS of a live server's tree: a frontend and an engine, each a Python process of tens of MB.
         assert by_name[name]["server_rss_mb"] > 40
+        # Their shared pages (libpython's, the rings') count once in the PSS, once per process in the RSS.
+        assert 20 < by_name[name]["server_pss_mb"] < by_name[name]["server_rss_mb"]
         for run in (1, 2):
             assert json.loads((tmp_path / f"sweep-{summary['date']}-{name}-run{run}.json").read_text())["failed"] == 0
     assert by_name["broken"]["runs"] == 0 and by_name["broken"]["completed"] is None
