@@ -24,12 +24,14 @@ import copy
 import math
 import shlex
 import statistics
+import subprocess
+import sys
 import tempfile
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from app.launcher import ManagedServer
+from app.launcher import REPO, ManagedServer
 from bench.report import save_result
 from bench.serve import BACKENDS, add_workload_arguments, run_benchmark, tokenizer_of
 
@@ -248,13 +250,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+_MEMBW_PROBE = (
+    "import statistics; from bench.membw import measure; print(statistics.median(measure(tries=5, hugepages=True)))"
+)
+
+
 def _membw() -> float:
     """``bench membw --hugepages``' median read bandwidth now, GB/s: on huge pages, as the page
     cache holds the weights' files here (large folios), where the default's 4 KiB pages read
-    slower and made a decode look faster than memory (bench/README.md)."""
-    from bench.membw import measure as membw_probe
-
-    return statistics.median(membw_probe(tries=5, hugepages=True))
+    slower and made a decode look faster than memory (bench/README.md). In a child process:
+    this one, mapping torch's libraries, would share their pages with our engine and so lower
+    the PSS measured of it."""
+    probe = subprocess.run([sys.executable, "-c", _MEMBW_PROBE], check=True, capture_output=True, text=True, cwd=REPO)
+    return float(probe.stdout.split()[-1])
 
 
 def bandwidth_line(name: str, weights: int, runs: list[dict[str, Any]]) -> str:
