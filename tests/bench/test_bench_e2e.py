@@ -96,7 +96,8 @@ def test_bench_sweep_compares_configs_and_reports_a_broken_one(
     out = capsys.readouterr().out
     assert rc == 1, out  # one configuration failed
     assert "Sweep comparison" in out and "seqs8/seqs4" in out and "broken/seqs4" in out
-    assert "seqs4: output tok/s of each run: " in out and "Server RSS after the run (MiB)" in out and "Server PSS after the run (MiB)" in out
+    assert "seqs4: output tok/s of each run: " in out
+    assert "Server RSS after the run (MiB)" in out and "Server PSS after the run (MiB)" in out
     assert "broken: server did not start: server exited with code 2: ... python -m app: error: max_num_seqs and" in out
     summary = json.loads((tmp_path / "sweep.json").read_text())
     by_name = {c["name"]: c for c in summary["configs"]}
