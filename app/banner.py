@@ -26,6 +26,16 @@ def display_host(host: str) -> str:
     return f"[{host}]" if address.version == 6 else host
 
 
+def binary_size(nbytes: int) -> str:
+    """``nbytes`` in the largest binary unit that keeps it at least 1, to one decimal: 3.5 GiB."""
+    size, unit = float(nbytes), "bytes"
+    for larger in ("KiB", "MiB", "GiB", "TiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, larger
+    return f"{nbytes:,} bytes" if unit == "bytes" else f"{size:.1f} {unit}"
+
+
 def format_banner(
     *,
     model: str,
@@ -56,7 +66,8 @@ def format_banner(
             "  KV cache   none (an encoder keeps nothing between steps); "
             if ready.kv_cache_dtype == "none" else
             f"  KV cache   {ready.num_gpu_blocks:,} blocks x {ready.block_size} tokens{held}"
-            + (f" of {ready.kv_cache_dtype}" if ready.kv_cache_dtype else "") + "; "
+            + (f" of {ready.kv_cache_dtype}" if ready.kv_cache_dtype else "")
+            + (f", {binary_size(ready.kv_cache_bytes)}" if ready.kv_cache_bytes else "") + "; "
         )
         + f"max_model_len {ready.max_model_len:,}" + (f"; in each of {engines} engines" if engines > 1 else ""),
         f"  transport  {transport} ({_TRANSPORTS.get(transport, transport)})",

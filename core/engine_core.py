@@ -471,6 +471,8 @@ class EngineCoreProc(EngineCore):
                 else storage_name(self.model_executor.runner.kv_dtype)
             ),
             device=str(self.model_executor.runner.device),
+            kv_cache_bytes=0 if self.model_executor.runner.encoder
+            else self.num_gpu_blocks * self.model_executor.runner.kv_bytes_per_block(),
         )
         self.publish_load()  # before READY: a router never reads a previous engine's row
         for link in links:

@@ -562,6 +562,7 @@ class HandshakeReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # Block tables a request has (core/kv/kv_groups.py): more than one where sliding-window
     # layers sit beside whole-context ones, and a block then holds fewer layers.
     kv_cache_groups: int = 1
+    kv_cache_bytes: int = 0  # the memory behind the blocks (on a CPU, resident as they fill)
 
 
 class EngineDeadError(RuntimeError):

@@ -6,6 +6,10 @@ same packaged checkpoint as the oracle.
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
@@ -123,4 +127,10 @@ def test_start_up_banner(server) -> None:
     assert "float32 on cpu" in banner and "transport  shm" in banner
     assert f"chat page  {server.base_url}/" in banner and f"API        {server.base_url}/v1" in banner
     assert f"metrics    {server.base_url}/metrics" in banner
-    assert "KV cache" in banner and " tokens of float16; max_model_len 512" in banner
+    assert "KV cache" in banner and " tokens of float16, " in banner and "; max_model_len 512" in banner
+    # Its memory, from the checkpoint's own config: K and V of every layer, float16.
+    config = json.loads((Path(DEFAULT_MODEL_DIR) / "config.json").read_text())
+    per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * 2
+    blocks, block_size = re.search(r"KV cache   ([\d,]+) blocks x (\d+) tokens", banner).groups()
+    held = int(blocks.replace(",", "")) * int(block_size) * per_token
+    assert f"of float16, {held / 2**20:.1f} MiB; " in banner

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.banner import display_host, format_banner
+from app.banner import binary_size, display_host, format_banner
 from app.cli import (
     build_engine_args,
     build_frontend_config,
@@ -85,13 +85,13 @@ def test_default_model_and_served_names() -> None:
 
 def test_banner() -> None:
     ready = HandshakeReady("READY", num_gpu_blocks=100, max_model_len=512, block_size=16, dtype="float32",
-                           kv_cache_dtype="float16", device="cpu")
+                           kv_cache_dtype="float16", device="cpu", kv_cache_bytes=100 * 16 * 2048)
     text = format_banner(
         model="/m", served_names=["stories260K", "ringllm-default"], ready=ready, transport="shm",
         host="0.0.0.0", port=8000, routes={"/", "/v1/models"},
     )
     assert text.splitlines()[0] == "ringllm is ready" and len(text.splitlines()) == 7
-    assert "100 blocks x 16 tokens = 1,600 tokens of float16;" in text and "float32 on cpu" in text
+    assert "100 blocks x 16 tokens = 1,600 tokens of float16, 3.1 MiB;" in text and "float32 on cpu" in text
     assert "chat page  http://127.0.0.1:8000/" in text and "API        http://127.0.0.1:8000/v1" in text
     assert "metrics" not in text
     bare = format_banner(
@@ -100,6 +100,7 @@ def test_banner() -> None:
     )
     assert "chat page" not in bare and "metrics    http://[::1]:1/metrics" in bare and "also answers" not in bare
     assert display_host("localhost") == "localhost" and display_host("::1") == "[::1]"
+    assert [binary_size(n) for n in (1023, 1536, 3 << 29, 5 << 40)] == ["1,023 bytes", "1.5 KiB", "1.5 GiB", "5.0 TiB"]
 
 
 def test_parse_size_errors_are_argparse_errors(capsys: pytest.CaptureFixture[str]) -> None:
