@@ -29,7 +29,7 @@ import re
 from pathlib import Path
 
 # madvise(2): reclaim these pages now (Linux 5.4 and later; older kernels refuse it, harmlessly).
-_MADV_PAGEOUT = 21
+MADV_PAGEOUT = 21
 # A shared library's file name: libfoo.so, libfoo.so.6, foo.cpython-311-x86_64-linux-gnu.so.
 _SHARED_LIBRARY = re.compile(r"\.so(\.\d+)*$")
 
@@ -71,4 +71,4 @@ def page_out_libraries() -> None:
         if len(fields) < 6 or "w" in fields[1] or not _SHARED_LIBRARY.search(fields[5]):
             continue
         start, end = (int(x, 16) for x in fields[0].split("-"))
-        madvise(start, end - start, _MADV_PAGEOUT)
+        madvise(start, end - start, MADV_PAGEOUT)

@@ -24,7 +24,7 @@ VOCAB = Path(__file__).resolve().parents[3] / "shared" / "chat-formats" / "vocab
 MEASURE = """
 import json, re, sys
 from app.tokenizer import load_tokenizer
-from core.heap import freeze_startup_heap
+from core.heap import MADV_PAGEOUT, freeze_startup_heap
 
 def anon_kib():
     return int(re.search(r"RssAnon:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
@@ -104,15 +104,17 @@ def test_start_up_hands_back_the_pages_of_shared_libraries_and_keeps_other_files
             f.write(os.urandom(4 << 20))
             f.flush()
             os.fsync(f.fileno())  # clean pages: the kernel reclaims them without writing back
-    proc = subprocess.run([sys.executable, "-c", PAGE_OUT, str(library), str(weights)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    try:
+        proc = subprocess.run([sys.executable, "-c", PAGE_OUT, str(library), str(weights)], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        if folder != tmp_path:
+            shutil.rmtree(folder)
     assert proc.returncode == 0, proc.stderr
     rss = json.loads(proc.stdout.splitlines()[-1])
     assert rss["before"][str(library)] >= 4096 and rss["before"][str(weights)] >= 4096, rss
     assert rss["after"][str(library)] < rss["before"][str(library)] / 4, rss
     assert rss["after"][str(weights)] == rss["before"][str(weights)], rss
-    if folder != tmp_path:
-        shutil.rmtree(folder)
 
 
 def in_memory_filesystem(path: Path) -> bool:
@@ -129,7 +131,7 @@ def kernel_pages_out() -> bool:
     """Whether madvise accepts MADV_PAGEOUT here (EINVAL on kernels before 5.4)."""
     area = mmap.mmap(-1, mmap.PAGESIZE)
     try:
-        area.madvise(21)
+        area.madvise(MADV_PAGEOUT)
         return True
     except OSError:
         return False
