@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from app.launcher import REPO
+from core.heap import MADV_PAGEOUT
 from core.models import gguf_metadata
 from core.models.gguf_header import GGUFHeader
 
@@ -24,7 +25,7 @@ VOCAB = Path(__file__).resolve().parents[3] / "shared" / "chat-formats" / "vocab
 MEASURE = """
 import json, re, sys
 from app.tokenizer import load_tokenizer
-from core.heap import MADV_PAGEOUT, freeze_startup_heap
+from core.heap import freeze_startup_heap
 
 def anon_kib():
     return int(re.search(r"RssAnon:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
