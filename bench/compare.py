@@ -13,8 +13,8 @@ workload (``--ignore-eos``, greedy, the same prompts for both), and stopped.
 Besides ``serve``'s metrics, the server's CPU time (every process of it, from
 /proc) is divided by the output tokens, and for a GGUF file one stream's
 decode is set against ``bench membw`` probed just before and after each run.
-The table gives the medians and the ratio ours / peer; the result JSON and a
-PNG go to ``--result-dir``.
+The table gives the medians and the ratio ours / peer; the result JSON (named by
+``--result-filename``, else by the date) and a PNG beside it go to ``--result-dir``.
 """
 
 from __future__ import annotations
@@ -243,10 +243,10 @@ def run(args: argparse.Namespace) -> int:
         },
         "table": table,
     }
-    out = Path(args.result_dir)
-    save_result(summary, out / f"compare-{date}.json")
-    plot(results, args.peer_name, out / f"compare-{date}.png", Path(args.model).name)
-    print(f"saved {out / f'compare-{date}.json'} and .png")
+    path = Path(args.result_dir) / (args.result_filename or f"compare-{date}.json")
+    save_result(summary, path)
+    plot(results, args.peer_name, path.with_suffix(".png"), Path(args.model).name)
+    print(f"saved {path} and its .png")
     return 0
 
 

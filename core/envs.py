@@ -23,6 +23,10 @@ def _flag(text: str) -> bool:
     return text != "0"
 
 
+def _flag_or_auto(text: str) -> bool | None:
+    return None if text == "auto" else _flag(text)
+
+
 @dataclass(frozen=True)
 class EnvVar:
     name: str
@@ -49,6 +53,9 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("RINGLLM_CPU_PREFILL_PAIRS", int, sys.maxsize,
                "Prefill chunks of at most this many (query, key) pairs are attended by the C kernels, longer "
                "ones by torch's SDPA (default: no limit)."),
+        EnvVar("RINGLLM_LONE_ROW_PREFETCH", _flag_or_auto, None,
+               "1 or 0: a lone decode row's quantized weights are (not) also prefetched by software; "
+               "auto (the default): on where the CPU lacks AVX-512 (bench/README.md measures both)."),
         EnvVar("RINGLLM_ATTENTION_BACKEND", str, "auto",
                "torch: the reference attention on every device (to bisect a GPU mismatch)."),
         EnvVar("RINGLLM_SPEC_DECODE_GATE", _flag, True,
@@ -85,5 +92,6 @@ def kernel_settings() -> dict[str, Any]:
         "cpu_blas": get("RINGLLM_CPU_BLAS"),
         "cpu_prepack": get("RINGLLM_CPU_PREPACK"),
         "prefill_pairs": get("RINGLLM_CPU_PREFILL_PAIRS"),
+        "lone_row_prefetch": get("RINGLLM_LONE_ROW_PREFETCH"),
         "cache_dir": get("RINGLLM_CACHE"),
     }

@@ -2,13 +2,14 @@
 
 The kernels read no environment: an engine sets these from its own settings
 (core/envs.py) when its model runner is built, and tests and benchmarks that
-use the kernels directly change them here. Read at each use, so a change
-takes effect at once.
+use the kernels directly change them here. Read at each use, or passed on to
+loaded code by configure(), so a change takes effect at once.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -37,11 +38,21 @@ class KernelSettings:
     # block, as llama.cpp does; off (tests only), activations stay float32 and the weights are
     # expanded instead, so a product equals the float32 one of the dequantized weights.
     quantize_activations: bool = True
+    # Whether a lone row's product with quantized weights also prefetches them by software: None
+    # decides by the CPU (kernels/cpu.lone_row_prefetch); True or False to compare the two.
+    lone_row_prefetch: bool | None = None
     # Where compiled kernels are kept (a "kernels" folder is made in it).
     cache_dir: Path = Path.home() / ".cache" / "ringllm"
 
 
 settings = KernelSettings()
+# Called after each configure(): for settings held by loaded code rather than read at each use.
+_listeners: list[Callable[[KernelSettings], None]] = []
+
+
+def on_change(listener: Callable[[KernelSettings], None]) -> None:
+    """Have ``listener`` called with the settings after every configure()."""
+    _listeners.append(listener)
 
 
 def configure(**changes: Any) -> None:
@@ -51,3 +62,5 @@ def configure(**changes: Any) -> None:
         if name not in known:
             raise TypeError(f"no kernel setting {name!r}")
         setattr(settings, name, value)
+    for listener in _listeners:
+        listener(settings)

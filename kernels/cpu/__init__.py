@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu.library import NativeLibrary
+from kernels.cpu.library import NativeLibrary, cpu_flags
 from kernels.kv_format import KVFormat, head_dim_of
-from kernels.settings import settings
+from kernels.settings import KernelSettings, on_change, settings
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 QUANT_SOURCE = Path(__file__).with_name("quant_kernels.c")  # products with GGUF block-format weights
@@ -56,7 +56,26 @@ def load() -> ctypes.CDLL | None:
     global _lib
     if _lib is None:
         _lib = LIBRARY.load()
+        if _lib is not None:
+            _apply_settings(settings)
+            on_change(_apply_settings)
     return _lib
+
+
+def lone_row_prefetch(flags: set[str] | None) -> bool:
+    """Whether a lone row's quantized products prefetch their weights by software on a CPU of these
+    flags. Measured on two cores (bench/README.md): a Zen 3 without AVX-512 streamed a lone row's
+    Q4_K and Q6_K tiles faster with it, a Zen 4 with AVX-512 faster without it, whose hardware
+    prefetcher keeps up on its own, in both its AVX-512 and AVX2 builds. AVX-512 stands for
+    such a core."""
+    return flags is None or "avx512f" not in flags
+
+
+def _apply_settings(current: KernelSettings) -> None:
+    """Hand the library the settings it holds rather than takes with each call."""
+    chosen = current.lone_row_prefetch
+    assert _lib is not None
+    _lib.set_lone_row_prefetch(lone_row_prefetch(cpu_flags()) if chosen is None else chosen)
 
 
 def padded_keys(n: int) -> int:

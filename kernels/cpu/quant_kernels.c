@@ -951,6 +951,19 @@ INLINE void prefetch_ahead(const uint8_t *p, int64_t bytes, int R) {
         prefetch_ahead_l2(p, bytes);
 }
 
+/* Whether a lone row's tiles, which it reads front to back, are also prefetched by software.
+ * Some cores' hardware prefetchers keep one row's stream at full speed on their own, and there the
+ * prefetches only take load slots from the arithmetic; others reach the memory's speed only when
+ * asked ahead (bench/README.md has both). Set per CPU by kernels/cpu (set_lone_row_prefetch). */
+static int lone_row_prefetch;
+
+API void set_lone_row_prefetch(int64_t on) { lone_row_prefetch = on != 0; }
+
+/* prefetch_ahead for a tile of a format whose lone row may go without it (lone_row_prefetch). */
+INLINE void prefetch_tile(const uint8_t *tile, int64_t bytes, int R) {
+    if (R > 1 || lone_row_prefetch) prefetch_ahead(tile, bytes, R);
+}
+
 INLINE void tile_q8_0(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
     for (int64_t b = 0; b < nb; b++, tile += Q8_0_TILE) {
         prefetch_ahead(tile, Q8_0_TILE, R);
@@ -1037,14 +1050,12 @@ INLINE void add_block(vf *acc, const vi *total, const vi *mins, const uint8_t *d
 INLINE void tile_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc, int five) {
     const int64_t size = five ? Q5_K_TILE : Q4_K_TILE;
     for (int64_t b = 0; b < nb; b++, tile += size) {
-        /* A lone row reads a Q4_K tile front to back, which the hardware's prefetcher follows on
-         * its own: a prefetch per line only takes the load port from the arithmetic. Q5_K's tile is
-         * read in two streams (nibbles, fifth bits): asked for ahead, into L2 even for one row
-         * (into L1, a lone row's streamed well below two rows': bench/README.md). */
+        /* Q5_K's tile is read in two streams (nibbles, fifth bits): asked for ahead, into L2 even
+         * for one row (into L1, a lone row's streamed well below two rows': bench/README.md). */
         if (five)
             prefetch_ahead_l2(tile, size);
-        else if (R > 1)
-            prefetch_ahead(tile, size, R);
+        else
+            prefetch_tile(tile, size, R);
         vi total[ROWS_AT_ONCE], mins[ROWS_AT_ONCE];
         for (int i = 0; i < R; i++) total[i] = mins[i] = vi_set1(0);
         for (int c = 0; c < 4; c++) {
@@ -1135,7 +1146,7 @@ INLINE void tile_q3_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
 INLINE void tile_q2_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
     static const int factor_bits[4] = {0, 2, 4, 4};
     for (int64_t b = 0; b < nb; b++, tile += Q2_K_TILE) {
-        if (R > 1) prefetch_ahead(tile, Q2_K_TILE, R); /* a lone row's tile is read front to back */
+        prefetch_tile(tile, Q2_K_TILE, R);
         vi total[ROWS_AT_ONCE], mins[ROWS_AT_ONCE];
         for (int i = 0; i < R; i++) total[i] = mins[i] = vi_set1(0);
         for (int k = 0; k < 4; k++) {
@@ -1169,7 +1180,7 @@ INLINE void tile_q2_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
  * too large, taken off where it starts. */
 INLINE void tile_iq4_xs(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
     for (int64_t b = 0; b < nb; b++, tile += IQ4_XS_TILE) {
-        if (R > 1) prefetch_ahead(tile, IQ4_XS_TILE, R); /* a lone row's tile is read front to back */
+        prefetch_tile(tile, IQ4_XS_TILE, R);
         vi total[ROWS_AT_ONCE];
         for (int i = 0; i < R; i++) total[i] = vi_set1(0);
         for (int s = 0; s < 8; s++) {
@@ -1200,7 +1211,7 @@ INLINE void tile_iq4_xs(const uint8_t *tile, int64_t nb, const uint8_t *const *a
 /* Q6_K: d * scale_s * (q - 32) for the 16 sub-blocks s of 16. */
 INLINE void tile_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
     for (int64_t b = 0; b < nb; b++, tile += Q6_K_TILE) {
-        if (R > 1) prefetch_ahead(tile, Q6_K_TILE, R); /* a lone row's tile is read front to back, as Q4_K's */
+        prefetch_tile(tile, Q6_K_TILE, R);
         vi total[ROWS_AT_ONCE];
         for (int i = 0; i < R; i++) total[i] = vi_set1(0);
         for (int h = 0; h < 2; h++)

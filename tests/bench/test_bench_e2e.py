@@ -113,3 +113,29 @@ def test_bench_sweep_compares_configs_and_reports_a_broken_one(
             assert json.loads((tmp_path / f"sweep-{summary['date']}-{name}-run{run}.json").read_text())["failed"] == 0
     assert by_name["broken"]["runs"] == 0 and by_name["broken"]["completed"] is None
     assert "max_num_seqs" in by_name["broken"]["error"]
+
+
+def test_bench_compare_takes_turns_and_saves_where_told(
+    random_model_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Our server against a second one started from a command line (here our own, as "twin"):
+    both measured, the table's ratio set between them, the result under --result-filename."""
+    peer = f"{sys.executable} -m app --model {random_model_dir} --port {{port}} --max-num-seqs {{concurrency}}"
+    rc = bench_main([
+        "compare", "--model", random_model_dir, "--peer-cmd", peer, "--peer-name", "twin",
+        "--concurrency", "2", "--repeats", "1", "--num-prompts", "4",
+        "--random-input-len", "16", "--random-output-len", "4",
+        "--result-dir", str(tmp_path), "--result-filename", "pair.json",
+    ])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "### ringllm, 2 streams, run 1" in out and "### twin, 2 streams, run 1" in out
+    summary = json.loads((tmp_path / "pair.json").read_text())
+    assert (tmp_path / "pair.png").stat().st_size > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pair.json", "pair.png"]
+    runs = summary["results"]["2"]
+    for name in ("ringllm", "twin"):
+        (run,) = runs[name]
+        assert run["startup_s"] > 0 and run["server_cpu_ms_per_token"] > 0
+        assert 20 < run["server_pss_mb"] < run["server_rss_mb"]
+    assert "output tok/s (ringllm / twin)" in summary["table"]

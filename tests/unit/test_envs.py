@@ -40,6 +40,9 @@ def test_values_are_read_when_asked_and_checked(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("RINGLLM_CPU_KERNELS", "0")
     assert envs.RINGLLM_CPU_PREFILL_PAIRS == 1024 and envs.RINGLLM_CPU_KERNELS is False
     assert envs.kernel_settings()["prefill_pairs"] == 1024
+    for text, value in (("auto", None), ("0", False), ("1", True)):
+        monkeypatch.setenv("RINGLLM_LONE_ROW_PREFETCH", text)
+        assert envs.kernel_settings()["lone_row_prefetch"] is value
     monkeypatch.setenv("RINGLLM_CPU_PREFILL_PAIRS", "many")
     with pytest.raises(ValueError, match="RINGLLM_CPU_PREFILL_PAIRS='many' is not valid"):
         envs.get("RINGLLM_CPU_PREFILL_PAIRS")

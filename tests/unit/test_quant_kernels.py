@@ -19,7 +19,7 @@ import pytest
 
 from kernels import cpu
 from kernels.quant import BLOCKS, QuantizedMatrix, QuantizedWeight, QuantType
-from kernels.settings import settings
+from kernels.settings import configure, settings
 from tests.support.quant_blocks import random_blocks
 
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason="no C compiler to build kernels/cpu with")
@@ -129,6 +129,31 @@ def test_products_of_many_rows_span_several_passes(n: int) -> None:
     together = weight.matmul(x)
     for i in (0, 1, n // 2, n - 2, n - 1):
         np.testing.assert_array_equal(together[i], weight.matmul(x[i : i + 1])[0])
+
+
+@pytest.mark.parametrize("qtype", [QuantType.Q2_K, QuantType.Q4_K, QuantType.Q6_K, QuantType.IQ4_XS],
+                         ids=lambda t: t.name)
+def test_a_lone_rows_software_prefetch_changes_no_bit(qtype: QuantType) -> None:
+    """A lone row's tiles are prefetched by software or not as the CPU streams them faster
+    (kernels/cpu.lone_row_prefetch); either way the product has the same bits, those of the
+    row in a batch."""
+    m, k = 40, 512
+    weight = QuantizedWeight([QuantizedMatrix(qtype, random_blocks(qtype, m, k, seed=5), m, k)])
+    x = np.random.default_rng(5).standard_normal((3, k)).astype(np.float32)
+    lone = {}
+    try:
+        for on in (False, True):
+            configure(lone_row_prefetch=on)
+            lone[on] = weight.matmul(x[:1])[0]
+    finally:
+        configure(lone_row_prefetch=None)
+    np.testing.assert_array_equal(lone[False], lone[True])
+    np.testing.assert_array_equal(lone[True], weight.matmul(x)[0])
+
+
+def test_a_lone_row_is_prefetched_by_software_where_the_cpu_lacks_avx512() -> None:
+    assert cpu.lone_row_prefetch({"avx2", "fma", "f16c"}) is True
+    assert cpu.lone_row_prefetch({"avx2", "fma", "f16c", "avx512f", "avx512bw"}) is False
 
 
 # Each vector path of quant_kernels.c, built for a CPU that has it (the machine running the
