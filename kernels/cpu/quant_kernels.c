@@ -951,18 +951,13 @@ INLINE void prefetch_ahead(const uint8_t *p, int64_t bytes, int R) {
         prefetch_ahead_l2(p, bytes);
 }
 
-/* Whether a lone row's tiles, which it reads front to back, are also prefetched by software.
+/* Whether a lone row's K-format tiles, which it reads front to back, are also prefetched by software.
  * Some cores' hardware prefetchers keep one row's stream at full speed on their own, and there the
  * prefetches only take load slots from the arithmetic; others reach the memory's speed only when
  * asked ahead (bench/README.md has both). Set per CPU by kernels/cpu (set_lone_row_prefetch). */
 static int lone_row_prefetch;
 
 API void set_lone_row_prefetch(int64_t on) { lone_row_prefetch = on != 0; }
-
-/* prefetch_ahead for a tile of a format whose lone row may go without it (lone_row_prefetch). */
-INLINE void prefetch_tile(const uint8_t *tile, int64_t bytes, int R) {
-    if (R > 1 || lone_row_prefetch) prefetch_ahead(tile, bytes, R);
-}
 
 INLINE void tile_q8_0(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
     for (int64_t b = 0; b < nb; b++, tile += Q8_0_TILE) {
@@ -1050,12 +1045,15 @@ INLINE void add_block(vf *acc, const vi *total, const vi *mins, const uint8_t *d
 INLINE void tile_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc, int five) {
     const int64_t size = five ? Q5_K_TILE : Q4_K_TILE;
     for (int64_t b = 0; b < nb; b++, tile += size) {
-        /* Q5_K's tile is read in two streams (nibbles, fifth bits): asked for ahead, into L2 even
-         * for one row (into L1, a lone row's streamed well below two rows': bench/README.md). */
+        /* A lone row reads a Q4_K tile front to back, which some cores' hardware prefetchers follow
+         * on their own: a prefetch per line only takes the load port from the arithmetic (on the
+         * others tile_row_prefetched asks ahead, block by block). Q5_K's tile is
+         * read in two streams (nibbles, fifth bits): asked for ahead, into L2 even for one row
+         * (into L1, a lone row's streamed well below two rows': bench/README.md). */
         if (five)
             prefetch_ahead_l2(tile, size);
-        else
-            prefetch_tile(tile, size, R);
+        else if (R > 1)
+            prefetch_ahead(tile, size, R);
         vi total[ROWS_AT_ONCE], mins[ROWS_AT_ONCE];
         for (int i = 0; i < R; i++) total[i] = mins[i] = vi_set1(0);
         for (int c = 0; c < 4; c++) {
@@ -1146,7 +1144,7 @@ INLINE void tile_q3_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
 INLINE void tile_q2_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
     static const int factor_bits[4] = {0, 2, 4, 4};
     for (int64_t b = 0; b < nb; b++, tile += Q2_K_TILE) {
-        prefetch_tile(tile, Q2_K_TILE, R);
+        if (R > 1) prefetch_ahead(tile, Q2_K_TILE, R); /* a lone row's tile is read front to back */
         vi total[ROWS_AT_ONCE], mins[ROWS_AT_ONCE];
         for (int i = 0; i < R; i++) total[i] = mins[i] = vi_set1(0);
         for (int k = 0; k < 4; k++) {
@@ -1180,7 +1178,7 @@ INLINE void tile_q2_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
  * too large, taken off where it starts. */
 INLINE void tile_iq4_xs(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
     for (int64_t b = 0; b < nb; b++, tile += IQ4_XS_TILE) {
-        prefetch_tile(tile, IQ4_XS_TILE, R);
+        if (R > 1) prefetch_ahead(tile, IQ4_XS_TILE, R); /* a lone row's tile is read front to back */
         vi total[ROWS_AT_ONCE];
         for (int i = 0; i < R; i++) total[i] = vi_set1(0);
         for (int s = 0; s < 8; s++) {
@@ -1211,7 +1209,7 @@ INLINE void tile_iq4_xs(const uint8_t *tile, int64_t nb, const uint8_t *const *a
 /* Q6_K: d * scale_s * (q - 32) for the 16 sub-blocks s of 16. */
 INLINE void tile_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
     for (int64_t b = 0; b < nb; b++, tile += Q6_K_TILE) {
-        prefetch_tile(tile, Q6_K_TILE, R);
+        if (R > 1) prefetch_ahead(tile, Q6_K_TILE, R); /* a lone row's tile is read front to back, as Q4_K's */
         vi total[ROWS_AT_ONCE];
         for (int i = 0; i < R; i++) total[i] = vi_set1(0);
         for (int h = 0; h < 2; h++)
@@ -1633,7 +1631,32 @@ static void tile_rows_generic(int64_t type, const uint8_t *tile, int64_t nb, con
     }
 }
 
+/* The K formats whose lone row goes without software prefetch in its tile kernel (the tile read
+ * front to back); their activations are act_q8_k blocks. */
+static int lone_row_unprefetched(int64_t type) {
+    return type == TYPE_Q2_K || type == TYPE_Q4_K || type == TYPE_Q6_K || type == TYPE_IQ4_XS;
+}
+
+/* Such a lone row's tile block by block, each block's lines PF_DISTANCE ahead asked for first: the
+ * same products added in the same order as tile_product's, so the same bits. A function of its
+ * own, outside the tile kernels: inlined into them, the prefetch changed how the compiler laid out
+ * the products of many rows, a prefill's, which then ran 5-15 % slower (bench/README.md). */
+__attribute__((noinline)) static void tile_row_prefetched(int64_t type, const uint8_t *tile, int64_t nb,
+                                                          const uint8_t *const *a, vf *acc) {
+    int64_t tb = tile_block_bytes(type);
+    const act_q8_k *x = (const act_q8_k *)a[0];
+    for (int64_t b = 0; b < nb; b++, tile += tb) {
+        prefetch_ahead(tile, tb, 1);
+        const uint8_t *block = (const uint8_t *)(x + b);
+        tile_product(type, tile, 1, &block, 1, acc);
+    }
+}
+
 static void tile_rows(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
+    if (R == 1 && lone_row_prefetch && lone_row_unprefetched(type)) {
+        tile_row_prefetched(type, tile, nb, a, acc);
+        return;
+    }
 #if defined(VEC_AVX2) && Q8_OFFSET == 0 /* AVX-VNNI's vpdpbusd serves the generic kernels better */
     /* One row (a lone decode) streams the whole tile once through the generic kernel (Q6_K's too:
      * since its layout 2, faster than a one-row kernel of half-tile arithmetic, bench/README.md);
