@@ -1640,7 +1640,7 @@ static int lone_row_unprefetched(int64_t type) {
 /* Such a lone row's tile block by block, each block's lines PF_DISTANCE ahead asked for first: the
  * same products added in the same order as tile_product's, so the same bits. A function of its
  * own, outside the tile kernels: inlined into them, the prefetch changed how the compiler laid out
- * the products of many rows, a prefill's, which then ran 5-15 % slower (bench/README.md). */
+ * the products of many rows, a prefill's, which then ran slower (bench/README.md). */
 __attribute__((noinline)) static void tile_row_prefetched(int64_t type, const uint8_t *tile, int64_t nb,
                                                           const uint8_t *const *a, vf *acc) {
     int64_t tb = tile_block_bytes(type);
