@@ -32,7 +32,7 @@ from core.worker.cpu_program import NativeStepProgram
 from kernels import cpu
 from kernels.quant import QuantType
 from kernels.settings import settings
-from tests.support.gguf_files import gemma3_checkpoint, qwen_dir, write_gguf
+from tests.support.gguf_files import gemma3_checkpoint, private_cache, qwen_dir, write_gguf
 from tests.support.paged import single_prefill
 from tests.support.quant_blocks import random_blocks
 from tests.support.servers import start_server, stop_server
@@ -47,7 +47,7 @@ STORY_PROMPTS = ["Once upon a time", "Lily and Ben went to the park", "The littl
 def cache(tmp_path_factory: pytest.TempPathFactory):
     """The GGUF files' config and tokenizer directories go to a cache of this module's own."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RINGLLM_CACHE", str(tmp_path_factory.mktemp("cache")))
+        patch.setenv("RINGLLM_CACHE", str(private_cache(tmp_path_factory.mktemp("cache") / "ringllm")))
         yield
 
 

@@ -25,7 +25,20 @@ import torch
 import transformers
 from safetensors.numpy import load_file
 
+from core import envs
 from core.models.default_model import DEFAULT_MODEL_DIR
+
+
+def private_cache(folder: Path) -> Path:
+    """``folder`` made a cache of a test's own (for $RINGLLM_CACHE: the GGUF files' configs,
+    tokenizers and packed weights), its compiled kernels linked to this environment's cache:
+    the library is keyed by its sources and this CPU, so the servers a test starts load the
+    build already made rather than compile it again."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shared = Path(envs.RINGLLM_CACHE) / "kernels"
+    shared.mkdir(parents=True, exist_ok=True)
+    (folder / "kernels").symlink_to(shared, target_is_directory=True)
+    return folder
 
 ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
          "Gemma3ForCausalLM": "gemma3", "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe",
