@@ -1505,17 +1505,22 @@ INLINE int has_half_tiles(int64_t type) {
     return (k_format(type) && type != TYPE_IQ4_XS) || (nibble_format(type) && type != TYPE_IQ4_NL);
 }
 
-INLINE void half_tile(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, int side, __m256 *acc) {
-    if (nibble_format(type)) { /* the type a constant in each call, as ``five`` below */
-        if (type == TYPE_Q4_0)
-            half_nibbles(TYPE_Q4_0, tile, nb, a, R, side, acc);
-        else if (type == TYPE_Q5_0)
-            half_nibbles(TYPE_Q5_0, tile, nb, a, R, side, acc);
-        else if (type == TYPE_Q4_1)
-            half_nibbles(TYPE_Q4_1, tile, nb, a, R, side, acc);
-        else
-            half_nibbles(TYPE_Q5_1, tile, nb, a, R, side, acc);
-    } else if (type == TYPE_Q4_K) /* ``five`` a constant in each call: its branches leave the inner loop */
+/* A side of a 32-value format's tile (Q4_0, Q5_0, Q4_1, Q5_1). */
+INLINE void half_nibble_tile(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, int side,
+                             __m256 *acc) {
+    if (type == TYPE_Q4_0) /* the type a constant in each call, as ``five`` below */
+        half_nibbles(TYPE_Q4_0, tile, nb, a, R, side, acc);
+    else if (type == TYPE_Q5_0)
+        half_nibbles(TYPE_Q5_0, tile, nb, a, R, side, acc);
+    else if (type == TYPE_Q4_1)
+        half_nibbles(TYPE_Q4_1, tile, nb, a, R, side, acc);
+    else
+        half_nibbles(TYPE_Q5_1, tile, nb, a, R, side, acc);
+}
+
+/* A side of a K format's tile (Q2_K to Q6_K). */
+INLINE void half_k_tile(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, int side, __m256 *acc) {
+    if (type == TYPE_Q4_K) /* ``five`` a constant in each call: its branches leave the inner loop */
         half_q4_k(tile, nb, a, R, side, acc, 0);
     else if (type == TYPE_Q5_K)
         half_q4_k(tile, nb, a, R, side, acc, 1);
@@ -1525,6 +1530,13 @@ INLINE void half_tile(int64_t type, const uint8_t *tile, int64_t nb, const uint8
         half_pairs(tile, nb, a, R, side, acc, 0);
     else
         half_q6_k(tile, nb, a, R, side, acc);
+}
+
+INLINE void half_tile(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, int side, __m256 *acc) {
+    if (nibble_format(type))
+        half_nibble_tile(type, tile, nb, a, R, side, acc);
+    else
+        half_k_tile(type, tile, nb, a, R, side, acc);
 }
 
 /* Both sides of a tile for R rows, a block at a time: side 0 of a block (which asks for
@@ -1538,7 +1550,7 @@ INLINE void half_tile_blocks(int64_t type, const uint8_t *tile, int64_t nb, cons
         const uint8_t *block_a[4]; /* block b of each row's activations */
         for (int i = 0; i < R; i++) block_a[i] = a[i] + b * act;
 #pragma GCC unroll 1 /* one copy of a side's long unrolled block: two copies ran Q6_K slower */
-        for (int side = 0; side < 2; side++) half_tile(type, tile, 1, block_a, R, side, part[side]);
+        for (int side = 0; side < 2; side++) half_k_tile(type, tile, 1, block_a, R, side, part[side]);
     }
     for (int i = 0; i < R; i++) {
         acc[i].l = part[0][i];
@@ -1557,17 +1569,20 @@ static void half_tile_few_rows(int64_t type, const uint8_t *tile, int64_t nb, co
         half_tile_blocks(type, tile, nb, a, 3, acc);
 }
 
-/* Both sides of a tile for up to four rows (the first side's pass prefetches ahead). */
+/* Both sides of a tile, a side at a time (the first side's pass prefetches ahead): four rows of any
+ * format with half tiles, or two or three of a 32-value format (tile_rows sends a K format's two or
+ * three rows to half_tile_few_rows, and no lone row here). Only those counts are expanded: the
+ * others never ran, and compiling them took most of this file's build time. */
 static void half_tile_rows(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
     for (int side = 0; side < 2; side++) {
         __m256 part[4];
         for (int i = 0; i < R; i++) part[i] = _mm256_setzero_ps();
-        switch (R) {
-            case 1: half_tile(type, tile, nb, a, 1, side, part); break;
-            case 2: half_tile(type, tile, nb, a, 2, side, part); break;
-            case 3: half_tile(type, tile, nb, a, 3, side, part); break;
-            default: half_tile(type, tile, nb, a, 4, side, part); break;
-        }
+        if (R == 4)
+            half_tile(type, tile, nb, a, 4, side, part);
+        else if (R == 3)
+            half_nibble_tile(type, tile, nb, a, 3, side, part);
+        else
+            half_nibble_tile(type, tile, nb, a, 2, side, part);
         for (int i = 0; i < R; i++) {
             if (side)
                 acc[i].h = part[i];
