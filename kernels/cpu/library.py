@@ -1,8 +1,9 @@
 """C sources built on first use for this very CPU, cached per CPU, and typed from their own prototypes.
 
 A library is compiled with the machine's C compiler (``cc``, or ``$CC``) for
-this CPU (``-march=native``) into ``kernels.settings``' cache directory:
-about half a second, once. A cache may be shared by machines of different
+this CPU (``-march=native``) into ``kernels.settings``' cache directory,
+once per source version and CPU (tens of seconds on a small machine: the quantized products'
+specialised kernels are most of it). A cache may be shared by machines of different
 CPUs (a home directory on NFS, an image built elsewhere), and a library
 built for another CPU may use instructions this one lacks (SIGILL). So the
 cache is keyed by the sources, the flags and what ``-march=native`` means to
@@ -171,6 +172,7 @@ class NativeLibrary:
                 return lib
             logger.warning("the cached %s %s uses %s, which this CPU lacks: rebuilding it",
                            self.name, target, ", ".join(missing))
+        logger.info("compiling %s for this CPU (once per version of its sources)", self.name)
         fresh = self._compile(compiler, flags, target)
         try:
             lib = ctypes.CDLL(str(fresh))  # by its fresh name: the loader would hand back a library of the old one
