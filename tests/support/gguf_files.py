@@ -40,6 +40,7 @@ def private_cache(folder: Path) -> Path:
     (folder / "kernels").symlink_to(shared, target_is_directory=True)
     return folder
 
+
 ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
          "Gemma3ForCausalLM": "gemma3", "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe",
          "Qwen3MoeForCausalLM": "qwen3moe"}
