@@ -24,13 +24,27 @@ TIERS = ("unit", "engine", "server", "equivalence", "bench")
 TESTS = Path(__file__).resolve().parent
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--alone", action="store_true",
+                     help="run only the tests marked alone (make test's second run, after the parallel one)")
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Marks every test in tests/<tier>/ with the tier's marker (``pytest -m unit``)."""
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks every test in tests/<tier>/ with the tier's marker (``pytest -m unit``). Tests
+    marked ``alone`` look at the whole machine's /dev/shm, where another worker's servers
+    would show: pytest-xdist's workers leave them out, and ``--alone`` runs only them."""
     for item in items:
         folder = item.path.resolve().parent
         if folder.parent == TESTS and folder.name in TIERS:
             item.add_marker(folder.name)
+    in_worker = "PYTEST_XDIST_WORKER" in os.environ
+    if config.getoption("--alone") and in_worker:
+        raise pytest.UsageError("--alone runs the tests marked alone by themselves: not with -n")
+    if config.getoption("--alone") or in_worker:
+        keep = [item for item in items if (item.get_closest_marker("alone") is not None) != in_worker]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
 
 
 @pytest.fixture(scope="session")

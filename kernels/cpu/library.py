@@ -18,6 +18,7 @@ are parsed to type the ctypes calls, so a signature is written once, in C.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -163,9 +164,19 @@ class NativeLibrary:
         return Path(tmp)
 
     def open(self, compiler: str, flags: Sequence[str]) -> ctypes.CDLL:
-        """The library for these flags: from the cache if it was built for this CPU, else built now."""
+        """The library for these flags: from the cache if it was built for this CPU, else built now.
+        Processes that miss the cache together (engines of one server, servers started side by
+        side) build it once: the others wait on a lock beside it, then load what it built."""
         target = self.path(compiler, flags, native_target(compiler))
-        if target.exists():
+        if target.exists() and not missing_extensions(lib := ctypes.CDLL(str(target))):
+            return lib  # the usual path: no lock, so a read-only cache serves too
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return self._open_or_build(compiler, flags, target)
+
+    def _open_or_build(self, compiler: str, flags: Sequence[str], target: Path) -> ctypes.CDLL:
+        if target.exists():  # built while this process waited, or built for another CPU
             lib = ctypes.CDLL(str(target))
             missing = missing_extensions(lib)
             if not missing:

@@ -42,6 +42,7 @@ async def _stream_on_new_connection(base: str, i: int) -> tuple[str, str, int]:
     return server, finish, tokens
 
 
+@pytest.mark.alone
 def test_two_api_servers_share_the_port_and_both_engines(server_factory) -> None:
     before = segments()
     server = server_factory(["--api-server-count", "2", "-dp", "2"])

@@ -80,6 +80,7 @@ def _complete(base: str, **extra) -> httpx.Response:
     return httpx.post(base + "/v1/completions", json=body, timeout=60)
 
 
+@pytest.mark.alone
 def test_a_killed_engine_fails_only_its_own_requests(server_factory) -> None:
     before = segments()
     server = server_factory(["-dp", "2"])
@@ -127,6 +128,7 @@ def test_a_killed_engine_fails_only_its_own_requests(server_factory) -> None:
     assert segments() <= before
 
 
+@pytest.mark.alone
 def test_a_dead_engine_is_restarted_and_serves_again(server_factory) -> None:
     before = segments()
     server = server_factory(["-dp", "2", "--restart-dead-engines"])
@@ -154,6 +156,7 @@ def test_a_dead_engine_is_restarted_and_serves_again(server_factory) -> None:
     assert segments() <= before
 
 
+@pytest.mark.alone
 def test_a_killed_frontend_leaves_nothing_behind(server_factory) -> None:
     """kill -9 of a -dp 2 server: both engines go with it (they watch their parent), and
     every name (rings, pools, load tables) was dropped once the engines were ready."""

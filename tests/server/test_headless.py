@@ -63,6 +63,7 @@ def test_an_engine_on_a_headless_host_serves_the_head(server_factory, tmp_path: 
             headless.wait()
 
 
+@pytest.mark.alone
 def test_a_head_stopped_while_it_waits_for_headless_engines_exits_at_once(tmp_path: Path) -> None:
     """SIGTERM before every engine is ready (here: one that never registers) stops the
     engines and exits 0 at once, with nothing left in /dev/shm."""

@@ -142,6 +142,7 @@ async def test_the_drain_timeout_ends_the_rest_with_an_error_event_and_a_second_
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
+@pytest.mark.alone
 def test_a_port_another_server_listens_on_first_ends_this_one_with_the_reason_leaving_nothing() -> None:
     """The port is bound at start and listened on once the engine is ready (connections are
     refused while it boots). A server that bound the same port meanwhile and listened first,
@@ -210,6 +211,7 @@ async def test_a_frontend_killed_under_load_takes_its_engine_along_leaving_nothi
     await asyncio.gather(*tasks, return_exceptions=True)  # cut off (or done, had they been quick)
 
 
+@pytest.mark.alone
 async def test_kill_9_of_every_server_process_leaves_nothing_in_dev_shm(server_factory) -> None:
     """SIGKILL to the frontend, the engine and multiprocessing's resource tracker at once (a
     process group killed by an OOM killer or a container stop): nothing they made in

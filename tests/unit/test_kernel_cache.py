@@ -4,9 +4,12 @@ CPUs: a library built for another CPU is never loaded (it could die with SIGILL 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import logging
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,8 +17,10 @@ import pytest
 from kernels import cpu
 from kernels.cpu import library
 from kernels.settings import settings
+from tests.support.waiting import wait_for
 
 COMPILER = shutil.which("cc") or shutil.which("gcc")
+REPO = Path(__file__).resolve().parents[2]
 # gcc's switch for each extension ISA_FLAGS names.
 GCC_SWITCH = {
     "avx512_fp16": "-mavx512fp16", "avx512_bf16": "-mavx512bf16", "avx_vnni": "-mavxvnni",
@@ -68,7 +73,52 @@ def test_a_cached_library_that_needs_an_extension_this_cpu_lacks_is_rebuilt(
     assert library.missing_extensions(lib) == []
     assert _reported(target, tmp_path) == []  # the entry now holds this CPU's build
     assert f"uses {lacking}, which this CPU lacks: rebuilding it" in caplog.text
-    assert [p.name for p in target.parent.iterdir()] == [target.name]  # no temporary left behind
+    # no temporary left behind: the build and the lock that kept other processes from building it too
+    assert sorted(p.name for p in target.parent.iterdir()) == sorted([target.name, target.with_suffix(".lock").name])
+
+
+TINY_SOURCE = """#include <stdint.h>
+#define API __attribute__((visibility("default")))
+API uint64_t built_isa(void) { return 0; }
+API int64_t answer(void) { return 42; }
+"""
+TINY_FLAGS = ["-O1", "-shared", "-fPIC", "-fvisibility=hidden"]
+# A process loading the tiny library from a cache folder: its answer on stdout, its log on stderr.
+LOAD_TINY = f"""
+import logging, sys
+from pathlib import Path
+from kernels.cpu import library
+from kernels.settings import settings
+logging.basicConfig(level=logging.INFO)
+settings.cache_dir = Path(sys.argv[2])
+print(library.NativeLibrary("tiny", [Path(sys.argv[1])], {TINY_FLAGS!r}, [[]]).load().answer())
+"""
+
+
+def _waiters(lock: Path) -> int:
+    """Processes blocked in flock on ``lock`` (/proc/locks marks a waiter "->")."""
+    inode = f":{os.stat(lock).st_ino} "
+    return sum("->" in line and inode in line + " " for line in Path("/proc/locks").read_text().splitlines())
+
+
+def test_processes_that_miss_the_cache_together_build_the_library_once(tmp_path: Path) -> None:
+    """Two processes needing a library nobody has built yet (the engines of a -dp 2 server
+    on a fresh machine): one compiles, the other waits for it and loads its build."""
+    source, cache = tmp_path / "tiny.c", tmp_path / "cache"
+    source.write_text(TINY_SOURCE)
+    tiny = library.NativeLibrary("tiny", [source], TINY_FLAGS, [[]])
+    target = tiny.path(COMPILER, TINY_FLAGS, library.native_target(COMPILER)).relative_to(settings.cache_dir)
+    lock = (cache / target).with_suffix(".lock")
+    lock.parent.mkdir(parents=True)
+    with open(lock, "w") as held:  # both processes arrive while the lock is taken: a true tie
+        fcntl.flock(held, fcntl.LOCK_EX)
+        procs = [subprocess.Popen([sys.executable, "-c", LOAD_TINY, str(source), str(cache)], cwd=REPO,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        wait_for(lambda: _waiters(lock) == 2, "both processes to wait for the build lock")
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    assert [out for out, _ in outputs] == ["42\n", "42\n"], outputs
+    assert sum(err.count("compiling tiny") for _, err in outputs) == 1, outputs
+    assert sorted(p.name for p in lock.parent.iterdir()) == sorted([lock.name, target.name])
 
 
 def test_the_ctypes_signatures_come_from_the_c_prototypes() -> None:
