@@ -34,12 +34,13 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 QUANT_SOURCE = Path(__file__).with_name("quant_kernels.c")  # products with GGUF block-format weights
 PROGRAM_SOURCE = Path(__file__).with_name("step_program.c")  # a whole step in one call
 MOE_SOURCE = Path(__file__).with_name("moe_kernels.c")  # a mixture of experts' experts
+ISA_SOURCE = Path(__file__).with_name("built_isa.c")  # what the build may execute (the cache's check)
 HEADERS = [Path(__file__).with_name("cpu_common.h")]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-fvisibility=hidden"]
 # Tried in order: threaded attention, then the same code on one thread.
 OPENMP_VARIANTS = (["-fopenmp"], ["-fopenmp-simd"])
 LIBRARY = NativeLibrary(
-    "cpu_kernels", [SOURCE, QUANT_SOURCE, PROGRAM_SOURCE, MOE_SOURCE], FLAGS, OPENMP_VARIANTS, HEADERS
+    "cpu_kernels", [SOURCE, QUANT_SOURCE, PROGRAM_SOURCE, MOE_SOURCE, ISA_SOURCE], FLAGS, OPENMP_VARIANTS, HEADERS
 )
 
 # For these head sizes such a chunk is attended at once (paged_prefill_attention,

@@ -783,51 +783,6 @@ API void paged_prefill_attention(const float *q, int64_t q_stride, int64_t n, in
                             team_size());
 }
 
-/* The instruction-set extensions this build may use, bit k for ISA_FLAGS[k] in
- * kernels/cpu/__init__.py, which refuses a library that needs one the CPU lacks
- * (a cache shared by machines of different CPUs). It returns a constant, so
- * calling it runs no vector instruction on any x86-64. */
-API uint64_t built_isa(void) {
-    uint64_t bits = 0;
-#ifdef __AVX__
-    bits |= 1ull << 0;
-#endif
-#ifdef __AVX2__
-    bits |= 1ull << 1;
-#endif
-#ifdef __FMA__
-    bits |= 1ull << 2;
-#endif
-#ifdef __F16C__
-    bits |= 1ull << 3;
-#endif
-#ifdef __AVX512F__
-    bits |= 1ull << 4;
-#endif
-#ifdef __AVX512BW__
-    bits |= 1ull << 5;
-#endif
-#ifdef __AVX512DQ__
-    bits |= 1ull << 6;
-#endif
-#ifdef __AVX512VL__
-    bits |= 1ull << 7;
-#endif
-#ifdef __AVX512VNNI__
-    bits |= 1ull << 8;
-#endif
-#if defined(__AVXVNNI__) && !defined(AVXVNNI_EMULATED) /* a test build computes vpdpbusd with AVX2 */
-    bits |= 1ull << 9;
-#endif
-#ifdef __AVX512BF16__
-    bits |= 1ull << 10;
-#endif
-#ifdef __AVX512FP16__
-    bits |= 1ull << 11;
-#endif
-    return bits;
-}
-
 /* Reads ``bytes`` (a multiple of 4096) at ``p`` once on ``threads`` threads, each a contiguous
  * share, as a product streams its weights: the memory's read bandwidth that bench membw
  * reports and the quantized products are measured against. Returns the xor of the 64-bit

@@ -161,7 +161,9 @@ def test_a_lone_row_is_prefetched_by_software_where_the_cpu_lacks_avx512() -> No
 # AVX2 + AVX-VNNI path also runs on any AVX2 CPU with its one VNNI instruction computed by AVX2
 # (tests/support/c/avxvnni_emulated.h): its own code, all of it but that instruction.
 EMULATED_VNNI = Path(__file__).resolve().parents[1] / "support" / "c" / "avxvnni_emulated.h"
-VARIANTS = {"portable": ["-march=x86-64"], "avx2": ["-march=haswell"], "avx512": ["-march=skylake-avx512"],
+# The portable path at -O1: at -O3 the compiler takes a minute over its scalar lanes on a slow
+# CPU, and without -ffast-math (and with -ffp-contract=off) no optimisation level changes a result.
+VARIANTS = {"portable": ["-march=x86-64", "-O1"], "avx2": ["-march=haswell"], "avx512": ["-march=skylake-avx512"],
             "avxvnni": ["-march=haswell", "-mavxvnni"],
             "avxvnni-emulated": ["-march=haswell", "-include", str(EMULATED_VNNI)],
             "avx512vnni": ["-march=skylake-avx512", "-mavx512vnni"], "native": ["-march=native"]}
@@ -179,7 +181,7 @@ def _built(name: str):
     """The library built for variant ``name``, or None where it does not run on this CPU (built,
     and found out, once per session: a build this CPU cannot run is never cached on disk). The
     native variant is the library the kernels load."""
-    from kernels.cpu import FLAGS, LIBRARY, OPENMP_VARIANTS, QUANT_SOURCE, SOURCE
+    from kernels.cpu import FLAGS, ISA_SOURCE, LIBRARY, OPENMP_VARIANTS, QUANT_SOURCE
     from kernels.cpu.library import NativeLibrary, cpu_flags
 
     if name == "native":
@@ -189,7 +191,7 @@ def _built(name: str):
     flags = [g for f in FLAGS for g in (VARIANTS[name] if f == "-march=native" else [f])]
     headers = [*LIBRARY.headers, *([EMULATED_VNNI] if name == "avxvnni-emulated" else [])]  # the cache's key
     # The products' source and the one reporting the build's extensions (built_isa) suffice.
-    return NativeLibrary(f"quant-{name}", [SOURCE, QUANT_SOURCE], flags, OPENMP_VARIANTS, headers).load()
+    return NativeLibrary(f"quant-{name}", [QUANT_SOURCE, ISA_SOURCE], flags, OPENMP_VARIANTS, headers).load()
 
 
 def _variant(name: str):

@@ -14,12 +14,14 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shm import channel
 from shm.channel import ChannelSpec, Duplex, PeerDeadError, ReceiverGroup
 from shm.ring import ShmRing
 from shm.segment import SHM_DIR
@@ -244,10 +246,14 @@ def test_ring_rejects_interleaving_a_half_written_message() -> None:
         ShmRing.attach("not-a-ring")
 
 
-def test_no_spin_only_right_after_waking_an_idle_peer() -> None:
+def test_no_spin_only_right_after_waking_an_idle_peer(monkeypatch: pytest.MonkeyPatch) -> None:
     """The receiver skips its spin after its sender rang a peer that had been quiet,
     and spins again once messages flow (else a ping-pong that fell asleep once
-    would ring and sleep at every message from then on)."""
+    would ring and sleep at every message from then on). The channel's clock is held
+    still between the steps: the windows are microseconds, which a loaded machine's
+    scheduler could spend between two lines of this test."""
+    now = [1000.0]
+    monkeypatch.setattr(channel, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     creator, spec = Duplex.create(1 << 16)
     attacher = Duplex.attach(spec)
     creator.unlink()
@@ -259,7 +265,11 @@ def test_no_spin_only_right_after_waking_an_idle_peer() -> None:
 
         attacher.receiver.ring.begin_sleep()  # the peer goes to sleep on its input
         sender.send([b"request"])  # ... so this send rings it awake
+        assert sender.woke_consumer_at == now[0]
+        now[0] += spin / 2
         assert receiver.spin_budget(spin) == 0.0
+        now[0] += spin  # the ring is older than a spin: spinning is worth it again
+        assert receiver.spin_budget(spin) == spin
         assert attacher.receiver.try_recv() == [b"request"]
 
         attacher.sender.send([b"reply"])
@@ -267,7 +277,8 @@ def test_no_spin_only_right_after_waking_an_idle_peer() -> None:
         attacher.receiver.ring.end_sleep()
         attacher.receiver.ring.begin_sleep()
         sender.send([b"next"])  # rings again, but the peer answered a moment ago
-        assert sender.woke_consumer_at > time.perf_counter() - 1
+        now[0] += spin / 2
+        assert now[0] - sender.woke_consumer_at < spin and now[0] - receiver.last_message_at < channel.QUIET_S
         assert receiver.spin_budget(spin) == spin
         attacher.receiver.ring.end_sleep()
     finally:
