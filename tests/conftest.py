@@ -42,9 +42,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if config.getoption("--alone") and in_worker:
         raise pytest.UsageError("--alone runs the tests marked alone by themselves: not with -n")
     if config.getoption("--alone") or in_worker:
-        keep = [item for item in items if (item.get_closest_marker("alone") is not None) != in_worker]
-        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
-        items[:] = keep
+        alone = {item: item.get_closest_marker("alone") is not None for item in items}
+        config.hook.pytest_deselected(items=[item for item in items if alone[item] == in_worker])
+        items[:] = [item for item in items if alone[item] != in_worker]
 
 
 @pytest.fixture(scope="session")
