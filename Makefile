@@ -21,7 +21,7 @@ run: $(STAMP)
 	$(PY) -m app $(ARGS)
 
 # Two workers (the suite waits on server processes as much as it computes), then the few tests
-# that look at the whole machine's /dev/shm by themselves; status 5: ARGS selected none of those.
+# that look at the whole machine's /dev/shm or load it, by themselves; status 5: ARGS selected none.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)

@@ -33,7 +33,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Marks every test in tests/<tier>/ with the tier's marker (``pytest -m unit``). Tests
     marked ``alone`` look at the whole machine's /dev/shm, where another worker's servers
-    would show: pytest-xdist's workers leave them out, and ``--alone`` runs only them."""
+    would show, or load the machine (a Ray cluster): pytest-xdist's workers leave them out,
+    and ``--alone`` runs only them."""
     for item in items:
         folder = item.path.resolve().parent
         if folder.parent == TESTS and folder.name in TIERS:
