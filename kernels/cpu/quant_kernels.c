@@ -957,6 +957,15 @@ INLINE void prefetch_ahead(const uint8_t *p, int64_t bytes, int R) {
  * asked ahead (bench/README.md has both). Set per CPU by kernels/cpu (set_lone_row_prefetch). */
 static int lone_row_prefetch;
 
+/* A lone row's prefetch of one tile block (``bytes``), PF_DISTANCE ahead and spread over the
+ * ``steps`` steps the kernel takes through the block: step ``step`` asks for its share of the
+ * lines. All of a block's lines asked for at once, before its arithmetic, filled the core's few
+ * first-level miss buffers and held the arithmetic behind them (bench/README.md). */
+INLINE void prefetch_share(const uint8_t *p, int64_t bytes, int step, int steps) {
+    const int lines = (int)((bytes + 63) / 64), per = (lines + steps - 1) / steps;
+    for (int l = step * per; l < (step + 1) * per && l < lines; l++) __builtin_prefetch(p + PF_DISTANCE + 64 * l, 0, 3);
+}
+
 API void set_lone_row_prefetch(int64_t on) { lone_row_prefetch = on != 0; }
 
 INLINE void tile_q8_0(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
@@ -1042,15 +1051,15 @@ INLINE void add_block(vf *acc, const vi *total, const vi *mins, const uint8_t *d
 
 /* Q4_K and Q5_K: d * scale_s * q - dmin * min_s for the 8 sub-blocks s of 32 (Q5_K's q with its
  * fifth bit). */
-INLINE void tile_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc, int five) {
+INLINE void tile_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc, int five, int spread) {
     const int64_t size = five ? Q5_K_TILE : Q4_K_TILE;
     for (int64_t b = 0; b < nb; b++, tile += size) {
         /* A lone row reads a Q4_K tile front to back, which some cores' hardware prefetchers follow
          * on their own: a prefetch per line only takes the load port from the arithmetic (on the
-         * others tile_row_prefetched asks ahead, block by block). Q5_K's tile is
-         * read in two streams (nibbles, fifth bits): asked for ahead, into L2 even for one row
-         * (into L1, a lone row's streamed well below two rows': bench/README.md). */
-        if (five)
+         * others, ``spread``: tile_row_prefetched's). Q5_K's tile is read in two streams (nibbles,
+         * fifth bits): asked for ahead even for one row, a block at a time into L2 (a block into
+         * L1 at once streamed a lone row well below two rows'), or spread (bench/README.md). */
+        if (five && !spread)
             prefetch_ahead_l2(tile, size);
         else if (R > 1)
             prefetch_ahead(tile, size, R);
@@ -1060,6 +1069,7 @@ INLINE void tile_q4_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
             vi lo[ROWS_AT_ONCE], hi[ROWS_AT_ONCE], lo2[ROWS_AT_ONCE], hi2[ROWS_AT_ONCE];
             for (int i = 0; i < R; i++) lo[i] = hi[i] = lo2[i] = hi2[i] = vi_set1(0);
             for (int l4 = 0; l4 < 8; l4 += 2) { /* two chains each: the sums' latency overlaps */
+                if (spread) prefetch_share(tile, size, c * 4 + l4 / 2, 16);
                 vi w = vi_load(tile + (c * 8 + l4) * 64), wl = vi_lo4(w), wh = vi_hi4(w);
                 vi w2 = vi_load(tile + (c * 8 + l4 + 1) * 64), wl2 = vi_lo4(w2), wh2 = vi_hi4(w2);
                 if (five) { /* bit 2c of a row's qh byte tops its low nibble, bit 2c + 1 its high one */
@@ -1141,7 +1151,7 @@ INLINE void tile_q3_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
 /* Q2_K: d * scale_s * q - dmin * min_s for the 16 sub-blocks s of 16, q a group's bit pair, multiplied
  * where it lies as Q3_K's (pair 3 two bits lower: 64 times three would overflow AVX2's int16 pairs);
  * the minimums times the activations' sums of 16. */
-INLINE void tile_q2_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
+INLINE void tile_q2_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc, int spread) {
     static const int factor_bits[4] = {0, 2, 4, 4};
     for (int64_t b = 0; b < nb; b++, tile += Q2_K_TILE) {
         if (R > 1) prefetch_ahead(tile, Q2_K_TILE, R); /* a lone row's tile is read front to back */
@@ -1152,6 +1162,7 @@ INLINE void tile_q2_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
             for (int p = 0; p < 4; p++)
                 for (int i = 0; i < R; i++) part[p][i] = vi_set1(0);
             for (int g = 4 * k; g < 4 * k + 4; g++) {
+                if (spread) prefetch_share(tile, Q2_K_TILE, g, 16);
                 vi w = vi_load(tile + 64 * g);
                 vi v[4] = {vi_bits(w, 0, 0x03), vi_bits(w, 0, 0x0c), vi_bits(w, 0, 0x30), vi_bits(w, -2, 0x30)};
                 for (int i = 0; i < R; i++) {
@@ -1176,7 +1187,7 @@ INLINE void tile_q2_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
 /* IQ4_XS: d * scale_s * IQ4_VALUES[q] for the 8 sub-blocks s of 32. The values are looked up as
  * IQ4_BYTES (vi_dot_q8's operand): a sub-block's sum comes out Q8_OFFSET times its activations' sum
  * too large, taken off where it starts. */
-INLINE void tile_iq4_xs(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
+INLINE void tile_iq4_xs(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc, int spread) {
     for (int64_t b = 0; b < nb; b++, tile += IQ4_XS_TILE) {
         if (R > 1) prefetch_ahead(tile, IQ4_XS_TILE, R); /* a lone row's tile is read front to back */
         vi total[ROWS_AT_ONCE];
@@ -1189,6 +1200,7 @@ INLINE void tile_iq4_xs(const uint8_t *tile, int64_t nb, const uint8_t *const *a
                 hi[i] = vi_set1(0);
             }
             for (int c = 0; c < 4; c++) {
+                if (spread) prefetch_share(tile, IQ4_XS_TILE, 4 * s + c, 32);
                 vi w = vi_load(tile + (4 * s + c) * 64), wl = vi_iq4(vi_lo4(w)), wh = vi_iq4(vi_hi4(w));
                 for (int i = 0; i < R; i++) {
                     const int8_t *q = ((const act_q8_k *)a[i])[b].qs + 32 * s + 4 * c;
@@ -1207,7 +1219,7 @@ INLINE void tile_iq4_xs(const uint8_t *tile, int64_t nb, const uint8_t *const *a
 }
 
 /* Q6_K: d * scale_s * (q - 32) for the 16 sub-blocks s of 16. */
-INLINE void tile_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
+INLINE void tile_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc, int spread) {
     for (int64_t b = 0; b < nb; b++, tile += Q6_K_TILE) {
         if (R > 1) prefetch_ahead(tile, Q6_K_TILE, R); /* a lone row's tile is read front to back, as Q4_K's */
         vi total[ROWS_AT_ONCE];
@@ -1218,6 +1230,7 @@ INLINE void tile_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
                 for (int p = 0; p < 4; p++)
                     for (int i = 0; i < R; i++) part[p][i] = vi_set1(0);
                 for (int g = quad * 4; g < quad * 4 + 4; g++) {
+                    if (spread) prefetch_share(tile, Q6_K_TILE, (h * 2 + quad) * 4 + g - quad * 4, 16);
                     const uint8_t *group = tile + (h * 8 + g) * 192;
                     vi wa = vi_load(group), wb = vi_load(group + 64), wc = vi_load(group + 128);
                     vi v[4] = {vi_low6(wa), vi_low6(wb), vi_low6(wc), vi_top2s(wa, wb, wc)};
@@ -1625,12 +1638,12 @@ INLINE void tile_product(int64_t type, const uint8_t *tile, int64_t nb, const ui
         case TYPE_Q4_1: tile_nibbles(TYPE_Q4_1, tile, nb, a, R, acc); break;
         case TYPE_Q5_1: tile_nibbles(TYPE_Q5_1, tile, nb, a, R, acc); break;
         case TYPE_IQ4_NL: tile_nibbles(TYPE_IQ4_NL, tile, nb, a, R, acc); break;
-        case TYPE_Q2_K: tile_q2_k(tile, nb, a, R, acc); break;
+        case TYPE_Q2_K: tile_q2_k(tile, nb, a, R, acc, 0); break;
         case TYPE_Q3_K: tile_q3_k(tile, nb, a, R, acc); break;
-        case TYPE_Q4_K: tile_q4_k(tile, nb, a, R, acc, 0); break;
-        case TYPE_Q5_K: tile_q4_k(tile, nb, a, R, acc, 1); break;
-        case TYPE_Q6_K: tile_q6_k(tile, nb, a, R, acc); break;
-        case TYPE_IQ4_XS: tile_iq4_xs(tile, nb, a, R, acc); break;
+        case TYPE_Q4_K: tile_q4_k(tile, nb, a, R, acc, 0, 0); break;
+        case TYPE_Q5_K: tile_q4_k(tile, nb, a, R, acc, 1, 0); break;
+        case TYPE_Q6_K: tile_q6_k(tile, nb, a, R, acc, 0); break;
+        case TYPE_IQ4_XS: tile_iq4_xs(tile, nb, a, R, acc, 0); break;
     }
 }
 
@@ -1646,29 +1659,30 @@ static void tile_rows_generic(int64_t type, const uint8_t *tile, int64_t nb, con
     }
 }
 
-/* The K formats whose lone row goes without software prefetch in its tile kernel (the tile read
- * front to back); their activations are act_q8_k blocks. */
-static int lone_row_unprefetched(int64_t type) {
-    return type == TYPE_Q2_K || type == TYPE_Q4_K || type == TYPE_Q6_K || type == TYPE_IQ4_XS;
+/* The K formats whose lone row tile_row_prefetched takes where the CPU wants it prefetched by
+ * software (``spread`` in their tile kernels). */
+static int spreads_lone_row(int64_t type) {
+    return type == TYPE_Q2_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K || type == TYPE_IQ4_XS;
 }
 
-/* Such a lone row's tile block by block, each block's lines PF_DISTANCE ahead asked for first: the
- * same products added in the same order as tile_product's, so the same bits. A function of its
- * own, outside the tile kernels: inlined into them, the prefetch changed how the compiler laid out
- * the products of many rows, a prefill's, which then ran slower (bench/README.md). */
+/* Such a lone row's tile, each block's lines asked for PF_DISTANCE ahead a few at a time as the
+ * kernel steps through the block (prefetch_share): the same products added in the same order as
+ * tile_product's, so the same bits. A function of its own, the prefetching kernels instantiated
+ * only here: inlined beside the products of many rows, a lone row's prefetch changed how the
+ * compiler laid those out, and a prefill then ran slower (bench/README.md). */
 __attribute__((noinline)) static void tile_row_prefetched(int64_t type, const uint8_t *tile, int64_t nb,
                                                           const uint8_t *const *a, vf *acc) {
-    int64_t tb = tile_block_bytes(type);
-    const act_q8_k *x = (const act_q8_k *)a[0];
-    for (int64_t b = 0; b < nb; b++, tile += tb) {
-        prefetch_ahead(tile, tb, 1);
-        const uint8_t *block = (const uint8_t *)(x + b);
-        tile_product(type, tile, 1, &block, 1, acc);
+    switch (type) {
+        case TYPE_Q2_K: tile_q2_k(tile, nb, a, 1, acc, 1); break;
+        case TYPE_Q4_K: tile_q4_k(tile, nb, a, 1, acc, 0, 1); break;
+        case TYPE_Q5_K: tile_q4_k(tile, nb, a, 1, acc, 1, 1); break;
+        case TYPE_Q6_K: tile_q6_k(tile, nb, a, 1, acc, 1); break;
+        case TYPE_IQ4_XS: tile_iq4_xs(tile, nb, a, 1, acc, 1); break;
     }
 }
 
 static void tile_rows(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
-    if (R == 1 && lone_row_prefetch && lone_row_unprefetched(type)) {
+    if (R == 1 && lone_row_prefetch && spreads_lone_row(type)) {
         tile_row_prefetched(type, tile, nb, a, acc);
         return;
     }

@@ -131,7 +131,7 @@ def test_products_of_many_rows_span_several_passes(n: int) -> None:
         np.testing.assert_array_equal(together[i], weight.matmul(x[i : i + 1])[0])
 
 
-@pytest.mark.parametrize("qtype", [QuantType.Q2_K, QuantType.Q4_K, QuantType.Q6_K, QuantType.IQ4_XS],
+@pytest.mark.parametrize("qtype", [QuantType.Q2_K, QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K, QuantType.IQ4_XS],
                          ids=lambda t: t.name)
 def test_a_lone_rows_software_prefetch_changes_no_bit(qtype: QuantType) -> None:
     """A lone row's tiles are prefetched by software or not as the CPU streams them faster
@@ -212,20 +212,30 @@ def test_every_vector_path_computes_the_same_bits(variant: str, qtype: QuantType
     m, k = 37, 512
     data = random_blocks(qtype, m, k, seed=20)
     bias = np.random.default_rng(22).standard_normal(m).astype(np.float32)
-    for n in (1, 2, 7):  # a lone row, and the kernels of several rows at once
+    # A lone row with its software prefetch and without (tile_row_prefetched: copies of the tile
+    # kernels of their own), and the kernels of several rows at once.
+    for n, prefetch in ((1, False), (1, True), (2, False), (7, False)):
         x = np.random.default_rng(21 + n).standard_normal((n, k)).astype(np.float32)
-        results = []
-        for lib in (native, other):
-            packed = np.empty(lib.packed_bytes(qtype, m, k), np.uint8)
-            lib.pack_matrix(qtype, data.ctypes.data, m, k, None, packed.ctypes.data, 2)
-            xq = np.empty((n, lib.activation_row_bytes(qtype, k)), np.uint8)
-            lib.quantize_activations(qtype, x.ctypes.data, n, k, xq.ctypes.data, 2)
-            out = np.empty((n, m), np.float32)
-            inputs = x if BLOCKS[qtype][0] == 1 else xq  # F32 and F16 take the activations as they are
-            lib.quant_matmul(qtype, packed.ctypes.data, m, k, inputs.ctypes.data, n, out.ctypes.data, m,
-                             bias.ctypes.data, 2)
-            results.append((packed, xq, out))
+        try:
+            configure(lone_row_prefetch=prefetch)  # the native library's, as the server sets it
+            other.set_lone_row_prefetch(prefetch)
+            results = [_product(lib, qtype, data, x, bias) for lib in (native, other)]
+        finally:
+            configure(lone_row_prefetch=None)
         for ours, theirs in zip(*results):
             np.testing.assert_array_equal(ours, theirs)
     exact = x.astype(np.float64) @ oracle(qtype, data).T + bias
     assert (np.abs(results[1][2] - exact) <= activation_rounding_bound(qtype, oracle(qtype, data), x)).all()
+
+
+def _product(lib, qtype: QuantType, data: np.ndarray, x: np.ndarray, bias: np.ndarray):
+    """The packed weights, quantized activations and products of one library."""
+    (m, _), (n, k) = data.shape, x.shape
+    packed = np.empty(lib.packed_bytes(qtype, m, k), np.uint8)
+    lib.pack_matrix(qtype, data.ctypes.data, m, k, None, packed.ctypes.data, 2)
+    xq = np.empty((n, lib.activation_row_bytes(qtype, k)), np.uint8)
+    lib.quantize_activations(qtype, x.ctypes.data, n, k, xq.ctypes.data, 2)
+    out = np.empty((n, m), np.float32)
+    inputs = x if BLOCKS[qtype][0] == 1 else xq  # F32 and F16 take the activations as they are
+    lib.quant_matmul(qtype, packed.ctypes.data, m, k, inputs.ctypes.data, n, out.ctypes.data, m, bias.ctypes.data, 2)
+    return packed, xq, out
