@@ -957,16 +957,17 @@ INLINE void prefetch_ahead(const uint8_t *p, int64_t bytes, int R) {
  * asked ahead (bench/README.md has both). Set per CPU by kernels/cpu (set_lone_row_prefetch). */
 static int lone_row_prefetch;
 
+API void set_lone_row_prefetch(int64_t on) { lone_row_prefetch = on != 0; }
+
 /* A lone row's prefetch of one tile block (``bytes``), PF_DISTANCE ahead and spread over the
  * ``steps`` steps the kernel takes through the block: step ``step`` asks for its share of the
- * lines. All of a block's lines asked for at once, before its arithmetic, filled the core's few
- * first-level miss buffers and held the arithmetic behind them (bench/README.md). */
+ * lines. All of a block's lines asked for at once, before its arithmetic, streamed slower (the
+ * burst likely fills the core's few first-level miss buffers, the arithmetic waiting behind it;
+ * bench/README.md). */
 INLINE void prefetch_share(const uint8_t *p, int64_t bytes, int step, int steps) {
     const int lines = (int)((bytes + 63) / 64), per = (lines + steps - 1) / steps;
     for (int l = step * per; l < (step + 1) * per && l < lines; l++) __builtin_prefetch(p + PF_DISTANCE + 64 * l, 0, 3);
 }
-
-API void set_lone_row_prefetch(int64_t on) { lone_row_prefetch = on != 0; }
 
 INLINE void tile_q8_0(const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
     for (int64_t b = 0; b < nb; b++, tile += Q8_0_TILE) {
