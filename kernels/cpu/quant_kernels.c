@@ -1231,7 +1231,7 @@ INLINE void tile_q6_k(const uint8_t *tile, int64_t nb, const uint8_t *const *a, 
                 for (int p = 0; p < 4; p++)
                     for (int i = 0; i < R; i++) part[p][i] = vi_set1(0);
                 for (int g = quad * 4; g < quad * 4 + 4; g++) {
-                    if (spread) prefetch_share(tile, Q6_K_TILE, (h * 2 + quad) * 4 + g - quad * 4, 16);
+                    if (spread) prefetch_share(tile, Q6_K_TILE, h * 8 + g, 16);
                     const uint8_t *group = tile + (h * 8 + g) * 192;
                     vi wa = vi_load(group), wb = vi_load(group + 64), wc = vi_load(group + 128);
                     vi v[4] = {vi_low6(wa), vi_low6(wb), vi_low6(wc), vi_top2s(wa, wb, wc)};
@@ -1660,33 +1660,27 @@ static void tile_rows_generic(int64_t type, const uint8_t *tile, int64_t nb, con
     }
 }
 
-/* The K formats whose lone row tile_row_prefetched takes where the CPU wants it prefetched by
- * software (``spread`` in their tile kernels). */
-static int spreads_lone_row(int64_t type) {
-    return type == TYPE_Q2_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K || type == TYPE_IQ4_XS;
-}
-
-/* Such a lone row's tile, each block's lines asked for PF_DISTANCE ahead a few at a time as the
- * kernel steps through the block (prefetch_share): the same products added in the same order as
- * tile_product's, so the same bits. A function of its own, the prefetching kernels instantiated
- * only here: inlined beside the products of many rows, a lone row's prefetch changed how the
- * compiler laid those out, and a prefill then ran slower (bench/README.md). */
-__attribute__((noinline)) static void tile_row_prefetched(int64_t type, const uint8_t *tile, int64_t nb,
-                                                          const uint8_t *const *a, vf *acc) {
+/* A lone row's tile of a K format whose kernel reads the tile front to back (Q2_K, Q4_K to Q6_K,
+ * IQ4_XS), each block's lines asked for PF_DISTANCE ahead a few at a time as the kernel steps
+ * through the block (``spread``, prefetch_share): the same products added in the same order as
+ * tile_product's, so the same bits. 0, and nothing computed, for the other formats. A function
+ * of its own, the prefetching kernels instantiated only here: inlined beside the products of
+ * many rows, a lone row's prefetch changed how the compiler laid those out, and a prefill then
+ * ran slower (bench/README.md). */
+__attribute__((noinline)) static int tile_row_prefetched(int64_t type, const uint8_t *tile, int64_t nb,
+                                                         const uint8_t *const *a, vf *acc) {
     switch (type) {
-        case TYPE_Q2_K: tile_q2_k(tile, nb, a, 1, acc, 1); break;
-        case TYPE_Q4_K: tile_q4_k(tile, nb, a, 1, acc, 0, 1); break;
-        case TYPE_Q5_K: tile_q4_k(tile, nb, a, 1, acc, 1, 1); break;
-        case TYPE_Q6_K: tile_q6_k(tile, nb, a, 1, acc, 1); break;
-        case TYPE_IQ4_XS: tile_iq4_xs(tile, nb, a, 1, acc, 1); break;
+        case TYPE_Q2_K: tile_q2_k(tile, nb, a, 1, acc, 1); return 1;
+        case TYPE_Q4_K: tile_q4_k(tile, nb, a, 1, acc, 0, 1); return 1;
+        case TYPE_Q5_K: tile_q4_k(tile, nb, a, 1, acc, 1, 1); return 1;
+        case TYPE_Q6_K: tile_q6_k(tile, nb, a, 1, acc, 1); return 1;
+        case TYPE_IQ4_XS: tile_iq4_xs(tile, nb, a, 1, acc, 1); return 1;
+        default: return 0;
     }
 }
 
 static void tile_rows(int64_t type, const uint8_t *tile, int64_t nb, const uint8_t *const *a, int R, vf *acc) {
-    if (R == 1 && lone_row_prefetch && spreads_lone_row(type)) {
-        tile_row_prefetched(type, tile, nb, a, acc);
-        return;
-    }
+    if (R == 1 && lone_row_prefetch && tile_row_prefetched(type, tile, nb, a, acc)) return;
 #if defined(VEC_AVX2) && Q8_OFFSET == 0 /* AVX-VNNI's vpdpbusd serves the generic kernels better */
     /* One row (a lone decode) streams the whole tile once through the generic kernel (Q6_K's too:
      * since its layout 2, faster than a one-row kernel of half-tile arithmetic, bench/README.md);
