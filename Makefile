@@ -22,7 +22,10 @@ run: $(STAMP)
 
 # Two workers (the suite waits on server processes as much as it computes), then the few tests
 # that look at the whole machine's /dev/shm or load it, by themselves; status 5: ARGS selected none.
+# Bytecode caches on (git-ignored), whatever the environment says: the suite starts well over a
+# hundred Python processes (servers, engines, CLIs), and each would compile the project again.
 TEST_WORKERS ?= 2
+test: export PYTHONDONTWRITEBYTECODE :=
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 	$(PY) -m pytest -q --alone $(ARGS) || test $$? -eq 5

@@ -29,6 +29,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="run only the tests marked alone (make test's second run, after the parallel one)")
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """``--alone`` skips importing the test modules that mark no test alone: most of them,
+    and importing them all takes as long as the alone tests' run. A module marks one by
+    writing ``pytest.mark.alone``; the marker itself still decides, below."""
+    if config.getoption("--alone") and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        return "pytest.mark.alone" not in collection_path.read_text()
+    return None
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Marks every test in tests/<tier>/ with the tier's marker (``pytest -m unit``). Tests

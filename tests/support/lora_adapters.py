@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import peft
 import torch
 import transformers
 
@@ -22,6 +21,8 @@ def make_adapter(
     rslora: bool = False, std: float = 0.15,
 ) -> str:
     """Save a random adapter of ``base_dir`` in ``out_dir``; its path."""
+    import peft  # here, not above: it takes seconds, and every pytest worker collects this module's users
+
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     config = peft.LoraConfig(
@@ -39,6 +40,8 @@ def make_adapter(
 
 def peft_model(base_dir: str, adapter_dir: str | None) -> torch.nn.Module:
     """The base model with the adapter read back by peft (None: the base model alone)."""
+    import peft
+
     model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     if adapter_dir is None:
         return model
