@@ -8,6 +8,7 @@ preempted or aborted with drafts in flight must give back every KV block.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 
@@ -136,6 +137,20 @@ def _copy_heavy_prompts(vocab: int, count: int) -> list[list[int]]:
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 
 
+@pytest.fixture(scope="module")
+def copy_heavy(llama):
+    """``copy_heavy(n)``: n copy-heavy prompts and transformers' greedy continuations of them,
+    computed once per n: the reference of every engine configuration below."""
+    model, _ = llama
+
+    @functools.cache
+    def prompts_and_greedy(count: int) -> tuple[list[list[int]], list[list[int]]]:
+        prompts = _copy_heavy_prompts(model.config.vocab_size, count)
+        return prompts, [hf_greedy(model, p, MAX_NEW) for p in prompts]
+
+    return prompts_and_greedy
+
+
 @pytest.mark.parametrize(
     "engine_args",
     [
@@ -149,10 +164,9 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     ids=["default", "budget-cuts-drafts", "preempting", "no-prefix-cache"],
 )
 @pytest.mark.parametrize("streams", [1, 16])
-def test_greedy_equals_transformers_and_no_speculation(llama, engine_args, streams) -> None:
-    model, path = llama
-    prompts = _copy_heavy_prompts(model.config.vocab_size, streams)
-    expected = [hf_greedy(model, p, MAX_NEW) for p in prompts]
+def test_greedy_equals_transformers_and_no_speculation(llama, copy_heavy, engine_args, streams) -> None:
+    _, path = llama
+    prompts, expected = copy_heavy(streams)
     without, *_ = _run(path, prompts, GREEDY, None, **engine_args)
     with_spec, stats, preemptions, all_free, _ = _run(path, prompts, GREEDY, SPEC, **engine_args)
     assert with_spec == without == expected
@@ -458,10 +472,9 @@ def _draft_spec(path: str, k: int = 3) -> SpeculativeConfig:
 @pytest.mark.parametrize("draft", ["itself", "weak"])
 @pytest.mark.parametrize("engine_args", [dict(), dict(max_num_batched_tokens=24), dict(num_gpu_blocks_override=48)],
                          ids=["default", "budget-cuts-drafts", "preempting"])
-def test_draft_model_greedy_equals_transformers(llama, draft_dir, draft, engine_args) -> None:
-    model, path = llama
-    prompts = _copy_heavy_prompts(model.config.vocab_size, 16)
-    expected = [hf_greedy(model, p, MAX_NEW) for p in prompts]
+def test_draft_model_greedy_equals_transformers(llama, copy_heavy, draft_dir, draft, engine_args) -> None:
+    _, path = llama
+    prompts, expected = copy_heavy(16)
     spec = _draft_spec(path if draft == "itself" else draft_dir)
     got, stats, _, all_free, _ = _run(path, prompts, GREEDY, spec, **engine_args)
     assert got == expected and all_free
