@@ -426,6 +426,20 @@ class _PeerGone:
     """Queued by an I/O thread when the frontend is gone: stop without draining."""
 
 
+# The signals that stop an engine. The kernel hands a process's signal to any of its threads
+# that does not block it, and CPython runs the Python handler only in the main thread, once that
+# thread runs Python again: a main thread parked on an empty queue would never see a signal that
+# another thread took. So the I/O threads block them, and the idle wait wakes now and then for
+# the threads that are not ours (OpenMP's, a library's), within SIGNAL_CHECK_S.
+SHUTDOWN_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+SIGNAL_CHECK_S = 1.0
+
+
+def _leave_signals_to_the_main_thread() -> None:
+    """Called first in each thread the engine starts."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, SHUTDOWN_SIGNALS)
+
+
 class EngineCoreProc(EngineCore):
     """EngineCore in its own process, talking to its clients over one link each.
 
@@ -492,6 +506,7 @@ class EngineCoreProc(EngineCore):
 
     def _process_input_socket(self) -> None:
         """Input thread: read, decode and preprocess, off the busy loop's thread."""
+        _leave_signals_to_the_main_thread()
         # Typed decoders: no pickle, and a malformed frame raises instead of
         # reaching the scheduler. Only ADD may carry tensors (aux frames or pool,
         # the pool being the link's own).
@@ -562,6 +577,7 @@ class EngineCoreProc(EngineCore):
 
     def _process_output_socket(self) -> None:
         """Output thread: encode into one reused buffer; the client's ring copies it out."""
+        _leave_signals_to_the_main_thread()
         encoders = [MsgpackEncoder(pool=link.pool_writer, cuda_ipc=link.cuda_exporter) for link in self.links]
         buf = bytearray(64 * 1024)
         engine_index = self.engine_index
@@ -601,11 +617,20 @@ class EngineCoreProc(EngineCore):
                     self.aborts_queue.queue.clear()
             self.publish_load()
             waited_from = time.monotonic()
-            item = self.input_queue.get()
+            item = self._next_input()
             self.idle_seconds += time.monotonic() - waited_from
             self._handle_client_request(*item)
         while not self.input_queue.empty():
             self._handle_client_request(*self.input_queue.get_nowait())
+
+    def _next_input(self) -> tuple[Any, Any]:
+        """The next queued input, waited for in spans of SIGNAL_CHECK_S: between two, a
+        signal another thread took runs its handler here, which queues a wake-up."""
+        while True:
+            try:
+                return self.input_queue.get(timeout=SIGNAL_CHECK_S)
+            except queue.Empty:
+                continue
 
     def publish_load(self) -> None:
         """This engine's row of the load table: what the routers read."""

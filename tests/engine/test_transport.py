@@ -105,6 +105,20 @@ def test_malformed_frames_are_rejected_and_the_engine_keeps_serving(client: Sync
     assert log.count("rejected a malformed message") == len(bad_messages), log
 
 
+def test_a_sigterm_taken_by_another_thread_still_stops_an_idle_engine(client: SyncMPClient) -> None:
+    """The kernel hands a process's signal to any of its threads that does not block it, and
+    Python runs the handler in the main thread only, when that thread next runs Python: an idle
+    engine, parked on its input queue, must still wake for a SIGTERM another thread took.
+    On Linux, kill() given a thread's id offers the process's signal to that thread first."""
+    assert client.call(GET_NUM_UNFINISHED_REQUESTS()) == 0  # idle, its threads all started
+    pid = client.proc.pid
+    others = sorted(int(tid) for tid in os.listdir(f"/proc/{pid}/task") if int(tid) != pid)
+    os.kill(others[0], signal.SIGTERM)
+    assert wait_gone(pid, 60), "the idle engine did not stop on its SIGTERM"
+    client.proc.join(10)
+    assert client.proc.exitcode == 0  # a drain (of nothing) and a clean exit, not a kill
+
+
 def test_utility_arguments_are_decoded_typed_by_the_engine(client: SyncMPClient) -> None:
     """A call whose arguments are not the utility's (sent by hand: the client's binding
     refuses them first) is answered with the engine's message, not run or dropped."""
