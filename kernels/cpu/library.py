@@ -135,6 +135,7 @@ class NativeLibrary:
         self._lock = threading.Lock()
         self._lib: ctypes.CDLL | None = None
         self._tried = False
+        self.cached: Path | None = None  # the loaded library's file in the cache (a fresh build loads by another name)
 
     def path(self, compiler: str, flags: Sequence[str], target: str) -> Path:
         """Where the library for these sources, compiler, flags and CPU target is cached."""
@@ -169,11 +170,14 @@ class NativeLibrary:
         side) build it once: the others wait on a lock beside it, then load what it built."""
         target = self.path(compiler, flags, native_target(compiler))
         if target.exists() and not missing_extensions(lib := ctypes.CDLL(str(target))):
+            self.cached = target
             return lib  # the usual path: no lock, so a read-only cache serves too
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(target.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            return self._open_or_build(compiler, flags, target)
+            lib = self._open_or_build(compiler, flags, target)
+        self.cached = target
+        return lib
 
     def _open_or_build(self, compiler: str, flags: Sequence[str], target: Path) -> ctypes.CDLL:
         if target.exists():  # built while this process waited, or built for another CPU

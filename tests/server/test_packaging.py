@@ -62,9 +62,8 @@ def test_an_installed_wheel_serves_with_the_c_kernels(wheel: Path, tmp_path: Pat
     # the sources and headers, the compiler, its flags and the CPU. The installed server loads
     # it only if the wheel's sources are these, byte for byte, and all there; compiling them
     # again would prove nothing more (the checkout's build is what every other test runs).
-    lib, compiler = cpu.load(), find_compiler()
-    assert lib is not None and compiler is not None, "no C compiler here to build the kernels with"
-    built = Path(lib._name)
+    lib, compiler, built = cpu.load(), find_compiler(), cpu.LIBRARY.cached
+    assert lib is not None and compiler is not None and built is not None, "no C compiler here to build the kernels"
     (tmp_path / "cache" / "kernels").mkdir(parents=True)
     shutil.copy(built, tmp_path / "cache" / "kernels" / built.name)
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "RINGLLM_CACHE": str(tmp_path / "cache"), "CC": compiler}
