@@ -114,14 +114,19 @@ def _oracle(path: Path) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
 
+STORIES, STORY_LENGTH = 4, 260  # the most any test below reads
+
+
 def _prompt_ids(count: int, length: int) -> list[list[int]]:
     """``count`` token sequences of ``length`` that stories260K writes (greedy, in float32) after
     varied story openings: text of the kind it was trained on, for every file made from it."""
+    assert count <= STORIES and length <= STORY_LENGTH
     return [ids[:length] for ids in _stories_writing()[:count]]
 
 
 @functools.cache
-def _stories_writing(count: int = 4, length: int = 260) -> list[list[int]]:
+def _stories_writing() -> list[list[int]]:
+    count, length = STORIES, STORY_LENGTH
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(DEFAULT_MODEL_DIR / "tokenizer.json"))
     model = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
     out = []
