@@ -821,8 +821,8 @@ def serve_engine(
     engine: EngineCoreProc | None = None
     # Until the engine exists a signal just exits; afterwards it starts a drain.
     try:
-        signal.signal(signal.SIGTERM, lambda *_: (engine.request_shutdown() if engine else os._exit(0)))
-        signal.signal(signal.SIGINT, lambda *_: (engine.request_shutdown() if engine else os._exit(0)))
+        for sig in SHUTDOWN_SIGNALS:
+            signal.signal(sig, lambda *_: (engine.request_shutdown() if engine else os._exit(0)))
     except ValueError:  # not the main thread (an actor's executor): its owner stops it
         pass
     links: list[EngineTransport] = []
