@@ -7,23 +7,29 @@ ARGS ?=
 
 .PHONY: run test test-browser install clean
 
+# --no-compile: Python compiles a module's bytecode when it is first imported, and the server and
+# the suite import a small part of what is installed (pip compiling all of it took two thirds of
+# the install); run and test therefore keep bytecode caches on, whatever the environment says.
+PIP_INSTALL := $(PY) -m pip install -q --no-compile
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PIP_INSTALL) --upgrade pip
 	# torch first and pinned: a looser pin would pull several GB of CUDA wheels.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PIP_INSTALL) torch==2.13.0
+	$(PIP_INSTALL) -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
+run: export PYTHONDONTWRITEBYTECODE :=
 run: $(STAMP)
 	$(PY) -m app $(ARGS)
 
 # Two workers (the suite waits on server processes as much as it computes), then the few tests
 # that look at the whole machine's /dev/shm or load it, by themselves; status 5: ARGS selected none.
-# Bytecode caches on (git-ignored), whatever the environment says: the suite starts well over a
-# hundred Python processes (servers, engines, CLIs), and each would compile the project again.
+# Bytecode caches on (git-ignored): the suite starts well over a hundred Python processes
+# (servers, engines, CLIs), and each would otherwise compile the project and its imports again.
 TEST_WORKERS ?= 2
 test: export PYTHONDONTWRITEBYTECODE :=
 test: $(STAMP)
