@@ -3,8 +3,11 @@
 Arguments are checked first (a hub id or a missing --model directory exits
 with status 2 and a message), then the listening address is bound, so a taken
 port fails at once rather than after the model has loaded. The frontend runs on a uvloop event loop;
-the EngineCore process is spawned before anything else is imported, and
-boots while this process builds the web stack and the tokenizer (app/frontend.py).
+the EngineCore process is spawned before anything else is imported (an
+``EarlyEngine``: it imports torch and the engine while this process reads its
+arguments and the model's files, then is told its config, or stopped where the
+config needs other thread-pool settings or several engines), and it boots while
+this process builds the web stack and the tokenizer (app/frontend.py).
 Once the engine is ready, a short banner says what is served and where.
 SIGINT/SIGTERM stop accepting connections and drain the requests in flight
 for --shutdown-timeout seconds before the engine is shut down; a dead engine
@@ -17,13 +20,7 @@ import logging
 import socket
 import sys
 
-from app.cli import (
-    build_engine_args,
-    build_frontend_config,
-    make_parser,
-    model_dir_error,
-)
-from app.scale_out import run_headless_host, scale_out_error, start_engines
+from core.engine_process import EarlyEngine
 
 logger = logging.getLogger("ringllm")
 
@@ -45,6 +42,20 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    early = None if {"-h", "--help"} & set(args) else EarlyEngine()
+    try:
+        _main(args, early)
+    finally:
+        if early is not None:
+            early.shutdown()  # nothing if it became the engine
+
+
+def _main(argv: list[str], early: EarlyEngine | None) -> None:
+    # Imported once the early engine is on its way: reading the arguments imports the configs.
+    from app.cli import build_engine_args, build_frontend_config, make_parser, model_dir_error
+    from app.scale_out import run_headless_host, scale_out_error, start_engines
+
     parser = make_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -78,20 +89,23 @@ def main(argv: list[str] | None = None) -> None:
         config = engine_args.resolve()  # once: everything below takes the resolved config
     except (OSError, ValueError) as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
-    if frontend.scale_out.headless:
-        sys.exit(run_headless_host(frontend.scale_out, config))
-
-    if frontend.scale_out.api_server_count > 1:
+    if frontend.scale_out.headless or frontend.scale_out.api_server_count > 1:
+        if early is not None:
+            early.shutdown()  # these start their engines themselves
+        if frontend.scale_out.headless:
+            sys.exit(run_headless_host(frontend.scale_out, config))
         from app.api_servers import run_api_servers
 
         sys.exit(run_api_servers(frontend, config, sock))
 
-    # Start the engine processes now: they boot (torch, the model) while this one
-    # imports and builds everything else.
+    # Start the engine processes now (or tell the early one its config): they boot (torch, the
+    # model) while this one imports and builds everything else.
     try:
-        engine_core = start_engines(frontend.scale_out, config)
+        engine_core = start_engines(frontend.scale_out, config, early)
     except (RuntimeError, ValueError, OSError) as exc:  # Ray missing or unreachable, a taken RPC port
         parser.exit(1, f"{parser.prog}: error: {exc}\n")
+    if early is not None:
+        early.shutdown()  # unless it became the engine: not while the server runs
     import uvloop
 
     from app.frontend import serve

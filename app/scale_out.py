@@ -14,6 +14,7 @@ from core.config import EngineArgs, EngineConfig
 if TYPE_CHECKING:
     from core.client import AsyncMPClient, EngineLauncher
     from core.dp_client import DPAsyncMPClient
+    from core.engine_process import EarlyEngine
 
 
 def scale_out_error(scale: ScaleOutConfig, engine: EngineArgs) -> str | None:
@@ -47,13 +48,19 @@ def scale_out_error(scale: ScaleOutConfig, engine: EngineArgs) -> str | None:
     return None
 
 
-def start_engines(scale: ScaleOutConfig, config: EngineConfig) -> AsyncMPClient | DPAsyncMPClient:
-    """Start this frontend's engines (not waiting for them); RuntimeError/ValueError if Ray is unusable."""
+def start_engines(
+    scale: ScaleOutConfig, config: EngineConfig, early: EarlyEngine | None = None
+) -> AsyncMPClient | DPAsyncMPClient:
+    """Start this frontend's engines (not waiting for them); RuntimeError/ValueError if Ray is unusable.
+    ``early``: a process already importing the engine, which a lone local engine of a config it
+    suits becomes; stopped otherwise."""
     parallel = config.parallel_config
     local = parallel.data_parallel_size_local
     if parallel.data_parallel_size == 1 and not scale.restart_dead_engines and scale.data_parallel_backend == "mp":
         from core.client import AsyncMPClient
 
+        if early is not None and early.suits(config):
+            return AsyncMPClient(config, wait=False, launcher=early)
         return AsyncMPClient(config, wait=False)
     from core.dp_client import DPAsyncMPClient, engine_configs
 

@@ -80,6 +80,15 @@ def test_embeddings_equal_sentence_transformers(request, dirs, which, encoding_f
     assert result.usage.total_tokens == result.usage.prompt_tokens
 
 
+def test_an_encoder_is_served_by_one_engine_process_of_its_own(bert):
+    """The engine process that ``python -m app`` starts before it reads its arguments loads torch
+    with a decoder's thread-pool settings (core/engine_process.py's EarlyEngine): for an encoder,
+    whose OpenMP threads wait otherwise, it is stopped and another started. One engine serves;
+    the early one does not linger beside it."""
+    assert len(bert.engine_pids()) == 1
+    assert bert.openai().embeddings.create(model="bert", input="cat", encoding_format="float").data
+
+
 def test_base64_decodes_to_the_same_floats(bert):
     """One input per request: a prompt alone in its step gets the same bits every time (in a
     batch, the prompts beside it may change the rounding)."""

@@ -69,18 +69,24 @@ class Server(ManagedServer):
         """GET /engine/stats: the scheduler's counters (with data parallel, per engine under "engines")."""
         return httpx.get(self.base_url + "/engine/stats", timeout=10).json()
 
-    def engine_pid(self) -> int:
-        """The spawned EngineCore: the server's child running multiprocessing's spawn_main."""
+    def engine_pids(self) -> list[int]:
+        """The server's children running multiprocessing's spawn_main: its EngineCore processes."""
         assert self.proc is not None
         children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        engines = []
         for pid in children:
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
             except FileNotFoundError:
                 continue
             if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-                return int(pid)
-        raise AssertionError(f"no EngineCore child among {children}")
+                engines.append(int(pid))
+        return engines
+
+    def engine_pid(self) -> int:
+        """The one EngineCore child (an early engine that did not become it is gone by now)."""
+        (pid,) = self.engine_pids()
+        return pid
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
