@@ -43,12 +43,21 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
-    early = None if {"-h", "--help"} & set(args) else EarlyEngine()
+    early = None if {"-h", "--help"} & set(args) else _early_engine()
     try:
         _main(args, early)
     finally:
         if early is not None:
             early.shutdown()  # nothing if it became the engine
+
+
+def _early_engine() -> EarlyEngine | None:
+    """The engine process, started before anything else; None if it cannot be (no process or
+    pipe to spare): start_engines then spawns one, and reports the failure if it is still there."""
+    try:
+        return EarlyEngine()
+    except OSError:
+        return None
 
 
 def _main(argv: list[str], early: EarlyEngine | None) -> None:

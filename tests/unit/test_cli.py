@@ -69,6 +69,20 @@ def test_missing_or_unusable_model_paths_exit_2(tmp_path) -> None:
     assert "never downloads" not in model_dir_error("./org/name")
 
 
+def test_an_engine_process_that_cannot_start_early_is_no_error_of_its_own(tmp_path, monkeypatch, capsys) -> None:
+    """``python -m app`` starts its engine before it reads its arguments (EarlyEngine); where that
+    fails (no process or pipe to spare), the arguments are still read and judged as usual."""
+    import app.__main__ as entry
+
+    def no_process() -> None:
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(entry, "EarlyEngine", no_process)
+    with pytest.raises(SystemExit) as exit_:
+        entry.main(["--model", str(tmp_path / "absent")])
+    assert exit_.value.code == 2 and "no such directory" in capsys.readouterr().err
+
+
 def test_default_model_and_served_names() -> None:
     args = parse_args([])
     config = build_engine_args(args)
