@@ -817,6 +817,8 @@ def serve_engine(
         assert parent_pid is not None
         _die_with_parent()
         if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            for spec in specs:
+                EngineTransport.drop_orphaned(spec)
             return 1
     engine: EngineCoreProc | None = None
     # Until the engine exists a signal just exits; afterwards it starts a drain.

@@ -32,6 +32,7 @@ from shm.channel import ChannelSpec, Duplex, ReceiverGroup
 from shm.cuda_ipc import CudaIpcExporter, CudaIpcImporter
 from shm.interface import AsyncRecvEnd, AsyncSendEnd, Channel
 from shm.ring import Frame
+from shm.segment import unlink_segment
 from shm.tensors import TensorPool, TensorPoolReader, TensorPoolWriter
 from shm.waiting import ChannelClosed, PeerDeadError
 
@@ -268,6 +269,21 @@ class EngineTransport:
         if self._sentinel is not None:
             os.close(self._sentinel)
             self._sentinel = None
+
+    @staticmethod
+    def drop_orphaned(spec: TransportSpec) -> None:
+        """Remove the names of a shared-memory transport whose frontend died before this engine
+        attached (nothing is attached here). The frontend drops them itself once the engine says HELLO
+        (ClientTransport.engine_attached): one killed while its engine booted never will, and
+        the rings and pools would stay in /dev/shm. (A zmq link's socket files are the
+        frontend's to remove.)"""
+        if spec.kind != "shm":
+            return
+        assert isinstance(spec.channel, ChannelSpec)
+        spec.channel.unlink()
+        for pool in (spec.to_engine_pool, spec.to_client_pool):
+            if pool:
+                unlink_segment(pool)
 
 
 def _process_exists(pid: int) -> bool:

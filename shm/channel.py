@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from shm.aio import AsyncReceiver, AsyncSender
 from shm.doorbell import Doorbell
 from shm.ring import Frame, ShmRing
+from shm.segment import unlink_segment
 from shm.waiting import (
     ChannelClosed,
     PeerDeadError,
@@ -308,6 +309,21 @@ class ChannelSpec:
     backward: DirectionSpec  # attacher -> creator
     directory: str  # private (0700) directory holding the FIFOs
 
+    def unlink(self) -> None:
+        """Remove every name (segments, FIFOs, their directory), attached or not; names
+        already gone are skipped."""
+        for direction in (self.forward, self.backward):
+            unlink_segment(direction.segment)
+            for bell in (direction.data_bell, direction.space_bell):
+                try:
+                    os.unlink(bell)
+                except FileNotFoundError:
+                    pass
+        try:
+            os.rmdir(self.directory)
+        except FileNotFoundError:
+            pass
+
 
 class Duplex:
     """Both directions of a channel, as seen from one side."""
@@ -398,14 +414,7 @@ class Duplex:
     def unlink(self) -> None:
         """Remove every name (segments, FIFOs, their directory). Call it once both sides
         have attached: the channel keeps working, and a later crash leaves nothing behind."""
-        for end in (self.sender, self.receiver):
-            end.ring.unlink()
-            end.data_bell.unlink()
-            end.space_bell.unlink()
-        try:
-            os.rmdir(self.spec.directory)
-        except FileNotFoundError:
-            pass
+        self.spec.unlink()
 
     def close(self) -> None:
         """Unmap and close this side's handles (and unlink whatever is left). Threads

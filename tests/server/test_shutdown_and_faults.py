@@ -6,7 +6,8 @@
 - an exception inside the model step (RINGLLM_FAULT_INJECT, read by the executor):
   ENGINE_CORE_DEAD, every stream ends with an error, /health 503, exit status 1;
 - a burst that fills the rings in both directions: nothing lost (count in = count out);
-- a port another server listened on first while the engine booted: exit 1 with the reason.
+- a port another server listened on first while the engine booted: exit 1 with the reason;
+- a frontend killed while its engine boots: the engine drops the transport's names and exits.
 """
 
 from __future__ import annotations
@@ -227,4 +228,28 @@ async def test_kill_9_of_every_server_process_leaves_nothing_in_dev_shm(server_f
         os.kill(pid, signal.SIGKILL)
     wait_for(lambda: all(process_gone(pid) for pid in pids), "every server process to exit")
     assert [path for path in mapped if os.path.exists(path)] == []
+    assert segments() - before == set()
+
+
+@pytest.mark.alone
+def test_a_frontend_killed_while_its_engine_boots_leaves_nothing_in_dev_shm() -> None:
+    """The frontend makes the rings and tensor pools, and drops their names once the engine says
+    HELLO. SIGKILL to it before that (its engine still importing torch) left them in /dev/shm,
+    hundreds of megabytes that nobody would remove: the engine, finding its frontend gone when
+    it starts to serve, drops them, then exits."""
+    before = segments()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app", "--host", "127.0.0.1", "--port", "0"], cwd=REPO,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: len({n for n in segments() - before if n.startswith("ringllm-pool-")}) == 2,
+                 "the frontend to make its transport")
+        children = process_tree(proc.pid)[1:]
+        assert children  # the engine (and multiprocessing's resource tracker)
+        proc.kill()
+        proc.wait()
+    finally:
+        proc.kill()
+    wait_for(lambda: all(process_gone(pid) for pid in children), "the engine to exit after its frontend")
     assert segments() - before == set()
