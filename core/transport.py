@@ -273,10 +273,10 @@ class EngineTransport:
     @staticmethod
     def drop_orphaned(spec: TransportSpec) -> None:
         """Remove the names of a shared-memory transport whose frontend died before this engine
-        attached (nothing is attached here). The frontend drops them itself once the engine says HELLO
-        (ClientTransport.engine_attached): one killed while its engine booted never will, and
-        the rings and pools would stay in /dev/shm. (A zmq link's socket files are the
-        frontend's to remove.)"""
+        attached (nothing is attached here). The frontend drops them itself once the engine
+        says HELLO (ClientTransport.engine_attached): one killed while its engine booted never
+        will, and the rings and pools would stay in /dev/shm. (A zmq link's socket files are
+        the frontend's to remove.)"""
         if spec.kind != "shm":
             return
         assert isinstance(spec.channel, ChannelSpec)

@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 import httpx
 import pytest
@@ -237,7 +238,10 @@ def test_a_frontend_killed_while_its_engine_boots_leaves_nothing_in_dev_shm() ->
     HELLO. SIGKILL to it before that (its engine still importing torch) left them in /dev/shm,
     hundreds of megabytes that nobody would remove: the engine, finding its frontend gone when
     it starts to serve, drops them, then exits."""
-    before = segments()
+    def fifo_dirs() -> set[str]:  # the doorbells' FIFOs live in a directory of their own
+        return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("ringllm-")}
+
+    before, dirs_before = segments(), fifo_dirs()
     proc = subprocess.Popen(
         [sys.executable, "-m", "app", "--host", "127.0.0.1", "--port", "0"], cwd=REPO,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -252,4 +256,4 @@ def test_a_frontend_killed_while_its_engine_boots_leaves_nothing_in_dev_shm() ->
     finally:
         proc.kill()
     wait_for(lambda: all(process_gone(pid) for pid in children), "the engine to exit after its frontend")
-    assert segments() - before == set()
+    assert segments() - before == set() and fifo_dirs() - dirs_before == set()
