@@ -113,8 +113,6 @@ def _main(argv: list[str], early: EarlyEngine | None) -> None:
         engine_core = start_engines(frontend.scale_out, config, early)
     except (RuntimeError, ValueError, OSError) as exc:  # Ray missing or unreachable, a taken RPC port
         parser.exit(1, f"{parser.prog}: error: {exc}\n")
-    if early is not None:
-        early.shutdown()  # unless it became the engine: not while the server runs
     import uvloop
 
     from app.frontend import serve

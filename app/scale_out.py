@@ -56,12 +56,14 @@ def start_engines(
     suits becomes; stopped otherwise."""
     parallel = config.parallel_config
     local = parallel.data_parallel_size_local
-    if parallel.data_parallel_size == 1 and not scale.restart_dead_engines and scale.data_parallel_backend == "mp":
+    lone = parallel.data_parallel_size == 1 and not scale.restart_dead_engines and scale.data_parallel_backend == "mp"
+    if early is not None and not (lone and early.suits(config)):
+        early.shutdown()  # it cannot be the engines below: stopped before they start
+        early = None
+    if lone:
         from core.client import AsyncMPClient
 
-        if early is not None and early.suits(config):
-            return AsyncMPClient(config, wait=False, launcher=early)
-        return AsyncMPClient(config, wait=False)
+        return AsyncMPClient(config, wait=False, launcher=early)
     from core.dp_client import DPAsyncMPClient, engine_configs
 
     launcher: EngineLauncher | None = None
