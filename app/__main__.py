@@ -116,9 +116,12 @@ def _main(argv: list[str], early: EarlyEngine | None) -> None:
     import uvloop
 
     from app.frontend import serve
+    from core.protocol import EngineStartError
 
     try:
         code = uvloop.run(serve(config, engine_core, frontend, sock))
+    except EngineStartError as exc:  # its reason is in the message; the engine logged any traceback
+        parser.exit(1, f"{parser.prog}: error: {exc}\n")
     finally:
         engine_core.shutdown()
     sys.exit(code)

@@ -55,9 +55,14 @@ def run_api_server(frontend: FrontendConfig, config: EngineConfig, sock: socket.
     from app.frontend import serve
     from core.dp_client import DPAsyncMPClient
 
+    from core.protocol import EngineStartError
+
     engine_core = DPAsyncMPClient(config, wait=False, group=group, prefix_affinity=frontend.scale_out.prefix_affinity)
     try:
         code = uvloop.run(serve(config, engine_core, frontend, sock, client_index=group.client_index))
+    except EngineStartError as exc:  # the engine logged why; the supervisor stops the others
+        logger.error("%s", exc)
+        code = EXIT_API_SERVER_DIED
     finally:
         engine_core.shutdown()
     sys.exit(code)

@@ -42,6 +42,7 @@ from core.protocol import (
     EngineCoreRequest,
     EngineCoreRequestType,
     EngineDeadError,
+    EngineStartError,
     FinishReason,
     HandshakeReady,
     TransportStats,
@@ -417,13 +418,13 @@ class MPClient:
             try:
                 frames = self.transport.recv(timeout=STARTUP_TIMEOUT_S)
             except PeerDeadError:
-                raise RuntimeError(
+                raise EngineStartError(
                     f"EngineCore process exited during start-up (exit code {self.proc.exitcode})"
                 ) from None
             if frames is None:
                 raise TimeoutError(deadline_msg)
             if bytes(frames[0]) == ENGINE_CORE_DEAD:
-                raise RuntimeError(bytes(frames[1]).decode() if len(frames) > 1 else "EngineCore died")
+                raise EngineStartError(bytes(frames[1]).decode() if len(frames) > 1 else "EngineCore died")
             if bytes(frames[0]) != expected:
                 raise RuntimeError(f"handshake: expected {expected!r}, got {bytes(frames[0])[:32]!r}")
             if expected == b"HELLO":

@@ -839,7 +839,11 @@ def serve_engine(
         try:
             engine = EngineCoreProc(config, links, load_writer)
         except Exception as exc:
-            logger.exception("EngineCore failed to start")
+            if isinstance(exc, ValueError):  # a config it cannot serve: the message says why
+                logger.error("EngineCore failed to start: %s", exc)
+                logger.debug("where it was refused", exc_info=True)
+            else:
+                logger.exception("EngineCore failed to start")
             for link in links:
                 link.send([ENGINE_CORE_DEAD, f"EngineCore failed to start: {exc}".encode()])
             return 1

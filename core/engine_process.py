@@ -82,8 +82,10 @@ class EarlyEngine:
         try:
             self._orders.send((config, [spec], os.getpid(), load_table))
         except OSError:  # it died before it could be told
+            from core.protocol import EngineStartError  # numpy and msgspec: not before the spawn
+
             self.proc.join(5.0)
-            raise RuntimeError(f"EngineCore died during start-up (exit code {self.proc.exitcode})") from None
+            raise EngineStartError(f"EngineCore died during start-up (exit code {self.proc.exitcode})") from None
         finally:
             self._orders.close()
         return self.proc

@@ -565,6 +565,11 @@ class HandshakeReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     kv_cache_bytes: int = 0  # the memory behind the blocks (on a CPU, resident as they fill)
 
 
+class EngineStartError(RuntimeError):
+    """The EngineCore never became ready: it refused its config, could not load its model, or
+    exited. The message is the reason, fit to show a user as it is."""
+
+
 class EngineDeadError(RuntimeError):
     """The EngineCore process died or reported a fatal error; no request can finish."""
 

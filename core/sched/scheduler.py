@@ -147,7 +147,8 @@ class Scheduler:
         if self.kv_cache_manager.block_pool.num_usable_blocks < needed:
             raise ValueError(
                 f"{num_gpu_blocks} KV cache blocks (one reserved) cannot hold one request of "
-                f"max_model_len={self.max_model_len} ({needed} blocks of {self.block_size} tokens)"
+                f"max_model_len={self.max_model_len} ({needed} blocks of {self.block_size} tokens); give it more "
+                "blocks or lower --max-model-len"
             )
 
         self.requests: dict[str, Request] = {}  # every unfinished request

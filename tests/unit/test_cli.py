@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from app.banner import binary_size, display_host, format_banner
@@ -81,6 +83,20 @@ def test_an_engine_process_that_cannot_start_early_is_no_error_of_its_own(tmp_pa
     with pytest.raises(SystemExit) as exit_:
         entry.main(["--model", str(tmp_path / "absent")])
     assert exit_.value.code == 2 and "no such directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scale_out", [[], ["--api-server-count", "2"]], ids=["one frontend", "API servers"])
+def test_an_engine_that_refuses_its_config_exits_1_with_the_reason_and_no_traceback(scale_out: list[str]) -> None:
+    """The KV cache's size is known only once the engine has loaded the model; a cache that cannot
+    hold one request of max_model_len stops the server with its reason, as an argument error would."""
+    result = run_app(
+        "--port", "0", "--max-model-len", "64", "--block-size", "16", "--num-gpu-blocks-override", "4", *scale_out
+    )
+    assert result.returncode == 1, result.stderr
+    said = r"python -m app: error: " if not scale_out else r"\[api \d\]: "  # the first to exit said it
+    assert re.search(said + "EngineCore failed to start: 4 KV cache blocks", result.stderr)
+    assert "lower --max-model-len" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_default_model_and_served_names() -> None:
