@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import typing
@@ -35,6 +36,8 @@ from core.model_config import ModelConfig
 from core.models.gguf_checkpoint import GGUFCheckpoint, gguf_file
 from core.pooler_config import PoolerConfig, parse_override
 from core.protocol import LoRARequest
+
+logger = logging.getLogger("ringllm")
 
 # The CPU KV cache by default: vLLM's CPU default (4 GiB) where the machine has room for it, else a
 # quarter of the memory available once the weights are loaded, and never below the minimum.
@@ -649,6 +652,12 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True):
         max_model_len = self.max_model_len or model_config.max_position_embeddings
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        trained = model_config.max_position_embeddings
+        if max_model_len > trained and not model_config.encoder:  # an encoder's positions end there: refused below
+            logger.warning(
+                "max_model_len %d is past the %d positions the model was trained on: it runs (rotary "
+                "positions have no end), but its outputs past them may be poor", max_model_len, trained,
+            )
         return max_model_len
 
     def _step_budget(self) -> int:

@@ -344,3 +344,17 @@ def test_the_step_budget_defaults_to_the_device_and_holds_a_prompt_without_chunk
     assert long.resolve().scheduler_config.max_num_batched_tokens == 1024
     with pytest.raises(ValueError, match="must be >= max_model_len without chunked prefill"):
         msgspec.structs.replace(long, max_num_batched_tokens=600).resolve()
+
+
+def test_a_context_past_the_trained_positions_is_served_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """As llama.cpp does with a -c past n_ctx_train: rotary positions go on, the quality may not."""
+    from core.config import EngineArgs
+
+    with caplog.at_level("WARNING", logger="ringllm"):
+        assert EngineArgs(model=str(DEFAULT_MODEL_DIR), max_model_len=512).resolve().max_model_len == 512
+        assert not caplog.records
+        assert EngineArgs(model=str(DEFAULT_MODEL_DIR), max_model_len=1024).resolve().max_model_len == 1024
+    assert [r.getMessage() for r in caplog.records] == [
+        "max_model_len 1024 is past the 512 positions the model was trained on: it runs (rotary positions "
+        "have no end), but its outputs past them may be poor"
+    ]
