@@ -1,21 +1,57 @@
 """Everything that touches xgrammar: tokenizer info, compilation, matchers, the mask.
 
-Imported by the engine on the first structured request only (xgrammar brings
-transformers with it, most of a second), so that neither start-up nor the
-requests that do not use it pay for it. The frontend never imports it.
+Imported by the engine on the first structured request only, so that neither
+start-up nor the requests that do not use it pay for it. The frontend never
+imports it. xgrammar itself imports transformers, for the isinstance checks of
+``TokenizerInfo.from_huggingface``; this backend makes its tokenizer info from
+``tokenizer.json`` instead, so xgrammar is imported without transformers where
+nothing else has loaded it (``_import_xgrammar``): most of a second of the first
+structured request, and its modules' memory in the engine.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+import types
 from typing import Any
 
+import msgspec
 import torch
-import xgrammar as xgr
 
 from core.model_config import ModelConfig
 from core.structured.request import GrammarKey
+
+
+
+def _import_xgrammar() -> types.ModuleType:
+    """xgrammar, imported with a stand-in for transformers unless transformers is loaded already.
+    xgrammar (pinned) takes three classes from it: two tokenizer bases for from_huggingface's
+    checks and the base of its generate() logits processor, neither used here. The stand-in's
+    classes have no instances, so from_huggingface would refuse any tokenizer; it leaves
+    sys.modules once xgrammar is in, and a later ``import transformers`` loads the real one."""
+    if "xgrammar" in sys.modules or "transformers" in sys.modules:
+        import xgrammar
+
+        return xgrammar
+    stand_in = types.ModuleType("transformers", "stands in while xgrammar is imported (core/structured)")
+
+    class NotLoaded:
+        """transformers' tokenizer base classes, never loaded in this process."""
+
+    for name in ("PreTrainedTokenizerBase", "PreTrainedTokenizerFast", "LogitsProcessor"):
+        setattr(stand_in, name, NotLoaded)
+    sys.modules["transformers"] = stand_in
+    try:
+        import xgrammar
+    finally:
+        if sys.modules.get("transformers") is stand_in:
+            del sys.modules["transformers"]
+    return xgrammar
+
+
+xgr = _import_xgrammar()
 
 # json_object: any JSON object.
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
@@ -27,6 +63,35 @@ _LOOSE_STRING_CHARACTER = r"[^\"\\\r\n]"
 _JSON_STRING_CHARACTER = r"[^\0-\x1f\"\\\r\n]"
 
 
+class _AddedToken(msgspec.Struct):
+    id: int
+    content: str
+    special: bool = False
+
+
+class _TokenizerModel(msgspec.Struct):
+    # BPE and WordPiece: token -> id; Unigram: [token, score] pairs in id order.
+    vocab: dict[str, int] | list[tuple[str, float]]
+
+
+class _TokenizerFile(msgspec.Struct):
+    """What tokenizer_info reads of a ``tokenizer.json`` (the tokenizers library's format)."""
+
+    model: _TokenizerModel
+    added_tokens: list[_AddedToken] = []
+
+
+def _vocabulary(doc: _TokenizerFile) -> tuple[dict[str, int], list[_AddedToken]]:
+    """Token -> id over the model's vocabulary and the added tokens (tokenizers' get_vocab with
+    its added tokens), and the added tokens, read with one C parse instead of building the
+    tokenizer (its merges included) only to list them."""
+    vocab = doc.model.vocab
+    tokens = dict(vocab) if isinstance(vocab, dict) else {token: i for i, (token, _score) in enumerate(vocab)}
+    for token in doc.added_tokens:
+        tokens[token.content] = token.id
+    return tokens, doc.added_tokens
+
+
 def tokenizer_info(tokenizer_dir: str, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
     """xgrammar's view of the vocabulary, from ``tokenizer.json`` (no transformers tokenizer).
 
@@ -35,21 +100,20 @@ def tokenizer_info(tokenizer_dir: str, vocab_size: int, stop_token_ids: list[int
     that no grammar ever takes ``<s>`` for the three characters it prints as;
     the stop tokens are allowed where the grammar may end.
     """
-    import tokenizers
-
     path = os.path.join(tokenizer_dir, "tokenizer.json")
     if not os.path.isfile(path):
         raise ValueError(f"structured outputs need a tokenizer.json in {tokenizer_dir}")
-    tokenizer = tokenizers.Tokenizer.from_file(path)
-    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    vocab, added = _vocabulary(msgspec.json.decode(text, type=_TokenizerFile))
     size = max(vocab_size, max(vocab.values()) + 1)
     encoded = [""] * size
     for token, index in vocab.items():
         encoded[index] = token
-    for index, added in tokenizer.get_added_tokens_decoder().items():
-        if added.special:
-            encoded[index] = ""
-    metadata = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.to_str())  # noqa: SLF001 - pinned xgrammar
+    for token in added:
+        if token.special:
+            encoded[token.id] = ""
+    metadata = xgr.TokenizerInfo._detect_metadata_from_hf(text)  # noqa: SLF001 - pinned xgrammar
     return xgr.TokenizerInfo(
         encoded[:vocab_size] if size > vocab_size else encoded,
         metadata["vocab_type"],
