@@ -39,12 +39,13 @@ def freeze_startup_heap() -> None:
     heap's free pages and the libraries' start-up code back to the system."""
     gc.collect()
     gc.freeze()
-    _trim_c_heap()
+    trim_c_heap()
     page_out_libraries()
 
 
-def _trim_c_heap() -> None:
+def trim_c_heap() -> None:
     """glibc's ``malloc_trim(0)``; nothing where the C library has no such call (musl, macOS).
+    Also for what loads once while serving and drops a large parse behind it (core/structured).
 
     Looked up among the symbols the process already has: ``ctypes.util.find_library`` would run
     ``ldconfig`` in a child process, a stray process at the end of every start-up."""
