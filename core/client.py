@@ -413,7 +413,6 @@ class MPClient:
 
     def _handshake(self) -> HandshakeReady:
         """HELLO when the engine attached to the transport, READY once it can serve."""
-        deadline_msg = "EngineCore did not become ready in time"
         for expected in (b"HELLO", b"READY"):
             try:
                 frames = self.transport.recv(timeout=STARTUP_TIMEOUT_S)
@@ -422,7 +421,8 @@ class MPClient:
                     f"EngineCore process exited during start-up (exit code {self.proc.exitcode})"
                 ) from None
             if frames is None:
-                raise TimeoutError(deadline_msg)
+                step = "attach to its transport" if expected == b"HELLO" else "load its model"
+                raise EngineStartError(f"EngineCore did not {step} within {STARTUP_TIMEOUT_S:.0f} s")
             if bytes(frames[0]) == ENGINE_CORE_DEAD:
                 raise EngineStartError(bytes(frames[1]).decode() if len(frames) > 1 else "EngineCore died")
             if bytes(frames[0]) != expected:
