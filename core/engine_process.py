@@ -8,8 +8,10 @@ when torch's thread pool (libgomp) is loaded.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
+import threading
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +27,7 @@ def run_engine_process(
 ) -> None:
     """``transport_specs``: one per frontend (its client index is its position);
     ``load_table``: the shared-memory table this engine publishes its load in."""
+    name_process(multiprocessing.current_process().name)
     configure_cpu_threads(encoder=config.model_config.encoder)
     set_thread_count(config.parallel_config.engine_threads)
     from core.engine_core import run_engine_core
@@ -35,6 +38,7 @@ def run_engine_process(
 def run_engine_process_when_told(orders: Connection) -> None:
     """An EarlyEngine's process: torch and the engine's modules imported with the thread pools'
     defaults, then run_engine_process's arguments awaited on ``orders`` (EOF: stop)."""
+    name_process("EngineCore")
     configure_cpu_threads()
     from core.engine_core import run_engine_core
 
@@ -47,6 +51,16 @@ def run_engine_process_when_told(orders: Connection) -> None:
     run_engine_core(config, transport_specs, parent_pid, load_table)
 
 
+def name_process(name: str) -> None:
+    """The process's name as ps, top and /proc/PID/comm show it (Linux; at most 15 bytes kept):
+    an engine's command line is its frontend's or multiprocessing's, which name no role."""
+    try:
+        PR_SET_NAME = 15
+        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl: the name is cosmetic
+        pass
+
+
 class EarlyEngine:
     """The EngineCore process started before its config exists: it imports torch and the engine
     (most of a start-up) while the frontend parses its arguments and reads the model's files, and
@@ -56,7 +70,11 @@ class EarlyEngine:
     frontend_host = "127.0.0.1"
 
     def __init__(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
+        # Forked while this process is still only the interpreter (python -m app's first step, one
+        # thread, nothing loaded): the child starts at once, rather than after a fresh interpreter's
+        # start and multiprocessing's resource tracker (a process of its own), which spawning
+        # brings. Anywhere else it is spawned, as every other engine is.
+        ctx = multiprocessing.get_context("fork" if threading.active_count() == 1 else "spawn")
         orders, self._orders = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(target=run_engine_process_when_told, args=(orders,), name="EngineCore", daemon=True)
         self.proc.start()

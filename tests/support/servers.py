@@ -70,16 +70,16 @@ class Server(ManagedServer):
         return httpx.get(self.base_url + "/engine/stats", timeout=10).json()
 
     def engine_pids(self) -> list[int]:
-        """The server's children running multiprocessing's spawn_main: its EngineCore processes."""
+        """The server's children named EngineCore (core/engine_process.py's name_process)."""
         assert self.proc is not None
         children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
         engines = []
         for pid in children:
             try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                name = Path(f"/proc/{pid}/comm").read_text().strip()
             except FileNotFoundError:
                 continue
-            if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            if name.startswith("EngineCore"):
                 engines.append(int(pid))
         return engines
 
