@@ -54,7 +54,6 @@ def run_api_server(frontend: FrontendConfig, config: EngineConfig, sock: socket.
 
     from app.frontend import serve
     from core.dp_client import DPAsyncMPClient
-
     from core.protocol import EngineStartError
 
     engine_core = DPAsyncMPClient(config, wait=False, group=group, prefix_affinity=frontend.scale_out.prefix_affinity)

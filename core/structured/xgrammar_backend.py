@@ -24,7 +24,6 @@ from core.model_config import ModelConfig
 from core.structured.request import GrammarKey
 
 
-
 def _import_xgrammar() -> types.ModuleType:
     """xgrammar, imported with a stand-in for transformers unless transformers is loaded already.
     xgrammar (pinned) takes three classes from it: two tokenizer bases for from_huggingface's
