@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from core.config import KV_CACHE_DTYPES, EngineConfig
 from core.model_config import ModelConfig
@@ -51,6 +52,15 @@ class _ProgressBar(tqdm):
     draws this bar, so a thread lock is all it needs."""
 
     _lock = threading.RLock()
+
+
+@contextmanager
+def _loading_bar(total: int, disable: bool, file: TextIO | None = None) -> Iterator[_ProgressBar]:
+    """The bar over the weights' bytes. Lines logged while it is drawn (the C kernels' build
+    reports from another thread) are printed above it, not onto its line."""
+    with _ProgressBar(total=total, desc="Loading weights", unit="B", unit_scale=True, unit_divisor=1024, file=file,
+                      disable=disable, mininterval=0.5) as bar, logging_redirect_tqdm(tqdm_class=_ProgressBar):
+        yield bar
 
 
 def resolve_dtype(dtype: str | torch.dtype, model_config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -130,8 +140,7 @@ def load_model(
             total = checkpoint.weight_bytes()
             # Off a CPU the block formats have no kernels: their values, in the compute dtype.
             try:
-                with _ProgressBar(total=total, desc="Loading weights", unit="B", unit_scale=True, unit_divisor=1024,
-                                  disable=total < PROGRESS_MIN_BYTES, mininterval=0.5) as bar:
+                with _loading_bar(total, disable=total < PROGRESS_MIN_BYTES) as bar:
                     weights = checkpoint.weights(
                         config.model_config, dense=None if device.type == "cpu" else dtype, progress=bar.update)
                     if checkpoint.norms_shifted:
@@ -205,10 +214,7 @@ def iter_safetensors(
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
     total = sum((model_dir / shard).stat().st_size for shard in files)
-    with _ProgressBar(
-        total=total, desc="Loading weights", unit="B", unit_scale=True, unit_divisor=1024,
-        file=file, disable=not progress or total < PROGRESS_MIN_BYTES, mininterval=0.5,
-    ) as bar:
+    with _loading_bar(total, disable=not progress or total < PROGRESS_MIN_BYTES, file=file) as bar:
         for shard in files:
             with safe_open(str(model_dir / shard), framework="pt", device="cpu") as f:
                 for name in f.keys():

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -352,3 +355,20 @@ def test_weight_loading_shows_progress_only_for_large_checkpoints(tmp_path):
     quiet = io.StringIO()
     assert len(list(iter_safetensors(STORIES_DIR, file=quiet))) > 0
     assert quiet.getvalue() == ""
+
+
+def test_a_line_logged_while_weights_load_starts_a_line_of_its_own(tmp_path, capsys):
+    """The C kernels' build logs from another thread while the bar is drawn: the line goes above
+    the bar, not after the bar's text on the bar's line."""
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(PROGRESS_MIN_BYTES // 4 + 1)}, str(tmp_path / "model.safetensors"))
+    handler = logging.StreamHandler(sys.stderr)  # the console handler logging.basicConfig makes
+    logging.root.addHandler(handler)
+    try:
+        for _ in iter_safetensors(tmp_path, file=sys.stderr):
+            logging.getLogger("ringllm").warning("cpu_kernels ready")
+    finally:
+        logging.root.removeHandler(handler)
+    err = capsys.readouterr().err
+    assert "Loading weights" in err and re.search(r"[\r\n]cpu_kernels ready\n", err), repr(err)
