@@ -3,7 +3,7 @@
 Arguments are checked first (a hub id or a missing --model directory exits
 with status 2 and a message), then the listening address is bound, so a taken
 port fails at once rather than after the model has loaded. The frontend runs on a uvloop event loop;
-the EngineCore process is spawned before anything else is imported (an
+the EngineCore process is forked before anything else is imported (an
 ``EarlyEngine``: it imports torch and the engine while this process reads its
 arguments and the model's files, then is told its config, or stopped where the
 config needs other thread-pool settings or several engines), and it boots while

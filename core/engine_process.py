@@ -1,7 +1,7 @@
-"""The spawned EngineCore process's entry point: the process is set up before torch loads.
+"""The EngineCore process's entry points: the process is set up before torch loads.
 
 It must stay free of heavy imports: the frontend imports it to name the
-spawn target (``python -m app`` first thing, to start an ``EarlyEngine``), and
+process's target (``python -m app`` first thing, to start an ``EarlyEngine``), and
 the thread-pool settings (core/thread_pools.py) only work if they are in place
 when torch's thread pool (libgomp) is loaded.
 """
@@ -100,7 +100,7 @@ class EarlyEngine:
         try:
             self._orders.send((config, [spec], os.getpid(), load_table))
         except OSError:  # it died before it could be told
-            from core.protocol import EngineStartError  # numpy and msgspec: not before the spawn
+            from core.protocol import EngineStartError  # numpy and msgspec: not before the fork
 
             self.proc.join(5.0)
             raise EngineStartError(f"EngineCore died during start-up (exit code {self.proc.exitcode})") from None

@@ -80,15 +80,15 @@ class _TokenizerFile(msgspec.Struct):
     added_tokens: list[_AddedToken] = []
 
 
-def _vocabulary(doc: _TokenizerFile) -> tuple[dict[str, int], list[_AddedToken]]:
+def _vocabulary(doc: _TokenizerFile) -> dict[str, int]:
     """Token -> id over the model's vocabulary and the added tokens (tokenizers' get_vocab with
-    its added tokens), and the added tokens, read with one C parse instead of building the
-    tokenizer (its merges included) only to list them."""
+    its added tokens), read with one C parse instead of building the tokenizer (its merges
+    included) only to list them."""
     vocab = doc.model.vocab
     tokens = dict(vocab) if isinstance(vocab, dict) else {token: i for i, (token, _score) in enumerate(vocab)}
     for token in doc.added_tokens:
         tokens[token.content] = token.id
-    return tokens, doc.added_tokens
+    return tokens
 
 
 def tokenizer_info(tokenizer_dir: str, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
@@ -104,12 +104,13 @@ def tokenizer_info(tokenizer_dir: str, vocab_size: int, stop_token_ids: list[int
         raise ValueError(f"structured outputs need a tokenizer.json in {tokenizer_dir}")
     with open(path, encoding="utf-8") as f:
         text = f.read()
-    vocab, added = _vocabulary(msgspec.json.decode(text, type=_TokenizerFile))
+    doc = msgspec.json.decode(text, type=_TokenizerFile)
+    vocab = _vocabulary(doc)
     size = max(vocab_size, max(vocab.values()) + 1)
     encoded = [""] * size
     for token, index in vocab.items():
         encoded[index] = token
-    for token in added:
+    for token in doc.added_tokens:
         if token.special:
             encoded[token.id] = ""
     metadata = xgr.TokenizerInfo._detect_metadata_from_hf(text)  # noqa: SLF001 - pinned xgrammar

@@ -24,8 +24,8 @@ def _tokenizers_view(path: Path) -> tuple[dict[str, int], dict[int, tuple[str, b
 
 
 def _ours(path: Path) -> tuple[dict[str, int], dict[int, tuple[str, bool]]]:
-    tokens, added = _vocabulary(msgspec.json.decode(path.read_bytes(), type=_TokenizerFile))
-    return tokens, {t.id: (t.content, t.special) for t in added}
+    doc = msgspec.json.decode(path.read_bytes(), type=_TokenizerFile)
+    return _vocabulary(doc), {t.id: (t.content, t.special) for t in doc.added_tokens}
 
 
 @pytest.mark.parametrize("vocab", ["llama-bpe", "qwen2", "stories260K"])
